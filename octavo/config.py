@@ -1,0 +1,121 @@
+"""Frozen configuration dataclasses: model shape, KV cache, scheduler and the engine's bundle of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The embedded model's reference facts live with the loader; these defaults are the engine's own.
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_MAX_NUM_SEQS = 128
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    """Rotary embedding: base theta and an optional scaling rule ("llama3" or "linear")."""
+
+    theta: float = 10000.0
+    scaling_type: str | None = None
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.scaling_type not in (None, "llama3", "linear"):
+            raise ValueError(
+                f"rope scaling {self.scaling_type!r} is not supported; supported: llama3, linear, none"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Our own model description, translated once from a Hugging Face config (models/registry.py)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes of K and V for one token over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """KV cache shape and sizing. `num_blocks` is None until the engine sizes the pool."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | None = None  # bytes; wins over memory_fraction
+    memory_fraction: float | None = None  # share of device memory for weights + activations + KV
+    num_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Per-step limits and policies of the scheduler."""
+
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "with chunked prefill off, max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len}) "
+                "so that any admitted prompt fits in one step"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything the engine was started with; derived values come as new objects (dataclasses.replace)."""
+
+    model: str | None
+    model_config: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0

@@ -1,0 +1,61 @@
+"""Chained block hashes for prefix caching: sha256 over (parent hash, block tokens, extra keys).
+
+Only full blocks are hashed. The first block's parent is a fixed constant, so the same tokens hash
+the same in every process (no PYTHONHASHSEED dependence). Extra keys hold the per-request
+cache salt (first block only: because hashes chain, that isolates the whole chain) and a LoRA id
+slot, so adapters never share KV with the base model once they exist.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Sequence
+
+# Fixed seed of every chain; a constant so hashes are reproducible across processes and restarts.
+NONE_HASH: bytes = hashlib.sha256(b"octavo-prefix-cache-v1").digest()
+
+_PICKLE_PROTOCOL = 5
+
+
+def hash_block_tokens(
+    parent_hash: bytes | None, token_ids: Sequence[int], extra_keys: tuple | None = None
+) -> bytes:
+    """sha256 of the pickled (parent hash, block token ids, extra keys); parent None means NONE_HASH."""
+    parent = NONE_HASH if parent_hash is None else parent_hash
+    payload = pickle.dumps((parent, tuple(token_ids), extra_keys), protocol=_PICKLE_PROTOCOL)
+    return hashlib.sha256(payload).digest()
+
+
+def block_extra_keys(block_idx: int, cache_salt: str | None, lora_id: str | None = None) -> tuple | None:
+    """Extra keys of block `block_idx` of a request: the salt on block 0 only, the LoRA id on all."""
+    keys: list[tuple[str, str]] = []
+    if lora_id is not None:
+        keys.append(("lora", lora_id))
+    if cache_salt is not None and block_idx == 0:
+        keys.append(("cache_salt", cache_salt))
+    return tuple(keys) if keys else None
+
+
+def extend_block_hashes(
+    block_hashes: list[bytes],
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None = None,
+    lora_id: str | None = None,
+) -> None:
+    """Append to `block_hashes` the hashes of every full block of `token_ids` not yet hashed.
+
+    Mutates `block_hashes` in place; a partial last block is left for when it fills.
+    """
+    num_full_blocks = len(token_ids) // block_size
+    for block_idx in range(len(block_hashes), num_full_blocks):
+        parent = block_hashes[-1] if block_hashes else None
+        start = block_idx * block_size
+        block_hashes.append(
+            hash_block_tokens(
+                parent,
+                token_ids[start : start + block_size],
+                block_extra_keys(block_idx, cache_salt, lora_id),
+            )
+        )

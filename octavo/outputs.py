@@ -1,0 +1,56 @@
+"""The plain data that crosses one engine step: SchedulerOutput to the runner, ModelRunnerOutput back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from octavo.request import TokenLogprob
+from octavo.sampling.params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: compute `token_ids` at positions starting at `start_pos`.
+
+    `sample_ids` is empty for a prefill chunk that does not reach the end of the known tokens;
+    otherwise it names the sequences that receive a sampled token from this request's last
+    position: one id normally, n ids when an n > 1 request forks after its prompt.
+    The list fields are references to the scheduler's own lists: read them, never write them.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    sampling_params: SamplingParams
+    sample_ids: list[str]
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) block ids, before forward
+    finished_request_ids: list[str] = field(default_factory=list)  # ended since the last step
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """Sampled token per sequence id (see ScheduledRequest.sample_ids), with logprobs if asked."""
+
+    sampled: dict[str, int]
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)

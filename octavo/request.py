@@ -1,0 +1,133 @@
+"""Request state inside the engine (written only by the Scheduler) and the outputs users receive."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from octavo.sampling.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """The sampled token's logprob and the top-k alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float]
+
+
+@dataclass(slots=True)
+class Request:
+    """One sequence being generated. The Scheduler is its only writer; everyone else reads.
+
+    A request asked with n > 1 is one sequence until its prompt is computed; then the scheduler
+    forks it into n sequences that share the prompt's KV blocks (see `Scheduler.update`).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0
+    cache_salt: str | None = None
+    parent_id: str | None = None  # the id the user knows; None means request_id itself
+    sample_index: int = 0  # which of the n completions this sequence is
+    num_samples_pending: int = 1  # > 1 only for the first sequence of an n > 1 request, until forked
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None  # prefix-cache hit at first admission, in tokens
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    admit_seq: int = 0  # admission order, for choosing preemption victims
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def user_request_id(self) -> str:
+        return self.parent_id if self.parent_id is not None else self.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Prompt plus the most output tokens this request may produce (max_tokens None: unbounded)."""
+        max_tokens = self.sampling_params.max_tokens
+        return self.num_prompt_tokens + (max_tokens if max_tokens is not None else 0)
+
+
+def child_request_id(parent_id: str, index: int) -> str:
+    """Internal id of completion `index` of an n > 1 request (index 0 keeps the parent's own sequence)."""
+    return f"{parent_id}#{index}"
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One of the n completions of a request, as the user sees it."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What `generate` returns and `step` emits for a request: its completions so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics

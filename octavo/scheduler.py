@@ -1,0 +1,332 @@
+"""Scheduler: decides each step how many tokens every request computes, and applies the results.
+
+There are no prefill and decode phases. Every request has `num_computed_tokens` trying to catch
+up with `num_tokens` (prompt plus sampled outputs); a step hands out at most
+`max_num_batched_tokens` of that catching up, running requests first (a decode is 1 token, an
+unfinished prompt a chunk), then waiting requests in queue order. A prompt larger than what is
+left of the budget is chunked. When the pool runs out of blocks, the most recently admitted
+request (the lowest priority one under `priority`) is preempted by recompute.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+from octavo.config import SchedulerConfig
+from octavo.kv_cache.manager import Allocation, KVCacheManager
+from octavo.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from octavo.request import FinishReason, Request, RequestStatus, child_request_id
+from octavo.request_queue import make_waiting_queue
+
+
+class RequestRefused(ValueError):
+    """A request that can never be served with this engine's limits."""
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """A snapshot after a step, for logs and metrics. Counters are cumulative since start."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_scheduled_tokens: int
+    num_scheduled_requests: int
+
+
+class Scheduler:
+    """Owns the queues and is the only writer of `Request` objects."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_waiting_queue(config.policy)
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._admit_counter = itertools.count(1)
+        self._finished_ids: list[str] = []
+        self._last_num_scheduled_tokens = 0
+        self._last_num_scheduled_requests = 0
+
+    # ---- admission ---------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. Raises RequestRefused when it could never fit; nothing is kept then."""
+        self.check_fits(request)
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def check_fits(self, request: Request) -> None:
+        """Raise RequestRefused, saying which limit and by how much, if `request` can never run."""
+        max_len = self.config.max_model_len
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise RequestRefused("the prompt is empty: at least one token is needed")
+        if num_prompt >= max_len:
+            raise RequestRefused(
+                f"the prompt has {num_prompt} tokens but max_model_len is {max_len}: "
+                f"it must be at most {max_len - 1} tokens to leave room for one output token"
+            )
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None and num_prompt + max_tokens > max_len:
+            raise RequestRefused(
+                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {num_prompt + max_tokens} "
+                f"exceeds max_model_len ({max_len}); lower max_tokens to at most {max_len - num_prompt}"
+            )
+        total = num_prompt + max_tokens if max_tokens is not None else max_len
+        num_blocks = self.kv_cache.num_blocks_for(total)
+        if num_blocks > self.kv_cache.num_blocks:
+            block_size = self.kv_cache.block_size
+            raise RequestRefused(
+                f"the request needs up to {total} tokens = {num_blocks} KV blocks of {block_size}, "
+                f"but the whole KV cache has {self.kv_cache.num_blocks} blocks "
+                f"({self.kv_cache.num_blocks * block_size} tokens); "
+                "shorten it or give the cache more memory"
+            )
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's work. Mutates queues, block tables and `num_computed_tokens`.
+
+        Running requests are served in admission order; if one cannot get blocks, the newest
+        running request is preempted until it can (or until it is itself the victim). Waiting
+        requests are admitted only when nothing was preempted this step, so a freed block is not
+        immediately fought over again.
+        """
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, tuple[ScheduledRequest, list[tuple[int, int]]]] = {}
+        preempted: list[str] = []
+
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            request = self.running[idx]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            allocation = self.kv_cache.allocate_slots(request, num_new)
+            while allocation is None:
+                victim = self._choose_victim()
+                victim_idx = self.running.index(victim)
+                budget += self._preempt(victim, scheduled)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+                if victim_idx < idx:
+                    idx -= 1
+                allocation = self.kv_cache.allocate_slots(request, num_new)
+            if allocation is None:
+                continue  # `request` was the victim; the next one now sits at `idx`
+            scheduled[request.request_id] = self._schedule_one(request, num_new, allocation)
+            budget -= num_new
+            idx += 1
+
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled)
+
+        finished, self._finished_ids = self._finished_ids, []
+        entries = [entry for entry, _ in scheduled.values()]
+        self._last_num_scheduled_tokens = sum(e.num_tokens for e in entries)
+        self._last_num_scheduled_requests = len(entries)
+        return SchedulerOutput(
+            scheduled=entries,
+            copies=[copy for _, copies in scheduled.values() for copy in copies],
+            finished_request_ids=finished,
+            preempted_request_ids=preempted,
+        )
+
+    def _admit_waiting(
+        self, budget: int, scheduled: dict[str, tuple[ScheduledRequest, list[tuple[int, int]]]]
+    ) -> int:
+        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            computed = self.kv_cache.get_computed_blocks(request)
+            num_hit = computed.num_tokens(self.kv_cache.block_size)
+            num_new = request.num_tokens - num_hit
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            allocation = self.kv_cache.allocate_slots(request, num_new, computed)
+            if allocation is None:
+                break
+            self.waiting.pop()
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            request.admit_seq = next(self._admit_counter)
+            self.running.append(request)
+            scheduled[request.request_id] = self._schedule_one(request, num_new, allocation)
+            budget -= num_new
+        return budget
+
+    def _schedule_one(
+        self, request: Request, num_new: int, allocation: Allocation
+    ) -> tuple[ScheduledRequest, list[tuple[int, int]]]:
+        start = request.num_computed_tokens
+        request.num_computed_tokens = start + num_new
+        sample_ids: list[str] = []
+        if request.num_computed_tokens == request.num_tokens:
+            if request.num_samples_pending > 1:
+                parent = request.user_request_id
+                sample_ids = [request.request_id] + [
+                    child_request_id(parent, i) for i in range(1, request.num_samples_pending)
+                ]
+            else:
+                sample_ids = [request.request_id]
+        entry = ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + num_new],
+            start_pos=start,
+            block_ids=allocation.block_ids,
+            sampling_params=request.sampling_params,
+            sample_ids=sample_ids,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+        )
+        return entry, allocation.copies
+
+    def _choose_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time, r.admit_seq))
+        return self.running[-1]
+
+    def _preempt(
+        self, victim: Request, scheduled: dict[str, tuple[ScheduledRequest, list[tuple[int, int]]]]
+    ) -> int:
+        """Free the victim's blocks and requeue it at the front; returns budget it gave back."""
+        refund = 0
+        if victim.request_id in scheduled:
+            refund = scheduled.pop(victim.request_id)[0].num_tokens
+        self.running.remove(victim)
+        self.kv_cache.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add_preempted(victim)
+        return refund
+
+    def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Append sampled tokens, fork n > 1 requests, finish those that hit a stop condition.
+
+        Returns every sequence that received a token this step (finished ones included).
+        """
+        now = time.time()
+        changed: list[Request] = []
+        for entry in output.scheduled:
+            request = self.requests.get(entry.request_id)
+            if request is None or not entry.sample_ids:
+                continue
+            if len(entry.sample_ids) > 1:
+                sequences = [request] + [self._fork(request, sid) for sid in entry.sample_ids[1:]]
+            else:
+                sequences = [request]
+            for sequence in sequences:
+                token = result.sampled[sequence.request_id]
+                logprob = result.logprobs.get(sequence.request_id)
+                self._append_token(sequence, token, logprob, now)
+                changed.append(sequence)
+        return changed
+
+    def _fork(self, leader: Request, child_id: str) -> Request:
+        index = int(child_id.rsplit("#", 1)[1])
+        child = Request(
+            request_id=child_id,
+            prompt_token_ids=leader.prompt_token_ids,
+            sampling_params=leader.sampling_params,
+            arrival_time=leader.arrival_time,
+            eos_token_ids=leader.eos_token_ids,
+            priority=leader.priority,
+            cache_salt=leader.cache_salt,
+            parent_id=leader.user_request_id,
+            sample_index=index,
+            status=RequestStatus.RUNNING,
+            num_computed_tokens=leader.num_computed_tokens,
+            num_cached_tokens=leader.num_cached_tokens,
+            admit_seq=leader.admit_seq,
+        )
+        self.kv_cache.fork(leader, child)
+        self.requests[child_id] = child
+        self.running.append(child)
+        leader.num_samples_pending = 1
+        return child
+
+    def _append_token(self, request: Request, token: int, logprob, now: float) -> None:
+        request.output_token_ids.append(token)
+        request.all_token_ids.append(token)
+        if logprob is not None:
+            request.output_logprobs.append(logprob)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        params = request.sampling_params
+        num_out = request.num_output_tokens
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                self._finish(request, FinishReason.STOP)
+                return
+            if token in params.stop_token_ids:
+                self._finish(request, FinishReason.STOP)
+                return
+        if params.max_tokens is not None and num_out >= params.max_tokens:
+            self._finish(request, FinishReason.LENGTH)
+        elif request.num_tokens >= self.config.max_model_len:
+            self._finish(request, FinishReason.LENGTH)
+
+    # ---- ending requests ---------------------------------------------------------------------
+
+    def finish_requests(self, request_ids: list[str], reason: FinishReason) -> list[Request]:
+        """End the given sequences wherever they are (a stop string, an abort); frees their blocks."""
+        ended = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            if request.status is not RequestStatus.RUNNING:
+                self.waiting.remove(request)
+            self._finish(request, reason)
+            ended.append(request)
+        return ended
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finish_time = time.time()
+        self.kv_cache.remove(request)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    def sequences_of(self, user_request_id: str) -> list[str]:
+        """Internal ids of all live sequences of a user's request (one, or the n of a fork)."""
+        return [rid for rid, r in self.requests.items() if r.user_request_id == user_request_id]
+
+    # ---- reads -------------------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv_cache.reset_prefix_cache()
+
+    def stats(self) -> SchedulerStats:
+        kv = self.kv_cache
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=kv.usage(),
+            num_free_blocks=kv.num_free_blocks,
+            prefix_cache_queries=kv.stats.num_queries_tokens,
+            prefix_cache_hits=kv.stats.num_hits_tokens,
+            num_preemptions=self.num_preemptions,
+            num_scheduled_tokens=self._last_num_scheduled_tokens,
+            num_scheduled_requests=self._last_num_scheduled_requests,
+        )

@@ -1,0 +1,176 @@
+"""Scheduler on tiny pools: token budget, chunking, preemption, refusal, abort and forks."""
+
+import pytest
+
+from octavo.config import SchedulerConfig
+from octavo.kv_cache.manager import KVCacheManager
+from octavo.outputs import ModelRunnerOutput, SchedulerOutput
+from octavo.request import FinishReason, RequestStatus
+from octavo.scheduler import RequestRefused, Scheduler
+from tests.helpers import make_request
+
+BS = 4
+
+
+def make_scheduler(num_blocks=16, budget=64, max_seqs=8, max_len=128, policy="fcfs", chunked=True, caching=True):
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_len,
+        policy=policy, enable_chunked_prefill=chunked,
+    )
+    return Scheduler(cfg, KVCacheManager(num_blocks, BS, enable_prefix_caching=caching))
+
+
+def fake_run(out: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
+    return ModelRunnerOutput(sampled={sid: token for e in out.scheduled for sid in e.sample_ids})
+
+
+def step(s: Scheduler, token: int = 7) -> SchedulerOutput:
+    out = s.schedule()
+    s.update(out, fake_run(out, token))
+    return out
+
+
+def plan(out: SchedulerOutput) -> dict[str, int]:
+    return {e.request_id: e.num_tokens for e in out.scheduled}
+
+
+def test_running_first_then_waiting_within_budget_and_chunking():
+    s = make_scheduler(budget=10)
+    s.add_request(make_request("a", 6))
+    s.add_request(make_request("b", 9))
+    out = s.schedule()
+    assert plan(out) == {"a": 6, "b": 4}  # b is chunked to the 4 tokens left
+    assert [e.sample_ids for e in out.scheduled] == [["a"], []]  # b's chunk does not sample
+    s.update(out, fake_run(out))
+    out = s.schedule()
+    assert plan(out) == {"a": 1, "b": 5}  # a decodes, b finishes its prompt
+    assert out.scheduled[1].start_pos == 4
+
+
+def test_no_chunking_admits_only_whole_prompts():
+    s = make_scheduler(num_blocks=64, budget=128, chunked=False)
+    s.add_request(make_request("a", 100))
+    s.add_request(make_request("b", 40))
+    assert plan(s.schedule()) == {"a": 100}
+
+
+def test_max_num_seqs_limits_admission():
+    s = make_scheduler(max_seqs=2)
+    for r in "abc":
+        s.add_request(make_request(r, 3))
+    assert set(plan(s.schedule())) == {"a", "b"}
+
+
+def test_finishes_at_max_tokens_and_frees_blocks():
+    s = make_scheduler()
+    s.add_request(make_request("a", 3, max_tokens=2))
+    step(s)
+    assert s.requests["a"].num_output_tokens == 1
+    step(s)
+    assert "a" not in s.requests and s.kv_cache.num_free_blocks == 16
+    out = s.schedule()
+    assert out.finished_request_ids == ["a"]
+
+
+def test_eos_stops_unless_ignored_and_respects_min_tokens():
+    s = make_scheduler()
+    r = make_request("a", 3, max_tokens=5)
+    r.sampling_params = type(r.sampling_params)(temperature=0, max_tokens=5, min_tokens=2)
+    r.eos_token_ids = (7,)
+    s.add_request(r)
+    step(s, token=7)
+    assert r.status is RequestStatus.RUNNING  # min_tokens=2 not reached
+    step(s, token=7)
+    assert r.finish_reason is FinishReason.STOP
+
+
+def test_preempts_most_recent_and_oldest_progresses():
+    # 4 blocks of 4 tokens. Two requests of 7 prompt tokens, each wants to grow to 16.
+    s = make_scheduler(num_blocks=4, budget=64)
+    a = make_request("a", 7, max_tokens=9)
+    b = make_request("b", 7, max_tokens=9)
+    s.add_request(a)
+    s.add_request(b)
+    step(s)  # both admitted: 2 blocks each
+    assert s.kv_cache.num_free_blocks == 0
+    step(s)  # position 7 still fits in the second block
+    out = step(s)  # position 8 needs a third block each -> b, the newest, is preempted for a
+    assert out.preempted_request_ids == ["b"]
+    assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert s.waiting.peek() is b and s.num_preemptions == 1
+    while a.status is not RequestStatus.FINISHED:
+        step(s)
+    assert a.num_output_tokens == 9
+    while b.status is not RequestStatus.FINISHED:
+        step(s)
+    assert b.num_output_tokens == 9 and b.num_preemptions >= 1
+    assert s.kv_cache.num_free_blocks == 4
+
+
+def test_preempted_request_resumes_from_its_cached_prefix():
+    s = make_scheduler(num_blocks=4, budget=64)
+    a = make_request("a", list(range(7)), max_tokens=5)
+    b = make_request("b", list(range(50, 57)), max_tokens=9)
+    s.add_request(a)
+    s.add_request(b)
+    step(s)
+    step(s)
+    step(s)  # b preempted; its full block 0 stays cached
+    assert b.status is RequestStatus.PREEMPTED
+    while a.status is not RequestStatus.FINISHED:
+        step(s)
+    out = s.schedule()
+    (entry,) = out.scheduled
+    assert entry.request_id == "b" and entry.start_pos == 4  # block 0 hit from its own prefix
+
+
+def test_priority_policy_preempts_lowest_priority():
+    s = make_scheduler(num_blocks=4, policy="priority")
+    lo = make_request("lo", 7, max_tokens=9, priority=5, arrival=0.0)
+    hi = make_request("hi", 7, max_tokens=9, priority=0, arrival=1.0)
+    s.add_request(lo)
+    s.add_request(hi)
+    out = s.schedule()
+    assert [e.request_id for e in out.scheduled] == ["hi", "lo"]
+    s.update(out, fake_run(out))
+    step(s)
+    out = step(s)
+    assert out.preempted_request_ids == ["lo"]
+
+
+def test_refuses_request_that_can_never_fit():
+    s = make_scheduler(num_blocks=4, max_len=64)
+    with pytest.raises(RequestRefused, match="max_model_len"):
+        s.add_request(make_request("long", 64))
+    with pytest.raises(RequestRefused, match=r"max_tokens \(10\).*exceeds max_model_len \(64\)"):
+        s.add_request(make_request("x", 60, max_tokens=10))
+    with pytest.raises(RequestRefused, match="whole KV cache has 4 blocks"):
+        s.add_request(make_request("big", 10, max_tokens=10))
+    assert not s.has_unfinished_requests()
+
+
+def test_abort_frees_blocks_at_once_running_or_waiting():
+    s = make_scheduler(num_blocks=8, max_seqs=1)
+    s.add_request(make_request("a", 9))
+    s.add_request(make_request("b", 5))
+    step(s)
+    assert s.kv_cache.num_free_blocks == 5
+    s.finish_requests(["a", "b"], FinishReason.ABORT)
+    assert s.kv_cache.num_free_blocks == 8 and not s.has_unfinished_requests()
+
+
+def test_n_greater_than_one_forks_after_prompt_sharing_blocks():
+    s = make_scheduler(num_blocks=8)
+    s.add_request(make_request("p", 6, max_tokens=3, n=3))
+    out = s.schedule()
+    assert out.scheduled[0].sample_ids == ["p#0", "p#1", "p#2"]
+    changed = s.update(out, ModelRunnerOutput(sampled={"p#0": 1, "p#1": 2, "p#2": 3}))
+    assert [r.request_id for r in changed] == ["p#0", "p#1", "p#2"]
+    assert [r.output_token_ids for r in changed] == [[1], [2], [3]]
+    tables = [s.kv_cache.block_ids(r.request_id) for r in changed]
+    assert tables[0] == tables[1] == tables[2]
+    assert s.kv_cache.pool.blocks[tables[0][0]].ref_cnt == 3
+    out = s.schedule()
+    # the shared partial block is copied for the first two writers; the last writes in place
+    assert len(out.copies) == 2
+    assert s.kv_cache.pool.blocks[tables[0][0]].ref_cnt == 3  # the full block stays shared
