@@ -45,6 +45,7 @@ class ModelConfig:
     max_position: int
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    o_bias: bool = False
     qk_norm: bool = False
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None

@@ -26,6 +26,7 @@ class ScheduledRequest:
     sample_ids: list[str]
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    sample_index: int = 0  # which of the user's n completions this sequence is (seeds differ by it)
 
     @property
     def num_tokens(self) -> int:

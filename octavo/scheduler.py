@@ -190,6 +190,7 @@ class Scheduler:
             sample_ids=sample_ids,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
+            sample_index=request.sample_index,
         )
         return entry, allocation.copies
 
@@ -226,7 +227,9 @@ class Scheduler:
             if request is None or not entry.sample_ids:
                 continue
             if len(entry.sample_ids) > 1:
-                sequences = [request] + [self._fork(request, sid) for sid in entry.sample_ids[1:]]
+                sequences = [request] + [
+                    self._fork(request, sid, index) for index, sid in enumerate(entry.sample_ids) if index
+                ]
             else:
                 sequences = [request]
             for sequence in sequences:
@@ -236,8 +239,7 @@ class Scheduler:
                 changed.append(sequence)
         return changed
 
-    def _fork(self, leader: Request, child_id: str) -> Request:
-        index = int(child_id.rsplit("#", 1)[1])
+    def _fork(self, leader: Request, child_id: str, index: int) -> Request:
         child = Request(
             request_id=child_id,
             prompt_token_ids=leader.prompt_token_ids,

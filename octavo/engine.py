@@ -1,0 +1,255 @@
+"""LLMEngine: add_request, step, abort_request; turns scheduler and runner results into RequestOutputs."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from octavo.config import EngineConfig
+from octavo.detokenizer import IncrementalDetokenizer
+from octavo.engine_args import EngineArgs
+from octavo.kv_cache.manager import KVCacheManager
+from octavo.memory import KVSizing, size_kv_cache
+from octavo.model_runner import ModelRunner
+from octavo.models.loader import load_model, resolve_model
+from octavo.models.registry import load_model_config
+from octavo.request import (
+    CompletionOutput,
+    FinishReason,
+    Request,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+    child_request_id,
+)
+from octavo.sampling.params import SamplingParams
+from octavo.scheduler import Scheduler, SchedulerStats
+from octavo.tokenizer import encode_prompt, load_tokenizer
+
+logger = logging.getLogger("octavo")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Scheduler snapshot after the last step plus cumulative token counters, for logs and metrics."""
+
+    scheduler: SchedulerStats
+    num_prompt_tokens_total: int  # prompt tokens computed (prefix hits excluded, recomputes included)
+    num_generation_tokens_total: int
+    num_steps: int
+
+
+@dataclass(slots=True)
+class _Completion:
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """What the engine keeps per user request to build its outputs."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    completions: list[_Completion]
+    num_cached_tokens: int = 0
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, tokenizer: Any, weight_bytes: int) -> None:
+        sizing = size_kv_cache(
+            config.cache, config.scheduler, config.model_config, weight_bytes,
+            _DTYPES[config.dtype].itemsize, config.device,
+        )
+        self.config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, num_blocks=sizing.num_blocks))
+        self.kv_sizing: KVSizing = sizing
+        logger.info(sizing.describe())
+        self.tokenizer = tokenizer
+        eos = config.model_config.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
+        self.eos_token_ids: tuple[int, ...] = tuple(eos)
+        kv = KVCacheManager(sizing.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, kv)
+        self.runner = ModelRunner(
+            model, config.model_config, self.config.cache, self.eos_token_ids, config.device, _DTYPES[config.dtype]
+        )
+        self._states: dict[str, _RequestState] = {}
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        self._num_steps = 0
+
+    @classmethod
+    def from_args(cls, args: EngineArgs | None = None, **kwargs: Any) -> LLMEngine:
+        """Load the model (the embedded default when args.model is None) and build an engine."""
+        args = args or EngineArgs(**kwargs)
+        torch.manual_seed(args.seed)
+        model_dir = resolve_model(args.model)
+        config = args.to_config(load_model_config(model_dir))
+        model, _ = load_model(model_dir, dtype=_DTYPES[args.dtype], device=args.device)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        return cls(config, model, load_tokenizer(model_dir), weight_bytes)
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError (RequestRefused) if it can never run; nothing is kept."""
+        params = params or SamplingParams()
+        if request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text, token_ids = prompt, encode_prompt(self.tokenizer, prompt)
+        else:
+            text, token_ids = None, [int(t) for t in prompt]
+            vocab = self.config.model_config.vocab_size
+            bad = [t for t in token_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        arrival = time.time() if arrival_time is None else arrival_time
+        request = Request(
+            request_id=request_id if params.n == 1 else child_request_id(request_id, 0),
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            arrival_time=arrival,
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
+            cache_salt=cache_salt,
+            parent_id=None if params.n == 1 else request_id,
+            num_samples_pending=params.n,
+        )
+        self.scheduler.add_request(request)
+        self._states[request_id] = _RequestState(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=token_ids,
+            params=params,
+            arrival_time=arrival,
+            completions=[
+                _Completion(
+                    IncrementalDetokenizer(
+                        self.tokenizer, token_ids, params.skip_special_tokens, params.stop,
+                        params.include_stop_str_in_output,
+                    ),
+                    logprobs=[] if params.logprobs is not None else None,
+                )
+                for _ in range(params.n)
+            ],
+        )
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """End requests now, wherever they are; their blocks are freed at once."""
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            self.scheduler.finish_requests(self.scheduler.sequences_of(rid), FinishReason.ABORT)
+            self._states.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> int:
+        return self.scheduler.reset_prefix_cache()
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, apply the sampled tokens; return outputs of requests that
+        changed (finished ones carry finished=True and are forgotten afterwards)."""
+        sched_out = self.scheduler.schedule()
+        result = self.runner.execute(sched_out)
+        changed = self.scheduler.update(sched_out, result)
+        self._num_steps += 1
+        self._num_generation_tokens += len(result.sampled)
+        self._num_prompt_tokens += sum(
+            max(0, min(e.start_pos + e.num_tokens, len(e.prompt_token_ids)) - e.start_pos) for e in sched_out.scheduled
+        )
+        return self._process(changed)
+
+    def _process(self, changed: list[Request]) -> list[RequestOutput]:
+        touched: dict[str, _RequestState] = {}
+        for seq in changed:
+            state = self._states.get(seq.user_request_id)
+            if state is None:
+                continue
+            comp = state.completions[seq.sample_index]
+            token = seq.output_token_ids[-1]
+            comp.token_ids.append(token)
+            if comp.logprobs is not None and seq.output_logprobs:
+                comp.logprobs.append(seq.output_logprobs[-1])
+            comp.detokenizer.add_token(token)
+            if comp.detokenizer.stop_reason is not None:
+                if not seq.is_finished:
+                    self.scheduler.finish_requests([seq.request_id], FinishReason.STOP)
+                comp.finish_reason, comp.stop_reason = FinishReason.STOP.value, comp.detokenizer.stop_reason
+            elif seq.is_finished:
+                comp.finish_reason = seq.finish_reason.value
+                if seq.finish_reason is FinishReason.STOP and token in seq.sampling_params.stop_token_ids:
+                    comp.stop_reason = token
+            if state.first_token_time is None:
+                state.first_token_time = seq.first_token_time
+                state.num_cached_tokens = seq.num_cached_tokens or 0
+            state.num_preemptions = max(state.num_preemptions, seq.num_preemptions)
+            touched[state.request_id] = state
+        outputs = [self._output(state) for state in touched.values()]
+        for out in outputs:
+            if out.finished:
+                del self._states[out.request_id]
+        return outputs
+
+    def _output(self, state: _RequestState) -> RequestOutput:
+        finished = state.finished
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=i,
+                    text=c.detokenizer.visible_text(c.finish_reason is not None),
+                    token_ids=list(c.token_ids),
+                    finish_reason=c.finish_reason,
+                    logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                    stop_reason=c.stop_reason,
+                )
+                for i, c in enumerate(state.completions)
+            ],
+            finished=finished,
+            num_cached_tokens=state.num_cached_tokens,
+            metrics=RequestMetrics(
+                arrival_time=state.arrival_time,
+                first_token_time=state.first_token_time,
+                finish_time=time.time() if finished else None,
+                num_preemptions=state.num_preemptions,
+            ),
+        )
+
+    def get_stats(self) -> EngineStats:
+        return EngineStats(
+            scheduler=self.scheduler.stats(),
+            num_prompt_tokens_total=self._num_prompt_tokens,
+            num_generation_tokens_total=self._num_generation_tokens,
+            num_steps=self._num_steps,
+        )

@@ -1,0 +1,99 @@
+"""Plain torch kernels: the CPU path of every op the models call, and the oracle for Triton versions."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from octavo.kernels.metadata import AttentionMetadata
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, cast back, then scaled (the order Llama-family models use)."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: [num_tokens, num_heads, head_dim]; cos/sin: [num_tokens, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[num_tokens, 2 * inter] -> [num_tokens, inter]: silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store this step's keys and values. Caches: [num_blocks, block_size, num_kv_heads, head_dim];
+    k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens]."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of every query token over its request's cached keys (this step's included).
+
+    q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
+    Decode-like requests are batched together (one gather, two batched matmuls); each multi-token
+    span attends on its own, to its cached prefix and causally within itself.
+    """
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    num_heads = q.shape[1]
+    group = num_heads // num_kv_heads
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    out = torch.empty_like(q)
+
+    nd = meta.num_decode_tokens
+    if nd:
+        keys = k_flat[meta.decode_slots]  # [nd, L, kvh, d]
+        values = v_flat[meta.decode_slots]  # [nd, L, kvh, d]
+        qd = q[:nd].view(nd, num_kv_heads, group, head_dim)  # [nd, kvh, g, d]
+        scores = torch.matmul(qd, keys.permute(0, 2, 3, 1)) * scale  # [nd, kvh, g, L]
+        scores.masked_fill_(~meta.decode_mask[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[:nd] = torch.matmul(probs, values.transpose(1, 2)).reshape(nd, num_heads, head_dim)
+
+    for span in meta.prefills:
+        qs = q[span.q_start : span.q_start + span.q_len].transpose(0, 1)  # [H, n, d]
+        keys = k_flat[span.context_slots].transpose(0, 1)  # [kvh, ctx, d]
+        values = v_flat[span.context_slots].transpose(0, 1)  # [kvh, ctx, d]
+        if span.q_len == span.context_len:
+            mask = None
+            causal = True
+        else:
+            past = span.context_len - span.q_len
+            rows = torch.arange(span.q_len, device=q.device)[:, None] + past
+            cols = torch.arange(span.context_len, device=q.device)[None, :]
+            mask, causal = cols <= rows, False  # [n, ctx]
+        o = F.scaled_dot_product_attention(
+            qs, keys, values, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=group > 1
+        )  # [H, n, d]
+        out[span.q_start : span.q_start + span.q_len] = o.transpose(0, 1)
+    return out
+
+
+def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], copies: list[tuple[int, int]]) -> None:
+    """Copy whole blocks src -> dst in every layer (copy-on-write of a shared partial block)."""
+    if not copies:
+        return
+    src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=kv_caches[0][0].device)
+    dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=kv_caches[0][0].device)
+    for k_cache, v_cache in kv_caches:
+        k_cache[dst] = k_cache[src]
+        v_cache[dst] = v_cache[src]

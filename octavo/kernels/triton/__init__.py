@@ -1,0 +1,1 @@
+"""Triton kernels, one file each, selected only through octavo.kernels.dispatch (GPU issue)."""

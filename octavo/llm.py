@@ -1,0 +1,110 @@
+"""LLM: the offline Python API (generate, chat) over an LLMEngine."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from octavo.engine import LLMEngine
+from octavo.engine_args import EngineArgs
+from octavo.request import RequestOutput
+from octavo.sampling.params import SamplingParams
+from octavo.tokenizer import apply_chat_template
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """`LLM()` serves the embedded default model; `LLM("path/to/hf-dir", block_size=8, ...)` another.
+
+    Keyword arguments are EngineArgs fields (max_model_len, max_num_seqs, max_num_batched_tokens,
+    enable_prefix_caching, kv_cache_memory, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine = LLMEngine.from_args(EngineArgs(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def reset_prefix_cache(self) -> int:
+        return self.engine.reset_prefix_cache()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+        cache_salt: str | Sequence[str | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        A prompt is a string or a list of token ids. If any prompt is refused (too long, invalid
+        token ids) a ValueError names it and no prompt is left running.
+        """
+        batch = _as_prompt_list(prompts)
+        params = _broadcast(sampling_params or SamplingParams(), len(batch), "sampling_params")
+        priorities = _broadcast(0, len(batch), "priority") if priority is None else list(priority)
+        salts = _broadcast(cache_salt, len(batch), "cache_salt") if not isinstance(cache_salt, list) else cache_salt
+        if len(priorities) != len(batch) or len(salts) != len(batch):
+            raise ValueError("priority and cache_salt must have one entry per prompt")
+        ids: list[str] = []
+        try:
+            for i, prompt in enumerate(batch):
+                rid = str(next(self._ids))
+                try:
+                    self.engine.add_request(rid, prompt, params[i], priority=priorities[i], cache_salt=salts[i])
+                except ValueError as exc:
+                    raise ValueError(f"prompt {i}: {exc}") from exc
+                ids.append(rid)
+        except ValueError:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            apply_chat_template(self.engine.tokenizer, conv, add_generation_prompt)  # type: ignore[arg-type]
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(ids)
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            while len(done) < len(ids) and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        bar.update(1)
+        return [done[rid] for rid in ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # type: ignore[arg-type]
+    return [p if isinstance(p, str) else list(p) for p in prompts]  # type: ignore[union-attr]
+
+
+def _broadcast(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, (list, tuple)) and not isinstance(value, str):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n

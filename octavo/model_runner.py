@@ -1,0 +1,155 @@
+"""ModelRunner: SchedulerOutput -> tensors -> model -> sampler -> ModelRunnerOutput. Owns device state.
+
+It holds the weights, the KV-cache tensors (per layer K and V of shape
+[num_blocks, block_size, num_kv_heads, head_dim]) and the seeded generators of running requests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from octavo.config import CacheConfig, ModelConfig
+from octavo.kernels import dispatch
+from octavo.kernels.metadata import AttentionMetadata, PrefillSpan
+from octavo.models.llama import LlamaForCausalLM
+from octavo.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from octavo.sampling.sampler import SamplingRow, sample
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        eos_token_ids: tuple[int, ...],
+        device: str = "cpu",
+        kv_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if cache_config.num_blocks is None:
+            raise ValueError("the cache must be sized (cache_config.num_blocks) before the runner starts")
+        self.model = model
+        self.model_config = model_config
+        self.block_size = cache_config.block_size
+        self.device = torch.device(device)
+        self.eos_token_ids = eos_token_ids
+        shape = (cache_config.num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=kv_dtype, device=self.device), torch.zeros(shape, dtype=kv_dtype, device=self.device))
+            for _ in range(model_config.num_layers)
+        ]
+        self._generators: dict[str, torch.Generator] = {}
+
+    # ---- inputs ------------------------------------------------------------------------------
+
+    def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def prepare(self, entries: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flatten the scheduled tokens (single-token requests first) into input tensors.
+
+        `entries` must already be in that order (see `execute`).
+        """
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        spans: list[PrefillSpan] = []
+        for e in entries:
+            start, end = e.start_pos, e.start_pos + e.num_tokens
+            input_ids.extend(e.token_ids)
+            positions.extend(range(start, end))
+            slots.extend(self._slots(e.block_ids, start, end))
+            if e.num_tokens == 1:
+                decode_tables.append(e.block_ids)
+                decode_lens.append(end)
+            else:
+                spans.append(
+                    PrefillSpan(
+                        q_start=len(input_ids) - e.num_tokens,
+                        q_len=e.num_tokens,
+                        context_len=end,
+                        context_slots=torch.tensor(self._slots(e.block_ids, 0, end), dtype=torch.long, device=self.device),
+                    )
+                )
+        decode_slots, decode_mask = self._decode_gather(decode_tables, decode_lens)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            num_decode_tokens=len(decode_lens),
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
+            prefills=spans,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return ids, pos, meta
+
+    def _decode_gather(self, tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot of every key of every single-token request, padded to the longest: [B, L] each."""
+        if not tables:
+            empty = torch.zeros((0, 0), dtype=torch.long, device=self.device)
+            return empty, empty.bool()
+        bs = self.block_size
+        max_len = max(lens)
+        max_blocks = -(-max_len // bs)
+        padded = [t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks)) for t in tables]
+        table = torch.tensor(padded, dtype=torch.long, device=self.device)  # [B, max_blocks]
+        offsets = torch.arange(bs, device=self.device)
+        slots = (table[:, :, None] * bs + offsets).reshape(len(tables), -1)[:, :max_len]  # [B, L]
+        lens_t = torch.tensor(lens, device=self.device)
+        mask = torch.arange(max_len, device=self.device)[None, :] < lens_t[:, None]  # [B, L]
+        return slots, mask
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def _generator(self, seq_id: str, seed: int | None, index: int) -> torch.Generator | None:
+        if seed is None:
+            return None
+        gen = self._generators.get(seq_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seed + index)
+            self._generators[seq_id] = gen
+        return gen
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in sched.finished_request_ids:
+            self._generators.pop(rid, None)
+        dispatch.copy_blocks(self.kv_caches, sched.copies)
+        if not sched.scheduled:
+            return ModelRunnerOutput(sampled={})
+        entries = sorted(sched.scheduled, key=lambda e: e.num_tokens != 1)  # stable: decodes first
+        input_ids, positions, meta = self.prepare(entries)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
+
+        last_rows: list[int] = []
+        rows: list[SamplingRow] = []
+        seq_ids: list[str] = []
+        offset = 0
+        for e in entries:
+            offset += e.num_tokens
+            for index, sid in enumerate(e.sample_ids):
+                last_rows.append(offset - 1)
+                seq_ids.append(sid)
+                sample_index = index if len(e.sample_ids) > 1 else e.sample_index
+                rows.append(
+                    SamplingRow(
+                        params=e.sampling_params,
+                        prompt_token_ids=e.prompt_token_ids,
+                        output_token_ids=e.output_token_ids if index == 0 else [],
+                        eos_token_ids=self.eos_token_ids,
+                        generator=self._generator(sid, e.sampling_params.seed, sample_index),
+                    )
+                )
+        if not rows:
+            return ModelRunnerOutput(sampled={})
+        row_index = torch.tensor(last_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden[row_index])  # [num_rows, vocab] float32
+        tokens, logprobs = sample(logits, rows)
+        return ModelRunnerOutput(
+            sampled=dict(zip(seq_ids, tokens)),
+            logprobs={sid: lp for sid, lp in zip(seq_ids, logprobs) if lp is not None},
+        )

