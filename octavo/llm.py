@@ -28,6 +28,14 @@ class LLM:
         self.engine = LLMEngine.from_args(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """Wrap an engine built elsewhere (tests share one set of weights between engines)."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        llm._ids = itertools.count()
+        return llm
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

@@ -1,0 +1,50 @@
+"""Shared fixtures: the embedded model's weights and tokenizer, loaded once per test session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Tests run with a fixed, small thread count so two test processes never fight over the cores.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+@pytest.fixture(scope="session")
+def smol_dir():
+    from octavo.models.loader import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def smol(smol_dir):
+    """(model, tokenizer, weight_bytes) of the embedded model, shared by every engine in the session."""
+    import torch
+
+    from octavo.models.loader import load_model
+    from octavo.tokenizer import load_tokenizer
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    model, _ = load_model(smol_dir)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return model, load_tokenizer(smol_dir), weight_bytes
+
+
+@pytest.fixture(scope="session")
+def make_llm(smol, smol_dir):
+    """Build an LLM over the shared weights with any EngineArgs fields."""
+    from octavo.engine import LLMEngine
+    from octavo.engine_args import EngineArgs
+    from octavo.llm import LLM
+    from octavo.models.registry import load_model_config
+
+    model, tokenizer, weight_bytes = smol
+    model_config = load_model_config(smol_dir)
+
+    def build(**kwargs):
+        kwargs.setdefault("kv_cache_memory", 256 << 20)
+        config = EngineArgs(**kwargs).to_config(model_config)
+        return LLM.from_engine(LLMEngine(config, model, tokenizer, weight_bytes))
+
+    return build

@@ -1,0 +1,135 @@
+"""The oracle: Octavo's greedy tokens equal transformers' on the embedded model, in every mode.
+
+The reference loads the GGUF through transformers' own dequantiser, so this also checks Octavo's
+GGUF conversion (dequantisation and the rotary row order of q/k).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from octavo.models.loader import default_gguf_path
+from octavo.sampling.params import SamplingParams
+from tests.oracle.reference import (
+    NUM_NEW_TOKENS,
+    compare,
+    hf_greedy,
+    oracle_prompts,
+    shared_prefix_prompts,
+)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    gguf = default_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smol):
+    return smol[1]
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return oracle_prompts(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def refs(hf_model, prompts):
+    return hf_greedy(hf_model, prompts)
+
+
+@pytest.fixture(scope="module")
+def shared_prompts(tokenizer):
+    return shared_prefix_prompts(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def shared_refs(hf_model, shared_prompts):
+    return hf_greedy(hf_model, shared_prompts)
+
+
+def check_all(outputs, refs, mode: str) -> None:
+    failures, notes = [], []
+    for i, (out, ref) in enumerate(zip(outputs, refs, strict=True)):
+        ok, note = compare(out.outputs[0].token_ids, ref)
+        (notes if ok else failures).append(f"[{mode}] prompt {i}: {note}") if note else None
+    for note in notes:
+        warnings.warn(note)
+    assert not failures, "\n".join(failures)
+
+
+def test_prompt_lengths_span_5_to_600(prompts):
+    assert len(prompts) >= 8 and min(map(len, prompts)) == 5 and max(map(len, prompts)) == 600
+
+
+def test_all_in_one_batch(make_llm, prompts, refs):
+    llm = make_llm()
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    check_all(outs, refs, "one batch")
+    # everything was admitted at once: the first step computed every prompt
+    assert llm.engine.get_stats().num_prompt_tokens_total == sum(map(len, prompts))
+
+
+def test_chunked_prefill_mixed_with_decodes(make_llm, prompts, refs):
+    llm = make_llm(max_num_batched_tokens=32)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    check_all(outs, refs, "budget 32")
+
+
+def test_preemption_by_recompute(make_llm, prompts, refs):
+    # 48 blocks of 16 = 768 tokens: the longest request (664) fits alone, all of them never do
+    llm = make_llm(num_kv_blocks=48, enable_prefix_caching=False)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.engine.get_stats().scheduler.num_preemptions > 0
+    check_all(outs, refs, "preemption")
+
+
+def test_preemption_with_prefix_caching_resumes_from_own_prefix(make_llm, prompts, refs):
+    llm = make_llm(num_kv_blocks=48, max_num_batched_tokens=128)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    stats = llm.engine.get_stats().scheduler
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    check_all(outs, refs, "preemption+cache")
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_shared_prefixes(make_llm, shared_prompts, shared_refs, caching):
+    llm = make_llm(enable_prefix_caching=caching, max_num_batched_tokens=512)
+    outs = llm.generate(shared_prompts, GREEDY, use_tqdm=False)
+    hits = llm.engine.get_stats().scheduler.prefix_cache_hits
+    if caching:
+        assert hits >= 7 * 304  # every prompt after the first reuses at least the 300-token prefix's 19 blocks
+        assert any(o.num_cached_tokens > 0 for o in outs)
+    else:
+        assert hits == 0
+    check_all(outs, shared_refs, f"shared prefix, caching={caching}")
+
+
+@pytest.mark.parametrize("budget", [2048, 32])
+def test_block_size_8(make_llm, prompts, refs, budget):
+    llm = make_llm(block_size=8, max_num_batched_tokens=budget)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    check_all(outs, refs, f"block 8, budget {budget}")
+
+
+def test_parallel_greedy_samples_share_prompt_and_copy_on_write(make_llm, prompts, refs):
+    # n=3 greedy: three sequences fork off one prompt (77 tokens: a partly filled last block that
+    # all three share, then copy on their first diverging write); each must equal the reference.
+    llm = make_llm()
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, n=3)
+    (out,) = llm.generate([prompts[3]], params, use_tqdm=False)
+    assert len(out.outputs) == 3
+    for completion in out.outputs:
+        ok, note = compare(completion.token_ids, refs[3])
+        assert ok, note
+    assert llm.engine.scheduler.kv_cache.num_free_blocks == llm.engine.scheduler.kv_cache.num_blocks
