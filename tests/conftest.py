@@ -18,17 +18,23 @@ def smol_dir():
 
 
 @pytest.fixture(scope="session")
-def smol(smol_dir):
+def smol_tokenizer(smol_dir):
+    from octavo.tokenizer import load_tokenizer
+
+    return load_tokenizer(smol_dir)
+
+
+@pytest.fixture(scope="session")
+def smol(smol_dir, smol_tokenizer):
     """(model, tokenizer, weight_bytes) of the embedded model, shared by every engine in the session."""
     import torch
 
     from octavo.models.loader import load_model
-    from octavo.tokenizer import load_tokenizer
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     model, _ = load_model(smol_dir)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return model, load_tokenizer(smol_dir), weight_bytes
+    return model, smol_tokenizer, weight_bytes
 
 
 @pytest.fixture(scope="session")

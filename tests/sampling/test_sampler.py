@@ -1,0 +1,83 @@
+"""Sampler: greedy, truncation, seeded reproducibility, penalties, min_tokens and logprobs."""
+
+import torch
+
+from octavo.sampling.params import SamplingParams
+from octavo.sampling.sampler import SamplingRow, apply_penalties, sample, truncate
+
+
+def row(params, out=(), prompt=(), eos=(0,), seed=None):
+    gen = None
+    if seed is not None:
+        gen = torch.Generator().manual_seed(seed)
+    return SamplingRow(params, list(prompt), list(out), tuple(eos), gen)
+
+
+def test_greedy_takes_argmax_and_top_k_1_equals_greedy():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    greedy = SamplingParams(temperature=0)
+    tokens, _ = sample(logits, [row(greedy)] * 4)
+    assert tokens == logits.argmax(-1).tolist()
+    tokens_k1, _ = sample(logits, [row(SamplingParams(temperature=1.0, top_k=1))] * 4)
+    assert tokens_k1 == tokens
+
+
+def test_seeded_rows_repeat_regardless_of_batch_companions():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 1000)
+    p = SamplingParams(temperature=1.0, seed=42)
+    alone = [sample(logits[1:2], [row(p, seed=42)])[0][0]]
+    r = row(p, seed=42)
+    batched = sample(logits, [row(SamplingParams()), r, row(SamplingParams(temperature=0.5))])[0][1]
+    assert batched == alone[0]
+    # and a second draw from the same generator continues the stream identically
+    r1, r2 = row(p, seed=42), row(p, seed=42)
+    seq1 = [sample(logits[1:2], [r1])[0][0] for _ in range(5)]
+    seq2 = [sample(logits[1:2], [r2])[0][0] for _ in range(5)]
+    assert seq1 == seq2 and len(set(seq1)) > 1
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    kept = torch.isfinite(truncate(logits, SamplingParams(top_p=0.7)))
+    assert kept.tolist() == [True, True, False, False]
+    kept = torch.isfinite(truncate(logits, SamplingParams(top_p=0.1)))
+    assert kept.tolist() == [True, False, False, False]
+
+
+def test_min_p_and_top_k():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert torch.isfinite(truncate(logits, SamplingParams(min_p=0.2))).tolist() == [True, True, True, False]
+    assert torch.isfinite(truncate(logits, SamplingParams(top_k=2))).tolist() == [True, True, False, False]
+
+
+def test_penalties_follow_their_definitions():
+    logits = torch.tensor([2.0, -2.0, 1.0, 0.5])
+    p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    out = logits.clone()
+    apply_penalties(out, row(p, out=[2, 2], prompt=[0, 1]))
+    # repetition: 2 -> 1, -2 -> -4, 1 -> 0.5; then token 2 (seen twice) loses 2*0.5 + 0.25
+    assert torch.allclose(out, torch.tensor([1.0, -4.0, 0.5 - 1.25, 0.5]))
+
+
+def test_min_tokens_bans_eos_and_stop_ids():
+    logits = torch.tensor([[10.0, 0.0, 9.0, 1.0]])
+    p = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2])
+    tokens, _ = sample(logits, [row(p, out=[3], eos=(0,))])
+    assert tokens == [3]
+    tokens, _ = sample(logits, [row(p, out=[3, 3], eos=(0,))])
+    assert tokens == [0]
+
+
+def test_logprobs_are_raw_log_softmax_with_top_k():
+    torch.manual_seed(2)
+    logits = torch.randn(1, 30)
+    p = SamplingParams(temperature=0, logprobs=3, repetition_penalty=1.5)
+    tokens, lps = sample(logits, [row(p, prompt=[int(logits.argmax())])])
+    ref = torch.log_softmax(logits[0], -1)
+    (lp,) = lps
+    assert lp.token_id == tokens[0]
+    assert abs(lp.logprob - float(ref[tokens[0]])) < 1e-6
+    assert list(lp.top) == torch.topk(ref, 3).indices.tolist()
+    assert sample(logits, [row(SamplingParams(temperature=0))])[1] == [None]
