@@ -1,0 +1,120 @@
+"""LLMEngine / LLM behaviour on the embedded model: stops, aborts, refusals, seeds, n, logprobs, chat."""
+
+import pytest
+import torch
+
+from octavo.request import FinishReason
+from octavo.sampling.params import SamplingParams
+
+PROMPT = "The history of the printing press begins"
+
+
+def test_stop_string_cuts_text_and_finishes_with_stop(make_llm):
+    llm = make_llm()
+    free = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0]
+    words = free.text.split()
+    assert len(words) > 4, free.text
+    stop = words[3]
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=40, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == free.text[: free.text.index(stop)]
+    assert len(out.token_ids) < len(free.token_ids)
+
+
+def test_max_tokens_and_stop_token_ids(make_llm):
+    llm = make_llm()
+    base = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    toks = base.outputs[0].token_ids
+    assert len(toks) == 12 and base.outputs[0].finish_reason == "length"
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[toks[5]]), use_tqdm=False)[0]
+    first = toks.index(toks[5])
+    assert out.outputs[0].token_ids == toks[: first + 1] and out.outputs[0].stop_reason == toks[5]
+
+
+def test_too_long_prompt_is_refused_with_both_lengths_and_nothing_is_kept(make_llm):
+    llm = make_llm(max_model_len=64)
+    with pytest.raises(ValueError, match=r"prompt 1: the prompt has 70 tokens but max_model_len is 64"):
+        llm.generate([[1, 2, 3], list(range(70))], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.scheduler.kv_cache.num_free_blocks == llm.engine.scheduler.kv_cache.num_blocks
+    with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, 49152\)"):
+        llm.generate([[1, 99999]], use_tqdm=False)
+
+
+def test_abort_frees_blocks_at_once(make_llm):
+    llm = make_llm()
+    engine = llm.engine
+    kv = engine.scheduler.kv_cache
+    engine.add_request("x", list(range(100, 180)), SamplingParams(temperature=0, max_tokens=50))
+    engine.add_request("y", list(range(300, 340)), SamplingParams(temperature=0, max_tokens=50, n=2))
+    for _ in range(3):
+        engine.step()
+    assert kv.num_free_blocks < kv.num_blocks
+    engine.abort_request(["x", "y"])
+    assert kv.num_free_blocks == kv.num_blocks and not engine.has_unfinished_requests()
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(make_llm):
+    llm = make_llm()
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16, seed=1234)
+    alone = llm.generate(PROMPT, seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=0.8, max_tokens=20)
+    mixed = llm.generate(["Hello there", PROMPT, "Another prompt entirely"], [others, seeded, others], use_tqdm=False)
+    assert mixed[1].outputs[0].token_ids == alone
+    different = llm.generate(PROMPT, SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16, seed=99), use_tqdm=False)
+    assert different[0].outputs[0].token_ids != alone
+
+
+def test_n_samples_differ_and_all_blocks_return(make_llm):
+    llm = make_llm()
+    (out,) = llm.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=16, n=3, seed=7, ignore_eos=True), use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 16 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    kv = llm.engine.scheduler.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_logprobs_match_a_recomputed_log_softmax(make_llm, smol):
+    llm = make_llm()
+    (out,) = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4, logprobs=3), use_tqdm=False)
+    comp = out.outputs[0]
+    assert len(comp.logprobs) == 4
+    for lp, tok in zip(comp.logprobs, comp.token_ids):
+        assert lp.token_id == tok and len(lp.top) == 3
+        assert max(lp.top.values()) == pytest.approx(lp.logprob, abs=1e-5)  # greedy: the best one
+        assert lp.logprob <= 0
+
+
+def test_prefix_cache_hits_cached_tokens_and_salt_isolation(make_llm):
+    llm = make_llm()
+    prompt = list(range(1000, 1100))
+    params = SamplingParams(temperature=0, max_tokens=2)
+    first = llm.generate([prompt], params, use_tqdm=False)[0]
+    second = llm.generate([prompt], params, use_tqdm=False)[0]
+    salted = llm.generate([prompt], params, use_tqdm=False, cache_salt="tenant-b")[0]
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens == 96 and salted.num_cached_tokens == 0
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    llm.reset_prefix_cache()
+    assert llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+def test_chat_template_and_timing(make_llm):
+    llm = make_llm()
+    (out,) = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=20))
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason in ("stop", "length")
+    m = out.metrics
+    assert m.arrival_time <= m.first_token_time <= m.finish_time
+
+
+def test_stats_report_usage_and_tokens(make_llm):
+    llm = make_llm()
+    engine = llm.engine
+    engine.add_request("s", list(range(50, 90)), SamplingParams(temperature=0, max_tokens=5))
+    engine.step()
+    stats = engine.get_stats()
+    assert stats.scheduler.num_running == 1 and stats.scheduler.kv_cache_usage > 0
+    assert stats.num_prompt_tokens_total == 40 and stats.num_generation_tokens_total == 1
+    engine.abort_request("s")
+    assert engine.get_stats().scheduler.kv_cache_usage == 0
