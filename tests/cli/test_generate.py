@@ -1,0 +1,28 @@
+"""`octavo generate`: the main job runs end to end on the embedded model; bad input exits 2 clearly."""
+
+import json
+import os
+import subprocess
+import sys
+
+
+def run(*args):
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    return subprocess.run([sys.executable, "-m", "octavo.cli", *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_generate_answers_chat_prompts_as_json():
+    out = run("generate", "--prompt", "What is the capital of France?", "--max-tokens", "12", "--json",
+              "--kv-cache-memory", str(64 << 20))
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    (answer,) = result["answers"]
+    assert "Paris" in answer["text"] and answer["finish_reason"] in ("stop", "length")
+    assert 0 < result["output_tokens"] <= 12
+    assert "KV cache:" in out.stderr and "max concurrency at max_model_len" in out.stderr
+
+
+def test_missing_model_is_a_clear_error():
+    out = run("generate", "/no/such/model")
+    assert out.returncode == 2
+    assert "is not a local directory or .gguf file" in out.stderr and "Traceback" not in out.stderr
