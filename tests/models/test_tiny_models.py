@@ -17,7 +17,7 @@ ATOL = 2e-5
 
 
 def hf_configs():
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -30,12 +30,13 @@ def hf_configs():
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
         ),
         "llama-mha-bias": LlamaConfig(**{**common, "num_key_value_heads": 4}, attention_bias=True, tie_word_embeddings=True),
+        "mistral": MistralConfig(**common, sliding_window=None, tie_word_embeddings=False),
         "qwen2": Qwen2Config(**common, tie_word_embeddings=True),
         "qwen3": Qwen3Config(**common, head_dim=32, tie_word_embeddings=False),
     }
 
 
-@pytest.fixture(scope="module", params=["llama3-rope", "llama-mha-bias", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama3-rope", "llama-mha-bias", "mistral", "qwen2", "qwen3"])
 def pair(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
