@@ -44,6 +44,29 @@ class KVSizing:
         )
 
 
+def keep_freed_memory_mapped() -> bool:
+    """Ask glibc malloc to keep freed blocks of up to 32 MiB instead of returning them to the OS.
+
+    A step allocates activations of several MiB per op; by default glibc serves each from a fresh
+    mmap and unmaps it on free, so every op pays page faults on first touch (measured here: a
+    37 MB copy takes 18 ms into fresh memory, 2 ms into reused memory). Process-wide, like
+    torch.set_num_threads; called when a CPU model runner starts. Returns False off glibc.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        ok = libc.mallopt(m_mmap_threshold, 32 << 20) == 1
+        return libc.mallopt(m_trim_threshold, 1 << 30) == 1 and ok
+    except (OSError, AttributeError):
+        return False
+
+
 def total_device_memory(device: str) -> int:
     if device.startswith("cuda"):
         import torch

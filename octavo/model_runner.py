@@ -11,6 +11,7 @@ import torch
 from octavo.config import CacheConfig, ModelConfig
 from octavo.kernels import dispatch
 from octavo.kernels.metadata import AttentionMetadata, PrefillSpan
+from octavo.memory import keep_freed_memory_mapped
 from octavo.models.llama import LlamaForCausalLM
 from octavo.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from octavo.sampling.sampler import SamplingRow, sample
@@ -39,6 +40,20 @@ class ModelRunner:
             for _ in range(model_config.num_layers)
         ]
         self._generators: dict[str, torch.Generator] = {}
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._kv_dtype = kv_dtype
+        if self.device.type == "cpu":
+            keep_freed_memory_mapped()
+
+    def _decode_workspace(self, num_elements: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scratch for the decode gathers, grown (by half again) when a step needs more."""
+        if self._workspace is None or self._workspace[0].numel() < num_elements:
+            size = max(num_elements, int(1.5 * (self._workspace[0].numel() if self._workspace else 0)))
+            self._workspace = (
+                torch.empty(size, dtype=self._kv_dtype, device=self.device),
+                torch.empty(size, dtype=self._kv_dtype, device=self.device),
+            )
+        return self._workspace
 
     # ---- inputs ------------------------------------------------------------------------------
 
@@ -81,6 +96,9 @@ class ModelRunner:
             decode_slots=decode_slots,
             decode_mask=decode_mask,
             prefills=spans,
+            decode_workspace=self._decode_workspace(decode_slots.numel() * self.model_config.num_kv_heads * self.model_config.head_dim)
+            if decode_tables
+            else None,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)

@@ -31,3 +31,7 @@ class AttentionMetadata:
     decode_slots: torch.Tensor  # [num_decodes, max_context] long
     decode_mask: torch.Tensor  # [num_decodes, max_context] bool, True where a key exists
     prefills: list[PrefillSpan]
+    # Reused scratch of at least num_decodes * max_context * num_kv_heads * head_dim elements each,
+    # for the gathered keys and values: fresh tensors of tens of MB per layer would each pay page
+    # faults that cost more than the copy itself.
+    decode_workspace: tuple[torch.Tensor, torch.Tensor] | None = None

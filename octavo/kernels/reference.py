@@ -61,13 +61,24 @@ def paged_attention(
 
     nd = meta.num_decode_tokens
     if nd:
-        keys = k_flat[meta.decode_slots]  # [nd, L, kvh, d]
-        values = v_flat[meta.decode_slots]  # [nd, L, kvh, d]
+        max_len = meta.decode_slots.shape[1]
+        slots = meta.decode_slots.reshape(-1)
+        if meta.decode_workspace is not None:
+            size = slots.numel() * num_kv_heads * head_dim
+            k_buf = meta.decode_workspace[0][:size].view(-1, num_kv_heads, head_dim)
+            v_buf = meta.decode_workspace[1][:size].view(-1, num_kv_heads, head_dim)
+            keys = torch.index_select(k_flat, 0, slots, out=k_buf).view(nd, max_len, num_kv_heads, head_dim)
+            values = torch.index_select(v_flat, 0, slots, out=v_buf).view(nd, max_len, num_kv_heads, head_dim)
+        else:
+            keys = k_flat[meta.decode_slots]  # [nd, L, kvh, d]
+            values = v_flat[meta.decode_slots]  # [nd, L, kvh, d]
         qd = q[:nd].view(nd, num_kv_heads, group, head_dim)  # [nd, kvh, g, d]
-        scores = torch.matmul(qd, keys.permute(0, 2, 3, 1)) * scale  # [nd, kvh, g, L]
-        scores.masked_fill_(~meta.decode_mask[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[:nd] = torch.matmul(probs, values.transpose(1, 2)).reshape(nd, num_heads, head_dim)
+        hidden_mask = ~meta.decode_mask[:, None, :]  # [nd, 1, L]
+        for h in range(num_kv_heads):
+            # Strided per-head views feed the batched GEMMs directly (no transposed copies).
+            scores = torch.bmm(qd[:, h], keys[:, :, h, :].transpose(1, 2)) * scale  # [nd, g, L]
+            probs = torch.softmax(scores.masked_fill_(hidden_mask, float("-inf")), dim=-1)
+            out[:nd, h * group : (h + 1) * group] = torch.bmm(probs, values[:, :, h, :])  # [nd, g, d]
 
     for span in meta.prefills:
         qs = q[span.q_start : span.q_start + span.q_len].transpose(0, 1)  # [H, n, d]

@@ -23,7 +23,8 @@ def dense_attention(q, k, v, past: int, scale: float):
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3), (8, 2)])
 @pytest.mark.parametrize("lengths", [[(0, 1), (0, 13), (5, 3)], [(16, 1), (7, 9), (31, 1), (0, 17)]])
-def test_paged_matches_dense(block_size, heads, kv_heads, lengths):
+@pytest.mark.parametrize("workspace", [False, True])
+def test_paged_matches_dense(block_size, heads, kv_heads, lengths, workspace):
     """`lengths` lists (tokens already cached, tokens computed now) per request."""
     torch.manual_seed(0)
     d, num_blocks = 8, 128
@@ -61,6 +62,7 @@ def test_paged_matches_dense(block_size, heads, kv_heads, lengths):
         decode_slots=padded,
         decode_mask=torch.arange(max_len)[None, :] < torch.tensor(dec_lens, dtype=torch.long)[:, None],
         prefills=spans,
+        decode_workspace=(torch.full((10_000,), float("nan")), torch.full((10_000,), float("nan"))) if workspace else None,
     )
     k_new = torch.cat([reqs[i][2][reqs[i][0]:] for i in order])
     v_new = torch.cat([reqs[i][3][reqs[i][0]:] for i in order])
