@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 import time
 
@@ -88,6 +89,34 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from octavo.engine import LLMEngine
+    from octavo.engine_args import EngineArgs
+    from octavo.metrics import EngineMetrics
+    from octavo.models.loader import DEFAULT_MODEL_NAME
+    from octavo.server.app import OpenAIServer, build_app
+    from octavo.server.async_engine import AsyncEngine
+
+    engine = LLMEngine.from_args(EngineArgs(**engine_kwargs(args)))
+    name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else args.model)
+    server = OpenAIServer(AsyncEngine(engine, EngineMetrics(name), args.log_interval), name, args.api_key)
+    config = uvicorn.Config(
+        build_app(server), host=args.host, port=args.port, log_level="info",
+        timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.access_log,
+    )
+    logging.getLogger("octavo").info("serving %s on http://%s:%d/v1", name, args.host, args.port)
+    # uvicorn handles SIGINT/SIGTERM (stop accepting, let in-flight requests finish, shut the engine
+    # down), then re-raises the signal to the handlers it found. Make those no-ops so a requested
+    # shutdown ends with exit status 0 rather than death by signal.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: None)
+    uvicorn.Server(config).run()
+    logging.getLogger("octavo").info("server stopped")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="octavo", description="Serve LLMs with a paged KV cache and continuous batching.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -99,6 +128,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--json", action="store_true", help="print answers and timings as JSON")
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    add_engine_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    serve.add_argument("--served-model-name", default=None, help="model name clients send (default: the model path, or SmolLM2-135M-Instruct)")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--log-interval", type=float, default=10.0, help="seconds between throughput log lines while busy")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
+    serve.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False, help="log every HTTP request")
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -66,6 +66,7 @@ class _RequestState:
     arrival_time: float
     completions: list[_Completion]
     num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
 
@@ -210,6 +211,7 @@ class LLMEngine:
                     comp.stop_reason = token
             if state.first_token_time is None:
                 state.first_token_time = seq.first_token_time
+                state.first_scheduled_time = seq.first_scheduled_time
                 state.num_cached_tokens = seq.num_cached_tokens or 0
             state.num_preemptions = max(state.num_preemptions, seq.num_preemptions)
             touched[state.request_id] = state
@@ -240,6 +242,7 @@ class LLMEngine:
             num_cached_tokens=state.num_cached_tokens,
             metrics=RequestMetrics(
                 arrival_time=state.arrival_time,
+                first_scheduled_time=state.first_scheduled_time,
                 first_token_time=state.first_token_time,
                 finish_time=time.time() if finished else None,
                 num_preemptions=state.num_preemptions,

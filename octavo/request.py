@@ -57,6 +57,7 @@ class Request:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     admit_seq: int = 0  # admission order, for choosing preemption victims
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
 
@@ -115,6 +116,7 @@ class CompletionOutput:
 @dataclass(slots=True)
 class RequestMetrics:
     arrival_time: float
+    first_scheduled_time: float | None = None  # queue time = first_scheduled_time - arrival_time
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0

@@ -159,6 +159,7 @@ class Scheduler:
             self.waiting.pop()
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_hit
+                request.first_scheduled_time = time.time()
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             request.admit_seq = next(self._admit_counter)

@@ -1,0 +1,75 @@
+"""Prometheus metrics named after vLLM's (prefix `octavo:`), fed from engine stats and request outputs."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from octavo.engine import EngineStats
+from octavo.request import RequestOutput
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0)
+
+
+class EngineMetrics:
+    """One registry per engine (no global state). `observe_step` after each step,
+    `observe_output` for each RequestOutput, `observe_token_gap` between a request's tokens."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"octavo:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"octavo:{name}", doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"octavo:{name}", doc, labels, registry=r).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first output token.", _LATENCY_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens of a request.", _ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the end of a request.", _LATENCY_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Time from arrival to first being scheduled.", _LATENCY_BUCKETS)
+        self.kv_usage = gauge("kv_cache_usage_perc", "Share of KV-cache blocks in use, 0 to 1.")
+        self.running = gauge("num_requests_running", "Sequences in the running set.")
+        self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Preemptions by recompute.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed.")
+        self.generation_tokens = counter("generation_tokens", "Output tokens generated.")
+        self._success = Counter("octavo:request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"], registry=r)
+        self.model_name = model_name
+        self._last: EngineStats | None = None
+
+    def observe_step(self, stats: EngineStats) -> None:
+        s = stats.scheduler
+        self.kv_usage.set(s.kv_cache_usage)
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        last = self._last
+        self.prefix_queries.inc(s.prefix_cache_queries - (last.scheduler.prefix_cache_queries if last else 0))
+        self.prefix_hits.inc(s.prefix_cache_hits - (last.scheduler.prefix_cache_hits if last else 0))
+        self.preemptions.inc(s.num_preemptions - (last.scheduler.num_preemptions if last else 0))
+        self.prompt_tokens.inc(stats.num_prompt_tokens_total - (last.num_prompt_tokens_total if last else 0))
+        self.generation_tokens.inc(stats.num_generation_tokens_total - (last.num_generation_tokens_total if last else 0))
+        self._last = stats
+
+    def observe_token_gap(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def observe_output(self, out: RequestOutput, is_first: bool) -> None:
+        m = out.metrics
+        if is_first and m.first_token_time is not None:
+            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+            if m.first_scheduled_time is not None:
+                self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        if out.finished:
+            self.e2e.observe(max(0.0, (m.finish_time or time.time()) - m.arrival_time))
+            # one count per request (its first completion's reason), as a client sees one response
+            self._success.labels(self.model_name, out.outputs[0].finish_reason or "abort").inc()

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: routes (app.py), request models (protocol.py), engine thread."""

@@ -1,0 +1,69 @@
+"""A live `octavo serve` on 127.0.0.1 at a free port, shared by the server tests of a session."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+API_KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 1024
+
+
+@dataclass
+class LiveServer:
+    url: str
+    process: subprocess.Popen
+    log: Path
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def live_server(tmp_path_factory, smol_dir):  # smol_dir: the embedded model is converted before start
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "octavo.cli", "serve", "--port", str(port), "--api-key", API_KEY,
+           "--kv-cache-memory", str(256 << 20), "--max-model-len", str(MAX_MODEL_LEN), "--log-interval", "1",
+           "--shutdown-timeout", "5"]
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited early:\n{log.read_text()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        raise RuntimeError(f"server did not become healthy:\n{log.read_text()}")
+    server = LiveServer(url, proc, log)
+    yield server
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
