@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.octavo-installed
 
-.PHONY: setup run test clean
+.PHONY: setup run generate test clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: $(STAMP)
+	$(VENV)/bin/octavo serve
+
+generate: $(STAMP)
 	$(VENV)/bin/octavo generate
 
 test: $(STAMP)
