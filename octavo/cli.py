@@ -117,6 +117,81 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '24GB', '1.5e9', '512MiB' -> bytes."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 80GiB, 24GB, 512MiB, 1e9)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from octavo.planner import format_plan, make_plan, read_fields
+
+    if args.config is None:
+        from octavo.models.loader import DEFAULT_MODEL_NAME, resolve_model
+
+        path, name = resolve_model(None) / "config.json", DEFAULT_MODEL_NAME
+    else:
+        path = Path(args.config)
+        path, name = (path / "config.json" if path.is_dir() else path), args.config
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json at {path}")
+    plan = make_plan(
+        read_fields(json.loads(path.read_text())), device_memory=args.device_memory, memory_fraction=args.memory_fraction,
+        kv_dtype=args.kv_dtype, weight_bytes=args.weight_bytes, weight_dtype=args.weight_dtype,
+        block_size=args.block_size, typical_len=args.typical_len, max_len=args.max_len,
+    )
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan, name))
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from octavo.simulator.report import format_comparison, plot_timelines
+    from octavo.simulator.simulator import COMPARISONS, BASELINE, SimConfig, StepCostModel, simulate
+    from octavo.simulator.workload import random_workload, shared_prefix_workload, trace_workload
+
+    if args.workload == "random":
+        workload = random_workload(args.num_requests, args.input_len, args.output_len, args.range_ratio, args.seed, args.request_rate)
+    elif args.workload == "shared-prefix":
+        workload = shared_prefix_workload(args.num_requests, args.num_prefixes, args.prefix_len, args.suffix_len,
+                                          args.output_len, args.seed, args.request_rate)
+    else:
+        if not args.trace:
+            raise ValueError("--workload trace needs --trace FILE")
+        workload = trace_workload(args.trace)
+    cfg = SimConfig(
+        num_kv_tokens=args.kv_tokens, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        cost=StepCostModel(args.fixed_s, args.per_token_s, args.per_kv_token_s),
+    )
+    baseline = simulate(workload, BASELINE, cfg)
+    results, report = [baseline], {"baseline": baseline.summary(), "comparisons": {}}
+    print(f"{len(workload)} requests, {sum(len(w.prompt_token_ids) for w in workload)} prompt tokens, "
+          f"{sum(w.output_len for w in workload)} output tokens; KV {cfg.num_kv_tokens} tokens, "
+          f"block {cfg.block_size}, max_num_seqs {cfg.max_num_seqs}, budget {cfg.max_num_batched_tokens}")
+    for title, variant_policy, _ in COMPARISONS:
+        variant = simulate(workload, variant_policy, cfg)
+        results.append(variant)
+        report["comparisons"][title] = variant.summary()
+        print("\n" + format_comparison(title, variant, baseline))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2)
+    if args.plot:
+        plot_timelines(results, args.plot)
+        print(f"\nplot written to {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="octavo", description="Serve LLMs with a paged KV cache and continuous batching.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -139,6 +214,43 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
     serve.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False, help="log every HTTP request")
     serve.set_defaults(func=cmd_serve)
+
+    plan = sub.add_parser("plan", help="KV-cache capacity from a model's config.json: bytes per token, sequences that fit")
+    plan.add_argument("config", nargs="?", default=None, help="config.json or a model directory (default: the embedded model)")
+    plan.add_argument("--device-memory", type=parse_bytes, default=parse_bytes("80GiB"), help="device memory, e.g. 80GiB, 24GB (default 80GiB)")
+    plan.add_argument("--memory-fraction", type=float, default=0.9, help="share of device memory for weights + KV cache")
+    plan.add_argument("--kv-dtype", default="float16", help="KV cache dtype: float32, bfloat16, float16, fp8")
+    plan.add_argument("--weight-bytes", type=parse_bytes, default=None, help="weight memory (default: estimated from the config)")
+    plan.add_argument("--weight-dtype", default=None, help="dtype for the weight estimate (default: the KV dtype)")
+    plan.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    plan.add_argument("--typical-len", type=int, default=1024, help="typical prompt + output length")
+    plan.add_argument("--max-len", type=int, default=8192, help="maximum sequence length (max_model_len)")
+    plan.add_argument("--json", action="store_true", help="print JSON")
+    plan.set_defaults(func=cmd_plan)
+
+    sim = sub.add_parser("simulate", help="replay a workload through the real scheduler with a step-cost model")
+    sim.add_argument("--workload", choices=["random", "shared-prefix", "trace"], default="random")
+    sim.add_argument("--trace", default=None, help="JSON trace: prompt_token_ids|prompt_len, max_tokens|output_len, arrival_time")
+    sim.add_argument("--num-requests", type=int, default=64)
+    sim.add_argument("--input-len", type=int, default=256)
+    sim.add_argument("--output-len", type=int, default=128)
+    sim.add_argument("--range-ratio", type=float, default=0.5, help="random lengths within len x (1 +- ratio)")
+    sim.add_argument("--num-prefixes", type=int, default=4)
+    sim.add_argument("--prefix-len", type=int, default=512)
+    sim.add_argument("--suffix-len", type=int, default=64)
+    sim.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--kv-tokens", type=int, default=16384, help="KV-cache capacity in tokens, the same for every policy")
+    sim.add_argument("--block-size", type=int, default=16)
+    sim.add_argument("--max-num-seqs", type=int, default=64)
+    sim.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    sim.add_argument("--max-model-len", type=int, default=2048)
+    sim.add_argument("--fixed-s", type=float, default=0.08, help="cost model: seconds per step")
+    sim.add_argument("--per-token-s", type=float, default=2.3e-3, help="cost model: seconds per scheduled token")
+    sim.add_argument("--per-kv-token-s", type=float, default=1.5e-5, help="cost model: seconds per attended KV token")
+    sim.add_argument("--json", default=None, help="write all results as JSON to this file")
+    sim.add_argument("--plot", default=None, help="write a PNG: KV memory and resident sequences over time per policy")
+    sim.set_defaults(func=cmd_simulate)
     return parser
 
 

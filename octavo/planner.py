@@ -1,0 +1,183 @@
+"""Capacity planning from a model's config.json: KV bytes per token, what fits, what paging buys.
+
+Pure arithmetic, no torch: it answers before anyone buys a GPU. Every figure is derived from the
+fields reported in `PlanFields.used`, so a reader can check which config keys were read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+
+
+@dataclass(frozen=True, slots=True)
+class PlanFields:
+    """The model shape the plan uses, and for each value the config key it came from (or the rule)."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    intermediate_size: int
+    gated_mlp: bool
+    tie_word_embeddings: bool
+    used: dict[str, str] = field(default_factory=dict)
+
+
+def _first(cfg: dict[str, Any], keys: tuple[str, ...], what: str) -> tuple[Any, str]:
+    for key in keys:
+        if cfg.get(key) is not None:
+            return cfg[key], key
+    raise ValueError(f"config has no {what}: looked for {', '.join(keys)}")
+
+
+def read_fields(hf: dict[str, Any]) -> PlanFields:
+    """Read Llama/Mistral/Qwen (num_key_value_heads, head_dim), OPT and GPT-2 style configs."""
+    cfg = hf.get("text_config") or hf  # multimodal wrappers keep the language model inside
+    used: dict[str, str] = {}
+    num_layers, used["num_layers"] = _first(cfg, ("num_hidden_layers", "n_layer", "num_layers"), "layer count")
+    hidden, used["hidden_size"] = _first(cfg, ("hidden_size", "n_embd", "d_model"), "hidden size")
+    num_heads, used["num_heads"] = _first(cfg, ("num_attention_heads", "n_head", "num_heads"), "attention head count")
+    if cfg.get("num_key_value_heads") is not None:
+        num_kv, used["num_kv_heads"] = cfg["num_key_value_heads"], "num_key_value_heads"
+    elif cfg.get("multi_query"):
+        num_kv, used["num_kv_heads"] = 1, "multi_query=true (one KV head)"
+    else:
+        num_kv, used["num_kv_heads"] = num_heads, f"no KV-head field: multi-head, KV heads = {used['num_heads']}"
+    if cfg.get("head_dim") is not None:
+        head_dim, used["head_dim"] = cfg["head_dim"], "head_dim"
+    else:
+        head_dim, used["head_dim"] = hidden // num_heads, f"{used['hidden_size']} / {used['num_heads']}"
+    vocab, used["vocab_size"] = _first(cfg, ("vocab_size",), "vocab size")
+    model_type = str(cfg.get("model_type", ""))
+    gated = model_type not in ("gpt2", "opt", "gpt_neox", "gptj", "falcon", "bloom")
+    for key in ("intermediate_size", "ffn_dim", "n_inner"):
+        if cfg.get(key) is not None:
+            inter, used["intermediate_size"] = cfg[key], key
+            break
+    else:
+        inter, used["intermediate_size"] = 4 * hidden, f"4 x {used['hidden_size']} (no FFN size field)"
+    tie = bool(cfg.get("tie_word_embeddings", model_type in ("gpt2", "opt")))
+    return PlanFields(int(num_layers), int(hidden), int(num_heads), int(num_kv), int(head_dim), int(vocab),
+                      int(inter), gated, tie, used)
+
+
+def estimate_num_params(f: PlanFields) -> int:
+    """Parameters from the shape: embeddings (+ head if untied) + per layer attention, MLP, norms."""
+    q = f.num_heads * f.head_dim
+    kv = f.num_kv_heads * f.head_dim
+    attention = f.hidden_size * (q + 2 * kv) + q * f.hidden_size
+    mlp = (3 if f.gated_mlp else 2) * f.hidden_size * f.intermediate_size
+    per_layer = attention + mlp + 2 * f.hidden_size
+    embeddings = f.vocab_size * f.hidden_size * (1 if f.tie_word_embeddings else 2)
+    return embeddings + f.num_layers * per_layer + f.hidden_size
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    kv_dtype: str
+    bytes_per_token: int
+    block_size: int
+    bytes_per_block: int
+    device_memory: int
+    memory_fraction: float
+    weight_bytes: int
+    weight_bytes_estimated: bool
+    kv_memory: int
+    num_blocks: int
+    num_tokens: int
+    typical_len: int
+    max_len: int
+    seqs_reserving_max: int
+    seqs_paged: int
+    waste_reserving_max: float  # share of reserved slots that hold no token, at the typical length
+    waste_paged: float  # share of allocated slots left empty by the last, partial block
+    paged_over_reserved: float
+    fields: dict[str, str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def make_plan(
+    f: PlanFields,
+    device_memory: int,
+    memory_fraction: float = 0.9,
+    kv_dtype: str = "float16",
+    weight_bytes: int | None = None,
+    weight_dtype: str | None = None,
+    block_size: int = 16,
+    typical_len: int = 1024,
+    max_len: int = 8192,
+) -> Plan:
+    """kv_memory = device_memory x memory_fraction - weight_bytes; blocks = kv_memory // bytes_per_block."""
+    if kv_dtype not in DTYPE_BYTES:
+        raise ValueError(f"kv dtype must be one of {', '.join(DTYPE_BYTES)}, got {kv_dtype!r}")
+    if not 0 < typical_len <= max_len:
+        raise ValueError(f"need 0 < typical length ({typical_len}) <= max length ({max_len})")
+    if not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory fraction must be in (0, 1], got {memory_fraction}")
+    estimated = weight_bytes is None
+    if weight_bytes is None:
+        weight_bytes = estimate_num_params(f) * DTYPE_BYTES[weight_dtype or kv_dtype]
+    bytes_per_token = 2 * f.num_layers * f.num_kv_heads * f.head_dim * DTYPE_BYTES[kv_dtype]
+    bytes_per_block = bytes_per_token * block_size
+    kv_memory = int(device_memory * memory_fraction) - weight_bytes
+    num_blocks = max(0, kv_memory // bytes_per_block)
+    blocks_max = -(-max_len // block_size)
+    blocks_typical = -(-typical_len // block_size)
+    seqs_reserved = num_blocks // blocks_max
+    seqs_paged = num_blocks // blocks_typical
+    return Plan(
+        kv_dtype=kv_dtype,
+        bytes_per_token=bytes_per_token,
+        block_size=block_size,
+        bytes_per_block=bytes_per_block,
+        device_memory=device_memory,
+        memory_fraction=memory_fraction,
+        weight_bytes=weight_bytes,
+        weight_bytes_estimated=estimated,
+        kv_memory=max(0, kv_memory),
+        num_blocks=num_blocks,
+        num_tokens=num_blocks * block_size,
+        typical_len=typical_len,
+        max_len=max_len,
+        seqs_reserving_max=seqs_reserved,
+        seqs_paged=seqs_paged,
+        waste_reserving_max=1 - typical_len / (blocks_max * block_size),
+        waste_paged=1 - typical_len / (blocks_typical * block_size),
+        paged_over_reserved=seqs_paged / seqs_reserved if seqs_reserved else float("inf"),
+        fields=dict(f.used),
+    )
+
+
+def _human(num_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(num_bytes) < 1024 or unit == "TiB":
+            return f"{num_bytes:.2f} {unit}" if unit != "B" else f"{int(num_bytes)} B"
+        num_bytes /= 1024
+    return str(num_bytes)
+
+
+def format_plan(plan: Plan, model: str) -> str:
+    rows = [
+        ("model", model),
+        ("KV dtype", plan.kv_dtype),
+        ("KV bytes per token", f"{plan.bytes_per_token:,} ({_human(plan.bytes_per_token)})"),
+        ("bytes per block", f"{plan.bytes_per_block:,} ({plan.block_size} tokens)"),
+        ("device memory x fraction", f"{_human(plan.device_memory)} x {plan.memory_fraction}"),
+        ("weights", f"{_human(plan.weight_bytes)}{' (estimated from the config)' if plan.weight_bytes_estimated else ''}"),
+        ("memory for the KV cache", _human(plan.kv_memory)),
+        ("blocks / tokens that fit", f"{plan.num_blocks:,} / {plan.num_tokens:,}"),
+        (f"sequences, each reserving {plan.max_len}", f"{plan.seqs_reserving_max:,} (waste {plan.waste_reserving_max:.1%} at {plan.typical_len} tokens)"),
+        (f"sequences paged at {plan.typical_len}", f"{plan.seqs_paged:,} (waste {plan.waste_paged:.1%}: last block)"),
+        ("paged / reserved", f"{plan.paged_over_reserved:.2f}x"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
+    lines.append("config fields used: " + "; ".join(f"{k} <- {v}" for k, v in plan.fields.items()))
+    return "\n".join(lines)

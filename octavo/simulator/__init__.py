@@ -1,0 +1,1 @@
+"""A scheduler simulator: workloads replayed through the real Scheduler and KVCacheManager, no weights."""

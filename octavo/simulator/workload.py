@@ -1,0 +1,79 @@
+"""Simulator workloads: random lengths, shared-prefix mixes, or a JSON trace; pure Python, seeded."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+VOCAB = 49152
+
+
+@dataclass(frozen=True, slots=True)
+class SimRequest:
+    arrival_time: float
+    prompt_token_ids: tuple[int, ...]
+    output_len: int
+
+
+def _arrivals(n: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
+    """All at 0 for an infinite rate; else gamma-distributed gaps with mean 1/rate (Poisson at 1)."""
+    if rate == float("inf"):
+        return [0.0] * n
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+    return out
+
+
+def random_workload(
+    num_requests: int, input_len: int, output_len: int, range_ratio: float = 0.0, seed: int = 0,
+    rate: float = float("inf"), burstiness: float = 1.0,
+) -> list[SimRequest]:
+    """Lengths uniform in [len x (1 - range_ratio), len x (1 + range_ratio)]; random token ids."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"range ratio must be in [0, 1), got {range_ratio}")
+    rng = random.Random(seed)
+    arrivals = _arrivals(num_requests, rate, burstiness, rng)
+    out = []
+    for t in arrivals:
+        n_in = rng.randint(max(1, int(input_len * (1 - range_ratio))), max(1, int(input_len * (1 + range_ratio))))
+        n_out = rng.randint(max(1, int(output_len * (1 - range_ratio))), max(1, int(output_len * (1 + range_ratio))))
+        out.append(SimRequest(t, tuple(rng.randrange(VOCAB) for _ in range(n_in)), n_out))
+    return out
+
+
+def shared_prefix_workload(
+    num_requests: int, num_prefixes: int, prefix_len: int, suffix_len: int, output_len: int, seed: int = 0,
+    rate: float = float("inf"), burstiness: float = 1.0,
+) -> list[SimRequest]:
+    """Each request: one of `num_prefixes` shared prefixes (round robin) + its own random suffix."""
+    rng = random.Random(seed)
+    prefixes = [tuple(rng.randrange(VOCAB) for _ in range(prefix_len)) for _ in range(num_prefixes)]
+    arrivals = _arrivals(num_requests, rate, burstiness, rng)
+    return [
+        SimRequest(t, prefixes[i % num_prefixes] + tuple(rng.randrange(VOCAB) for _ in range(suffix_len)), output_len)
+        for i, t in enumerate(arrivals)
+    ]
+
+
+def trace_workload(path: str | Path) -> list[SimRequest]:
+    """A JSON list (or {"requests": [...]}) of entries with prompt_token_ids or prompt_len, max_tokens
+    or output_len, and optionally arrival_time (seconds; default 0)."""
+    data = json.loads(Path(path).read_text())
+    entries = data["requests"] if isinstance(data, dict) else data
+    out = []
+    for i, e in enumerate(entries):
+        if "prompt_token_ids" in e:
+            prompt = tuple(int(t) for t in e["prompt_token_ids"])
+        elif "prompt_len" in e:
+            prompt = tuple((i * 7919 + j) % VOCAB for j in range(int(e["prompt_len"])))  # distinct per request
+        else:
+            raise ValueError(f"trace entry {i} needs prompt_token_ids or prompt_len")
+        n_out = e.get("max_tokens", e.get("output_len"))
+        if n_out is None:
+            raise ValueError(f"trace entry {i} needs max_tokens or output_len")
+        out.append(SimRequest(float(e.get("arrival_time", 0.0)), prompt, int(n_out)))
+    return out

@@ -1,0 +1,76 @@
+"""octavo plan: bytes per token and concurrency computed by hand, for GQA and multi-head configs."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from octavo.planner import estimate_num_params, make_plan, read_fields
+
+SMOL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 1536,
+        "vocab_size": 49152, "tie_word_embeddings": True}
+GPT2 = {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
+OPT = {"model_type": "opt", "num_hidden_layers": 24, "hidden_size": 1024, "num_attention_heads": 16, "ffn_dim": 4096,
+       "vocab_size": 50272, "word_embed_proj_dim": 1024}
+
+
+def test_grouped_query_bytes_per_token_and_concurrency_by_hand():
+    f = read_fields(SMOL)
+    assert (f.num_kv_heads, f.head_dim) == (3, 64) and f.used["num_kv_heads"] == "num_key_value_heads"
+    plan = make_plan(f, device_memory=2**30, memory_fraction=1.0, kv_dtype="float16", weight_bytes=100 * 2**20,
+                     block_size=16, typical_len=1000, max_len=4000)
+    assert plan.bytes_per_token == 2 * 30 * 3 * 64 * 2 == 23040
+    assert plan.bytes_per_block == 368640
+    assert plan.kv_memory == 2**30 - 100 * 2**20 == 968884224
+    assert plan.num_blocks == 2628  # 968884224 / 368640 = 2628.27
+    assert plan.num_tokens == 42048
+    assert plan.seqs_reserving_max == 10  # 4000 tokens = 250 blocks each
+    assert plan.seqs_paged == 41  # 1000 tokens round up to 63 blocks (1008 slots) each
+    assert plan.waste_paged == pytest.approx(8 / 1008)
+    assert plan.waste_reserving_max == pytest.approx(0.75)
+    assert plan.paged_over_reserved == pytest.approx(4.1)
+    assert make_plan(f, 2**30, 1.0, "float32", 0).bytes_per_token == 46080  # the embedded model in fp32
+
+
+def test_multi_head_gpt2_style_config_without_kv_head_field():
+    f = read_fields(GPT2)
+    assert (f.num_layers, f.hidden_size, f.num_heads, f.num_kv_heads, f.head_dim) == (12, 768, 12, 12, 64)
+    assert "no KV-head field" in f.used["num_kv_heads"] and f.used["num_layers"] == "n_layer"
+    assert f.used["head_dim"] == "n_embd / n_head"
+    plan = make_plan(f, device_memory=16 * 2**30, memory_fraction=0.5, kv_dtype="float16", weight_bytes=2**30,
+                     block_size=16, typical_len=100, max_len=1024)
+    assert plan.bytes_per_token == 2 * 12 * 12 * 64 * 2 == 36864
+    assert plan.num_blocks == (8 * 2**30 - 2**30) // (36864 * 16) == 12743
+    assert plan.seqs_reserving_max == 12743 // 64 == 199
+    assert plan.seqs_paged == 12743 // 7 == 1820  # 100 tokens -> 7 blocks of 16 (112 slots)
+    # GPT-2 small has 124M parameters (position embeddings and biases are left out of the estimate)
+    assert estimate_num_params(f) == pytest.approx(124e6, rel=0.03)
+
+
+def test_opt_style_config_and_weight_estimate_used_when_not_given():
+    f = read_fields(OPT)
+    assert f.num_kv_heads == 16 and f.intermediate_size == 4096 and not f.gated_mlp
+    plan = make_plan(f, device_memory=24 * 10**9, kv_dtype="float16")
+    assert plan.weight_bytes_estimated and plan.weight_bytes == estimate_num_params(f) * 2
+    assert estimate_num_params(f) == pytest.approx(350e6, rel=0.05)  # OPT-350m
+
+
+def test_missing_fields_are_named():
+    with pytest.raises(ValueError, match="no layer count: looked for num_hidden_layers, n_layer, num_layers"):
+        read_fields({"hidden_size": 8})
+    with pytest.raises(ValueError, match="typical length"):
+        make_plan(read_fields(SMOL), 2**30, typical_len=10, max_len=5)
+
+
+def test_cli_prints_table_and_json(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(GPT2))
+    out = subprocess.run([sys.executable, "-m", "octavo.cli", "plan", str(path), "--device-memory", "16GiB",
+                          "--memory-fraction", "0.5", "--weight-bytes", "1GiB", "--typical-len", "100",
+                          "--max-len", "1024", "--json"], capture_output=True, text=True, check=True)
+    data = json.loads(out.stdout)
+    assert data["bytes_per_token"] == 36864 and data["seqs_paged"] == 1820
+    table = subprocess.run([sys.executable, "-m", "octavo.cli", "plan", str(tmp_path)], capture_output=True, text=True, check=True).stdout
+    assert "KV bytes per token" in table and "paged / reserved" in table and "config fields used" in table
