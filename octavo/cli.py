@@ -17,9 +17,13 @@ DEFAULT_CHATS = [
 ]
 
 
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+def add_engine_flags(parser: argparse.ArgumentParser, model_positional: bool = True) -> None:
     """Engine flags named as vLLM users know them."""
-    parser.add_argument("model", nargs="?", default=None, help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    help_model = "HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)"
+    if model_positional:
+        parser.add_argument("model", nargs="?", default=None, help=help_model)
+    else:
+        parser.add_argument("--model", default=None, help=help_model)
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens (default: the model's)")
     parser.add_argument("--max-num-seqs", type=int, default=128, help="most sequences in one step")
@@ -30,7 +34,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-fraction", type=float, default=None, help="share of device memory for weights, activations and KV cache")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and KV cache dtype (float32 is fastest on CPUs without bf16 units)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--seed", type=int, default=0, help="global random seed")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (engine sampling, and the workload's)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -192,6 +196,81 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_workload_flags(p: argparse.ArgumentParser, with_seed: bool = True) -> None:
+    p.add_argument("workload", nargs="?", choices=["random", "prefix-repetition", "replay"], default="random")
+    p.add_argument("file", nargs="?", default=None, help="replay: JSON list of {prompt_token_ids, max_tokens[, arrival_time]}")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths within len x (1 +- ratio)")
+    p.add_argument("--num-prefixes", type=int, default=4, help="prefix-repetition: distinct prefixes")
+    p.add_argument("--prefix-len", type=int, default=1024)
+    p.add_argument("--suffix-len", type=int, default=64)
+    if with_seed:
+        p.add_argument("--seed", type=int, default=0, help="workload seed")
+
+
+def load_workload(args: argparse.Namespace):
+    from octavo.simulator.workload import random_workload, shared_prefix_workload, trace_workload
+
+    if args.workload == "random":
+        return random_workload(args.num_requests, args.input_len, args.output_len, args.range_ratio, args.seed)
+    if args.workload == "prefix-repetition":
+        return shared_prefix_workload(args.num_requests, args.num_prefixes, args.prefix_len, args.suffix_len,
+                                      args.output_len, args.seed)
+    if not args.file:
+        raise ValueError("replay needs a FILE: octavo bench throughput replay ../shared/workloads/random_n64.json")
+    return trace_workload(args.file)
+
+
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from octavo.bench.throughput import format_results, run_hf, run_hf_cb, run_octavo
+    from octavo.models.loader import resolve_model
+
+    workload = load_workload(args)
+    backends = [args.backend] + [b for b in (args.compare.split(",") if args.compare else []) if b and b != args.backend]
+    for b in backends:
+        if b not in ("octavo", "hf", "hf-cb"):
+            raise ValueError(f"unknown backend {b!r}; choose from octavo, hf, hf-cb")
+    print(f"{len(workload)} requests, {sum(len(w.prompt_token_ids) for w in workload)} prompt tokens, "
+          f"{sum(w.output_len for w in workload)} output tokens (forced, greedy)", flush=True)
+    results = []
+    for b in backends:
+        if b == "octavo":
+            results.append(run_octavo(workload, engine_kwargs(args)))
+        elif b == "hf":
+            results.append(run_hf(workload, resolve_model(args.model), args.hf_batch_size))
+        else:
+            results.append(run_hf_cb(workload, resolve_model(args.model)))
+        print(format_results(results[-1:]), flush=True)
+    print("\n" + format_results(results))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump([r.to_dict() for r in results], fh, indent=2)
+    return 0
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from octavo.bench.serve import format_summary, plot_serve, run_serve_benchmark, summarise
+
+    workload = load_workload(args)
+    records, duration = asyncio.run(run_serve_benchmark(
+        args.base_url, workload, model=args.model_name, request_rate=args.request_rate, burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency, api_key=args.api_key, seed=args.seed,
+    ))
+    summary = summarise(records, duration)
+    print(format_summary(summary))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(summary, fh, indent=2)
+    if args.plot:
+        plot_serve(records, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0 if summary["failed"] == 0 else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="octavo", description="Serve LLMs with a paged KV cache and continuous batching.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -251,6 +330,28 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--json", default=None, help="write all results as JSON to this file")
     sim.add_argument("--plot", default=None, help="write a PNG: KV memory and resident sequences over time per policy")
     sim.set_defaults(func=cmd_simulate)
+
+    bench = sub.add_parser("bench", help="benchmarks: offline throughput, online serving latency")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    tp = bench_sub.add_parser("throughput", help="offline tokens/s of Octavo, transformers generate (hf) and its continuous batching (hf-cb)")
+    add_workload_flags(tp, with_seed=False)
+    add_engine_flags(tp, model_positional=False)
+    tp.add_argument("--backend", default="octavo", help="octavo, hf or hf-cb")
+    tp.add_argument("--compare", default=None, help="more backends to run in turn, e.g. hf,hf-cb; ratios are printed")
+    tp.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf backend")
+    tp.add_argument("--json", default=None, help="write the results to this JSON file")
+    tp.set_defaults(func=cmd_bench_throughput)
+    sv = bench_sub.add_parser("serve", help="send a workload to an OpenAI-compatible server and measure TTFT, TPOT, ITL, E2E")
+    add_workload_flags(sv)
+    sv.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    sv.add_argument("--model-name", default=None, help="model name to send (default: none; the server's own)")
+    sv.add_argument("--api-key", default=None)
+    sv.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf sends all at once")
+    sv.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival times (1: Poisson)")
+    sv.add_argument("--max-concurrency", type=int, default=None)
+    sv.add_argument("--json", default=None)
+    sv.add_argument("--plot", default=None, help="PNG of latency distributions and throughput over time")
+    sv.set_defaults(func=cmd_bench_serve)
     return parser
 
 

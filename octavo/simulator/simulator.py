@@ -132,7 +132,7 @@ def _attended(out: SchedulerOutput) -> int:
     return sum(e.num_tokens * e.start_pos + e.num_tokens * (e.num_tokens + 1) // 2 for e in out.scheduled)
 
 
-def _used_slots(s: Scheduler) -> int:
+def used_slots(s: Scheduler) -> int:
     """Slots holding a token, each shared block counted once."""
     kv, fill = s.kv_cache, {}
     bs = kv.block_size
@@ -185,7 +185,7 @@ def simulate(workload: list[SimRequest], policy: Policy, cfg: SimConfig) -> SimR
         useful_slot_steps += len(out.scheduled)
         prompt_computed += sum(max(0, min(e.start_pos + e.num_tokens, len(e.prompt_token_ids)) - e.start_pos) for e in out.scheduled)
         allocated = (sched.kv_cache.num_blocks - sched.kv_cache.num_free_blocks) * sched.kv_cache.block_size
-        used = _used_slots(sched)
+        used = used_slots(sched)
         if allocated:
             kv_util_sum += used / allocated
             kv_steps += 1

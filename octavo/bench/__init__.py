@@ -1,0 +1,1 @@
+"""Benchmarks: offline throughput against transformers, online latency against any OpenAI server."""

@@ -1,0 +1,181 @@
+"""Online benchmark against any OpenAI-compatible server: arrivals, concurrency, streamed latencies.
+
+Requests go to POST {base_url}/v1/completions with the prompt as token ids, max_tokens and
+ignore_eos (so every server does the same work), stream=true. Per request: TTFT (first text),
+ITL (gaps between streamed chunks with text), TPOT ((end - first token) / (tokens - 1)), E2E.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from octavo.simulator.simulator import percentiles
+from octavo.simulator.workload import SimRequest
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    ok: bool
+    start: float
+    ttft: float | None = None
+    e2e: float | None = None
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    chunk_times: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.e2e is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+async def _one(client: httpx.AsyncClient, url: str, model: str | None, w: SimRequest, headers: dict) -> RequestRecord:
+    body: dict[str, Any] = {"prompt": list(w.prompt_token_ids), "max_tokens": w.output_len, "temperature": 0,
+                            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if model:
+        body["model"] = model
+    start = time.perf_counter()
+    rec = RequestRecord(ok=False, start=start)
+    last = start
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                rec.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
+                return rec
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                now = time.perf_counter()
+                if data.get("usage"):
+                    rec.output_tokens = data["usage"].get("completion_tokens", rec.output_tokens)
+                if data.get("choices") and data["choices"][0].get("text"):
+                    if rec.ttft is None:
+                        rec.ttft = now - start
+                    else:
+                        rec.itl.append(now - last)
+                    rec.chunk_times.append(now)
+                    last = now
+        rec.e2e = time.perf_counter() - start
+        rec.ok = rec.ttft is not None
+        if not rec.ok:
+            rec.error = "no text was streamed"
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        rec.error = f"{type(exc).__name__}: {exc}"
+    return rec
+
+
+async def run_serve_benchmark(
+    base_url: str, workload: list[SimRequest], model: str | None = None, request_rate: float = float("inf"),
+    burstiness: float = 1.0, max_concurrency: int | None = None, api_key: str | None = None, seed: int = 0,
+    progress: bool = True,
+) -> tuple[list[RequestRecord], float]:
+    """Send the workload (gamma inter-arrivals of mean 1/rate; Poisson at burstiness 1); returns the
+    records in workload order and the wall time of the whole run."""
+    from tqdm.auto import tqdm
+
+    rng = random.Random(seed)
+    url = base_url.rstrip("/") + "/v1/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    bar = tqdm(total=len(workload), desc="bench serve", unit="req", disable=not progress)
+    timeout = httpx.Timeout(None, connect=30.0)
+    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
+
+        async def guarded(w: SimRequest) -> RequestRecord:
+            if limit is None:
+                rec = await _one(client, url, model, w, headers)
+            else:
+                async with limit:
+                    rec = await _one(client, url, model, w, headers)
+            bar.update(1)
+            return rec
+
+        start = time.perf_counter()
+        tasks = []
+        for w in workload:
+            tasks.append(asyncio.create_task(guarded(w)))
+            if request_rate != float("inf"):
+                await asyncio.sleep(rng.gammavariate(burstiness, 1.0 / (request_rate * burstiness)))
+        records = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    bar.close()
+    return list(records), duration
+
+
+def summarise(records: list[RequestRecord], duration: float) -> dict[str, Any]:
+    ok = [r for r in records if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+
+    def ms(values: list[float]) -> dict[str, float]:
+        return {k: v * 1000 for k, v in percentiles(values).items()}
+
+    return {
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "errors": sorted({r.error for r in records if r.error})[:5],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration if duration else math.nan,
+        "output_throughput": out_tokens / duration if duration else math.nan,
+        "output_tokens": out_tokens,
+        "ttft_ms": ms([r.ttft for r in ok if r.ttft is not None]),
+        "tpot_ms": ms([r.tpot for r in ok if r.tpot is not None]),
+        "itl_ms": ms([x for r in ok for x in r.itl]),
+        "e2e_ms": ms([r.e2e for r in ok if r.e2e is not None]),
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    lines = [
+        f"completed {s['completed']}, failed {s['failed']}, duration {s['duration_s']:.1f} s",
+        f"request throughput {s['request_throughput']:.2f} req/s, output throughput {s['output_throughput']:.1f} tok/s",
+    ]
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        p = s[key]
+        lines.append(f"{key[:-3].upper():5} ms  mean {p['mean']:9.1f}  median {p['p50']:9.1f}  p90 {p['p90']:9.1f}  p99 {p['p99']:9.1f}")
+    if s["errors"]:
+        lines.append("errors: " + "; ".join(s["errors"]))
+    return "\n".join(lines)
+
+
+def plot_serve(records: list[RequestRecord], path: str) -> None:
+    """Latency distributions (TTFT, ITL, E2E) and output tokens/s over time, in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in records if r.ok]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for ax, (name, values) in zip(
+        axes.flat[:3],
+        (("TTFT (ms)", [r.ttft * 1000 for r in ok]), ("ITL (ms)", [x * 1000 for r in ok for x in r.itl]),
+         ("E2E latency (ms)", [r.e2e * 1000 for r in ok])),
+    ):
+        ax.hist(values, bins=40)
+        ax.set_title(name)
+        ax.set_ylabel("count")
+    times = sorted(t for r in ok for t in r.chunk_times)
+    ax = axes.flat[3]
+    if times:
+        t0 = min(r.start for r in ok)
+        buckets: dict[int, int] = {}
+        for t in times:
+            buckets[int(t - t0)] = buckets.get(int(t - t0), 0) + 1
+        xs = list(range(max(buckets) + 1))
+        ax.plot(xs, [buckets.get(x, 0) for x in xs])
+    ax.set_title("streamed chunks per second (~ output tokens/s)")
+    ax.set_xlabel("seconds since start")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
