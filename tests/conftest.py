@@ -54,3 +54,6 @@ def make_llm(smol, smol_dir):
         return LLM.from_engine(LLMEngine(config, model, tokenizer, weight_bytes))
 
     return build
+
+
+from tests.live_server import live_server  # noqa: E402,F401  (session fixture: one server for all tests)

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from octavo.sampling.params import SamplingParams
-from tests.server.conftest import API_KEY, MAX_MODEL_LEN, MODEL, free_port
+from tests.live_server import API_KEY, MAX_MODEL_LEN, MODEL, free_port
 
 PROMPT = "The three primary colours are"
 

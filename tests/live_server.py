@@ -1,4 +1,4 @@
-"""A live `octavo serve` on 127.0.0.1 at a free port, shared by the server tests of a session."""
+"""A live `octavo serve` on 127.0.0.1 at a free port, shared by the server and bench tests of a session."""
 
 from __future__ import annotations
 

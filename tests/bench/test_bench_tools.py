@@ -1,0 +1,69 @@
+"""Benchmark tools: workloads read exactly, forced lengths honoured by every backend, counts right,
+and `bench serve` against a live Octavo server completes with zero failures. No timing assertions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from octavo.bench.serve import run_serve_benchmark, summarise
+from octavo.bench.throughput import OutputCountError, _check, run_hf, run_hf_cb, run_octavo
+from octavo.simulator.workload import SimRequest, trace_workload
+from tests.live_server import API_KEY, MODEL
+
+SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "workloads" / "random_n64.json"
+TINY = [SimRequest(0.0, (101, 202, 303, 404, 505), 3), SimRequest(0.0, tuple(range(700, 709)), 6),
+        SimRequest(0.0, (9, 8, 7), 2)]
+
+
+@pytest.mark.skipif(not SHARED.is_file(), reason="../shared/workloads is not beside this checkout")
+def test_replay_reads_the_shared_workload_exactly():
+    raw = json.loads(SHARED.read_text())
+    work = trace_workload(SHARED)
+    assert len(work) == raw["meta"]["n"] == 64
+    assert [list(w.prompt_token_ids) for w in work] == [r["prompt_token_ids"] for r in raw["requests"]]
+    assert [w.output_len for w in work] == [r["max_tokens"] for r in raw["requests"]]
+    assert sum(len(w.prompt_token_ids) for w in work) == raw["meta"]["total_prompt_tokens"]
+    assert sum(w.output_len for w in work) == raw["meta"]["total_output_tokens"]
+
+
+def test_count_check_refuses_a_backend_that_stops_early():
+    _check("x", [3, 4], [3, 4])
+    with pytest.raises(OutputCountError, match=r"\(1, 4, 2\)"):
+        _check("x", [3, 4], [3, 2])
+
+
+def test_octavo_backend_honours_forced_lengths_and_reports_counts(smol_dir):
+    r = run_octavo(TINY, {"kv_cache_memory": 64 << 20}, progress=False)
+    assert r.num_requests == 3 and r.output_tokens == 11 and r.prompt_tokens == 17
+    assert r.extra["prompt_tokens_computed"] == 17 and r.extra["preemptions"] == 0
+    assert 0 < r.extra["mean_kv_utilisation"] <= 1 and r.peak_memory_bytes > 0
+
+
+@pytest.mark.parametrize("backend", ["hf", "hf-cb"])
+def test_transformers_backends_honour_forced_lengths(smol_dir, backend):
+    r = run_hf(TINY, smol_dir, batch_size=2, progress=False) if backend == "hf" else run_hf_cb(TINY, smol_dir, progress=False)
+    assert r.backend == backend and r.num_requests == 3 and r.output_tokens == 11
+
+
+def test_bench_serve_against_a_live_octavo_server(live_server):
+    work = [SimRequest(0.0, tuple(range(300 + 10 * i, 310 + 10 * i + i)), 4 + i % 3) for i in range(8)]
+    records, duration = asyncio.run(run_serve_benchmark(
+        live_server.url, work, model=MODEL, request_rate=20.0, max_concurrency=4, api_key=API_KEY, progress=False))
+    s = summarise(records, duration)
+    assert s["completed"] == 8 and s["failed"] == 0, s["errors"]
+    assert s["output_tokens"] == sum(w.output_len for w in work)
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        p = s[key]
+        assert 0 < p["p50"] <= p["p90"] <= p["p99"], (key, p)
+    assert s["ttft_ms"]["p50"] <= s["e2e_ms"]["p50"]
+
+
+def test_bench_serve_counts_failures(live_server):
+    work = [SimRequest(0.0, (1, 2, 3), 2)]
+    records, duration = asyncio.run(run_serve_benchmark(live_server.url, work, api_key="wrong", progress=False))
+    s = summarise(records, duration)
+    assert s["failed"] == 1 and "HTTP 401" in s["errors"][0]
