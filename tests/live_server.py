@@ -35,6 +35,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, read_log, timeout_s: float = 180) -> None:
+    """Poll /health until 200; fail with the server's log if it exits or never gets there."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited early:\n{read_log()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"server did not become healthy:\n{read_log()}")
+
+
 @pytest.fixture(scope="session")
 def live_server(tmp_path_factory, smol_dir):  # smol_dir: the embedded model is converted before start
     port = free_port()
@@ -46,19 +62,7 @@ def live_server(tmp_path_factory, smol_dir):  # smol_dir: the embedded model is 
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited early:\n{log.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    else:
-        proc.kill()
-        raise RuntimeError(f"server did not become healthy:\n{log.read_text()}")
+    wait_healthy(url, proc, lambda: log.read_text())
     server = LiveServer(url, proc, log)
     yield server
     if proc.poll() is None:

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from octavo.sampling.params import SamplingParams
-from tests.live_server import API_KEY, MAX_MODEL_LEN, MODEL, free_port
+from tests.live_server import API_KEY, MAX_MODEL_LEN, MODEL, free_port, wait_healthy
 
 PROMPT = "The three primary colours are"
 
@@ -220,13 +220,7 @@ def test_sigterm_lets_an_in_flight_stream_finish_then_exits_0(smol_dir):
     proc = subprocess.Popen([sys.executable, "-m", "octavo.cli", "serve", "--port", str(port),
                              "--kv-cache-memory", str(64 << 20)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.3)
+    wait_healthy(url, proc, lambda: proc.stdout.read().decode() if proc.poll() is not None else "")
     sync = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
     stream = sync.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, stream=True,
                                      extra_body={"ignore_eos": True})
