@@ -17,7 +17,6 @@ from octavo.kv_cache.manager import KVCacheManager
 from octavo.memory import KVSizing, size_kv_cache
 from octavo.model_runner import ModelRunner
 from octavo.models.loader import load_model, resolve_model
-from octavo.models.registry import load_model_config
 from octavo.request import (
     CompletionOutput,
     FinishReason,
@@ -103,8 +102,8 @@ class LLMEngine:
         args = args or EngineArgs(**kwargs)
         torch.manual_seed(args.seed)
         model_dir = resolve_model(args.model)
-        config = args.to_config(load_model_config(model_dir))
-        model, _ = load_model(model_dir, dtype=_DTYPES[args.dtype], device=args.device)
+        model, model_config = load_model(model_dir, dtype=_DTYPES[args.dtype], device=args.device)
+        config = args.to_config(model_config)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         return cls(config, model, load_tokenizer(model_dir), weight_bytes)
 

@@ -4,22 +4,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from octavo.sampling.params import SamplingParams
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
 
 
 class StreamOptions(BaseModel):
@@ -97,13 +86,6 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
 
 
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: dict[str, int] | None = None
-
-
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -111,5 +93,3 @@ def new_id(prefix: str) -> str:
 def now() -> int:
     return int(time.time())
 
-
-FinishReason = Literal["stop", "length", "abort"] | None
