@@ -34,6 +34,7 @@ def add_engine_flags(parser: argparse.ArgumentParser, model_positional: bool = T
     parser.add_argument("--memory-fraction", type=float, default=None, help="share of device memory for weights, activations and KV cache")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and KV cache dtype (float32 is fastest on CPUs without bf16 units)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "reference"], help="paged-attention kernel: the C++ CPU kernel (auto on float32 CPU; compiled once per machine) or the torch reference")
     parser.add_argument("--seed", type=int, default=0, help="random seed (engine sampling, and the workload's)")
 
 
@@ -50,6 +51,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         memory_fraction=args.memory_fraction,
         dtype=args.dtype,
         device=args.device,
+        attention_backend=args.attention_backend,
         seed=args.seed,
     )
 

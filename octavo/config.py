@@ -119,4 +119,5 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     dtype: str = "float32"
     device: str = "cpu"
+    attention_backend: str = "auto"
     seed: int = 0

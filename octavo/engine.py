@@ -89,7 +89,13 @@ class LLMEngine:
         kv = KVCacheManager(sizing.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, kv)
         self.runner = ModelRunner(
-            model, config.model_config, self.config.cache, self.eos_token_ids, config.device, _DTYPES[config.dtype]
+            model,
+            config.model_config,
+            self.config.cache,
+            self.eos_token_ids,
+            config.device,
+            _DTYPES[config.dtype],
+            config.attention_backend,
         )
         self._states: dict[str, _RequestState] = {}
         self._num_prompt_tokens = 0

@@ -34,11 +34,14 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     dtype: str = "float32"
     device: str = "cpu"
+    attention_backend: str = "auto"  # "auto", "cpu" (the C++ kernel) or "reference" (torch)
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "cpu", "reference"):
+            raise ValueError(f"attention_backend must be auto, cpu or reference, got {self.attention_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
@@ -68,5 +71,6 @@ class EngineArgs:
             ),
             dtype=self.dtype,
             device=self.device,
+            attention_backend=self.attention_backend,
             seed=self.seed,
         )

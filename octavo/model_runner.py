@@ -10,7 +10,7 @@ import torch
 
 from octavo.config import CacheConfig, ModelConfig
 from octavo.kernels import dispatch
-from octavo.kernels.metadata import AttentionMetadata, PrefillSpan
+from octavo.kernels.metadata import AttentionMetadata, gather_contexts
 from octavo.memory import keep_freed_memory_mapped
 from octavo.models.llama import LlamaForCausalLM
 from octavo.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -26,6 +26,7 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...],
         device: str = "cpu",
         kv_dtype: torch.dtype = torch.float32,
+        attention_backend: str = "auto",
     ) -> None:
         if cache_config.num_blocks is None:
             raise ValueError("the cache must be sized (cache_config.num_blocks) before the runner starts")
@@ -42,6 +43,7 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self._kv_dtype = kv_dtype
+        self.attention_backend = dispatch.select_attention_backend(attention_backend, self.device, kv_dtype)
         if self.device.type == "cpu":
             keep_freed_memory_mapped()
 
@@ -69,56 +71,39 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        spans: list[PrefillSpan] = []
+        query_starts: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        bs = self.block_size
+        max_blocks = max(-(-(e.start_pos + e.num_tokens) // bs) for e in entries)
+        tables: list[list[int]] = []
         for e in entries:
             start, end = e.start_pos, e.start_pos + e.num_tokens
+            query_starts.append(len(input_ids))
+            query_lens.append(e.num_tokens)
+            context_lens.append(end)
             input_ids.extend(e.token_ids)
             positions.extend(range(start, end))
             slots.extend(self._slots(e.block_ids, start, end))
-            if e.num_tokens == 1:
-                decode_tables.append(e.block_ids)
-                decode_lens.append(end)
-            else:
-                spans.append(
-                    PrefillSpan(
-                        q_start=len(input_ids) - e.num_tokens,
-                        q_len=e.num_tokens,
-                        context_len=end,
-                        context_slots=torch.tensor(self._slots(e.block_ids, 0, end), dtype=torch.long, device=self.device),
-                    )
-                )
-        decode_slots, decode_mask = self._decode_gather(decode_tables, decode_lens)
+            table = e.block_ids[:max_blocks]
+            tables.append(table + [0] * (max_blocks - len(table)))
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            num_decode_tokens=len(decode_lens),
-            decode_slots=decode_slots,
-            decode_mask=decode_mask,
-            prefills=spans,
-            decode_workspace=self._decode_workspace(decode_slots.numel() * self.model_config.num_kv_heads * self.model_config.head_dim)
-            if decode_tables
-            else None,
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=self.device),
+            query_starts=torch.tensor(query_starts, dtype=torch.int32, device=self.device),
+            query_lens=torch.tensor(query_lens, dtype=torch.int32, device=self.device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
+            num_decode_tokens=sum(1 for n in query_lens if n == 1),
+            backend=self.attention_backend,
         )
+        if self.attention_backend == "reference":
+            nd = meta.num_decode_tokens
+            max_len = max(context_lens[:nd], default=0)
+            workspace = self._decode_workspace(nd * max_len * self.model_config.num_kv_heads * self.model_config.head_dim)
+            meta.gathered = gather_contexts(meta, bs, workspace if nd else None)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos, meta
-
-    def _decode_gather(self, tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slot of every key of every single-token request, padded to the longest: [B, L] each."""
-        if not tables:
-            empty = torch.zeros((0, 0), dtype=torch.long, device=self.device)
-            return empty, empty.bool()
-        bs = self.block_size
-        max_len = max(lens)
-        max_blocks = -(-max_len // bs)
-        padded = [t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks)) for t in tables]
-        table = torch.tensor(padded, dtype=torch.long, device=self.device)  # [B, max_blocks]
-        offsets = torch.arange(bs, device=self.device)
-        slots = (table[:, :, None] * bs + offsets).reshape(len(tables), -1)[:, :max_len]  # [B, L]
-        lens_t = torch.tensor(lens, device=self.device)
-        mask = torch.arange(max_len, device=self.device)[None, :] < lens_t[:, None]  # [B, L]
-        return slots, mask
 
     # ---- one step ----------------------------------------------------------------------------
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+BACKENDS = ("reference", "cpu")
+
 
 @dataclass(slots=True)
 class PrefillSpan:
@@ -19,15 +21,13 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
-class AttentionMetadata:
-    """Token order in the batch: the decode-like requests (one query token each) first, then spans.
+class GatheredContexts:
+    """The torch reference kernel's view of a step: every key's slot, for gathering contexts.
 
-    `decode_slots[i, j]` is the slot of key j of decode request i, padded past
-    `decode_context_lens[i]` (masked by `decode_mask`). It is shared by every layer of the step.
+    `decode_slots[i, j]` is the slot of key j of decode request i, padded past its context
+    length (masked by `decode_mask`). Built once per step and shared by every layer.
     """
 
-    slot_mapping: torch.Tensor  # [num_tokens] long: where each token's K/V is written
-    num_decode_tokens: int
     decode_slots: torch.Tensor  # [num_decodes, max_context] long
     decode_mask: torch.Tensor  # [num_decodes, max_context] bool, True where a key exists
     prefills: list[PrefillSpan]
@@ -35,3 +35,46 @@ class AttentionMetadata:
     # for the gathered keys and values: fresh tensors of tens of MB per layer would each pay page
     # faults that cost more than the copy itself.
     decode_workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """One step's requests as the kernels see them, in batch order: the single-token (decode-like)
+    requests first, then the multi-token spans.
+
+    Request s owns query rows [query_starts[s], query_starts[s] + query_lens[s]) at absolute
+    positions [context_lens[s] - query_lens[s], context_lens[s]); its keys 0 .. context_lens[s]-1
+    are in blocks block_tables[s, 0 ..] (rows padded with block 0 past the request's blocks).
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] long: where each token's K/V is written
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    query_starts: torch.Tensor  # [num_seqs] int32
+    query_lens: torch.Tensor  # [num_seqs] int32
+    context_lens: torch.Tensor  # [num_seqs] int32
+    num_decode_tokens: int
+    backend: str = "reference"  # which paged-attention kernel runs this step (see kernels/dispatch.py)
+    gathered: GatheredContexts | None = None  # the reference kernel's slots, when it runs
+
+
+def gather_contexts(
+    meta: AttentionMetadata, block_size: int, workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> GatheredContexts:
+    """Expand the block tables into per-key slots (the reference kernel's input)."""
+    device = meta.block_tables.device
+    tables = meta.block_tables.long()
+    offsets = torch.arange(block_size, device=device)
+    nd = meta.num_decode_tokens
+    if nd:
+        max_len = int(meta.context_lens[:nd].max())
+        slots = (tables[:nd, :, None] * block_size + offsets).reshape(nd, -1)[:, :max_len]  # [nd, L]
+        mask = torch.arange(max_len, device=device)[None, :] < meta.context_lens[:nd, None]  # [nd, L]
+    else:
+        slots = torch.zeros((0, 0), dtype=torch.long, device=device)
+        mask = slots.bool()
+    spans = []
+    for s in range(nd, tables.shape[0]):
+        context_len = int(meta.context_lens[s])
+        context_slots = (tables[s, :, None] * block_size + offsets).reshape(-1)[:context_len]
+        spans.append(PrefillSpan(int(meta.query_starts[s]), int(meta.query_lens[s]), context_len, context_slots))
+    return GatheredContexts(slots, mask, spans, workspace)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from octavo.kernels.metadata import AttentionMetadata
+from octavo.kernels.metadata import AttentionMetadata, gather_contexts
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -50,8 +50,10 @@ def paged_attention(
 
     q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
     Decode-like requests are batched together (one gather, two batched matmuls); each multi-token
-    span attends on its own, to its cached prefix and causally within itself.
+    span attends on its own, to its cached prefix and causally within itself. Uses the step's
+    `meta.gathered` slots when the runner built them, else expands the block tables here.
     """
+    gathered = meta.gathered if meta.gathered is not None else gather_contexts(meta, k_cache.shape[1])
     num_kv_heads, head_dim = k_cache.shape[-2:]
     num_heads = q.shape[1]
     group = num_heads // num_kv_heads
@@ -61,26 +63,27 @@ def paged_attention(
 
     nd = meta.num_decode_tokens
     if nd:
-        max_len = meta.decode_slots.shape[1]
-        slots = meta.decode_slots.reshape(-1)
-        if meta.decode_workspace is not None:
+        max_len = gathered.decode_slots.shape[1]
+        slots = gathered.decode_slots.reshape(-1)
+        workspace = gathered.decode_workspace
+        if workspace is not None and workspace[0].numel() >= slots.numel() * num_kv_heads * head_dim:
             size = slots.numel() * num_kv_heads * head_dim
-            k_buf = meta.decode_workspace[0][:size].view(-1, num_kv_heads, head_dim)
-            v_buf = meta.decode_workspace[1][:size].view(-1, num_kv_heads, head_dim)
+            k_buf = workspace[0][:size].view(-1, num_kv_heads, head_dim)
+            v_buf = workspace[1][:size].view(-1, num_kv_heads, head_dim)
             keys = torch.index_select(k_flat, 0, slots, out=k_buf).view(nd, max_len, num_kv_heads, head_dim)
             values = torch.index_select(v_flat, 0, slots, out=v_buf).view(nd, max_len, num_kv_heads, head_dim)
         else:
-            keys = k_flat[meta.decode_slots]  # [nd, L, kvh, d]
-            values = v_flat[meta.decode_slots]  # [nd, L, kvh, d]
+            keys = k_flat[gathered.decode_slots]  # [nd, L, kvh, d]
+            values = v_flat[gathered.decode_slots]  # [nd, L, kvh, d]
         qd = q[:nd].view(nd, num_kv_heads, group, head_dim)  # [nd, kvh, g, d]
-        hidden_mask = ~meta.decode_mask[:, None, :]  # [nd, 1, L]
+        hidden_mask = ~gathered.decode_mask[:, None, :]  # [nd, 1, L]
         for h in range(num_kv_heads):
             # Strided per-head views feed the batched GEMMs directly (no transposed copies).
             scores = torch.bmm(qd[:, h], keys[:, :, h, :].transpose(1, 2)) * scale  # [nd, g, L]
             probs = torch.softmax(scores.masked_fill_(hidden_mask, float("-inf")), dim=-1)
             out[:nd, h * group : (h + 1) * group] = torch.bmm(probs, values[:, :, h, :])  # [nd, g, d]
 
-    for span in meta.prefills:
+    for span in gathered.prefills:
         qs = q[span.q_start : span.q_start + span.q_len].transpose(0, 1)  # [H, n, d]
         keys = k_flat[span.context_slots].transpose(0, 1)  # [kvh, ctx, d]
         values = v_flat[span.context_slots].transpose(0, 1)  # [kvh, ctx, d]

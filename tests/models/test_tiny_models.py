@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from octavo.config import CacheConfig
+from octavo.kernels import cpu
 from octavo.model_runner import ModelRunner
 from octavo.models.loader import load_model
 from octavo.outputs import ScheduledRequest
@@ -80,9 +81,15 @@ def test_config_translation(pair):
     assert (cfg.rope.scaling_type == "llama3") == (name == "llama3-rope")
 
 
-def test_paged_prefill_chunked_prefill_and_decode_match_transformers(pair):
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_paged_prefill_chunked_prefill_and_decode_match_transformers(pair, backend):
     _, hf, model, cfg = pair
-    runner = ModelRunner(model, cfg, CacheConfig(block_size=BS, num_blocks=32), eos_token_ids=())
+    if backend == "cpu" and cpu.load() is None:
+        pytest.skip("the C++ CPU kernel is not built on this machine (tests/kernels says why)")
+    runner = ModelRunner(
+        model, cfg, CacheConfig(block_size=BS, num_blocks=32), eos_token_ids=(), attention_backend=backend
+    )
+    assert runner.attention_backend == backend
     torch.manual_seed(1)
     a = torch.randint(0, 97, (11,)).tolist()
     b = torch.randint(0, 97, (7,)).tolist()

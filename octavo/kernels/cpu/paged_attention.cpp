@@ -1,0 +1,269 @@
+// Paged attention for the CPU: every query row reads its request's keys and values straight from
+// the block pool, once, with no gathered copy of the context.
+//
+// Work item = (request, KV head, tile of up to `q_tile` query tokens). Its rows are the tile's
+// tokens x the query heads that share the KV head (grouped-query attention). Three passes, the
+// same arithmetic as the torch reference (scores * scale, exact softmax, probabilities x values):
+//   1. scores[r][j] = (q_r . k_j) * scale for every key j the row may see (causal);
+//   2. a row-wise softmax over those scores;
+//   3. out_r = sum_j p[r][j] * v_j.
+// Keys and values of one block stay in L1 while all rows of the tile use them. Items are handed
+// out dynamically, because their cost grows with the context length.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define OCTAVO_AVX2 1
+#endif
+
+namespace {
+
+struct Item {
+  int32_t seq;
+  int32_t tile_start;  // first query token of the tile, relative to the request's span
+  int32_t tile_len;
+};
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t d = 0; d < n; ++d) acc += a[d] * b[d];
+  return acc;
+}
+
+// scores[j] = (q . k_j) * scale for j in [0, n), keys `stride` floats apart.
+inline void dot_keys(const float* __restrict q, const float* __restrict k, int64_t stride, int64_t n,
+                     int64_t head_dim, float scale, float* __restrict scores) {
+  int64_t j = 0;
+#ifdef OCTAVO_AVX2
+  if (head_dim % 8 == 0) {
+    // Eight keys at a time: eight independent FMA chains, then one transposing reduction that
+    // yields their eight sums in one register.
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (; j + 8 <= n; j += 8) {
+      const float* kj = k + j * stride;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+      for (int64_t d = 0; d < head_dim; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + d), a0);
+        a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + stride + d), a1);
+        a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + 2 * stride + d), a2);
+        a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + 3 * stride + d), a3);
+        a4 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + 4 * stride + d), a4);
+        a5 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + 5 * stride + d), a5);
+        a6 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + 6 * stride + d), a6);
+        a7 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + 7 * stride + d), a7);
+      }
+      const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+      const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+      const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+      _mm256_storeu_ps(scores + j, _mm256_mul_ps(sums, vscale));
+    }
+  }
+#endif
+  for (; j < n; ++j) scores[j] = dot(q, k + j * stride, head_dim) * scale;
+}
+
+#ifdef OCTAVO_AVX2
+// The accumulator row lives in CHUNKS registers for the whole loop (a compile-time count, so the
+// compiler keeps it out of memory).
+template <int CHUNKS>
+inline void accumulate_values_avx2(const float* __restrict p, const float* __restrict v, int64_t stride, int64_t n,
+                                   float* __restrict acc) {
+  __m256 a[CHUNKS];
+#pragma GCC unroll 16
+  for (int c = 0; c < CHUNKS; ++c) a[c] = _mm256_loadu_ps(acc + 8 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const float* vj = v + j * stride;
+#pragma GCC unroll 16
+    for (int c = 0; c < CHUNKS; ++c) a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), a[c]);
+  }
+#pragma GCC unroll 16
+  for (int c = 0; c < CHUNKS; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
+}
+#endif
+
+// acc += sum_j p[j] * v_j for j in [0, n), values `stride` floats apart.
+inline void accumulate_values(const float* __restrict p, const float* __restrict v, int64_t stride, int64_t n,
+                              int64_t head_dim, float* __restrict acc) {
+#ifdef OCTAVO_AVX2
+  switch (head_dim) {
+    case 64: return accumulate_values_avx2<8>(p, v, stride, n, acc);
+    case 128: return accumulate_values_avx2<16>(p, v, stride, n, acc);
+    case 32: return accumulate_values_avx2<4>(p, v, stride, n, acc);
+    default: break;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) {
+    const float pj = p[j];
+    const float* __restrict vj = v + j * stride;
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; ++d) acc[d] += pj * vj[d];
+  }
+}
+
+// x[j] = exp(x[j] - m) for j in [0, n); returns their sum.
+inline float exp_shifted_sum(float* __restrict x, int64_t n, float m) {
+  float sum = 0.f;
+  int64_t j = 0;
+#ifdef OCTAVO_AVX2
+  // Cephes' single-precision exp (range reduction by ln 2, degree-5 polynomial): within ~2 ulp.
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f), half = _mm256_set1_ps(0.5f);
+  const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
+  const __m256 one = _mm256_set1_ps(1.f), vm = _mm256_set1_ps(m);
+  __m256 vsum = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    __m256 v = _mm256_sub_ps(_mm256_loadu_ps(x + j), vm);
+    v = _mm256_max_ps(_mm256_min_ps(v, hi), lo);
+    const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(v, log2e, half));
+    v = _mm256_fnmadd_ps(fx, c2, _mm256_fnmadd_ps(fx, c1, v));
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(v, v), v), one);
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    _mm256_storeu_ps(x + j, y);
+    vsum = _mm256_add_ps(vsum, y);
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, vsum);
+  for (float l : lanes) sum += l;
+#endif
+  for (; j < n; ++j) {
+    x[j] = std::exp(x[j] - m);
+    sum += x[j];
+  }
+  return sum;
+}
+
+// Ask for the next block while this one is used: blocks sit at random places in the pool, which
+// the hardware prefetcher cannot guess.
+inline void prefetch_block(const float* block, int64_t num_floats) {
+  for (int64_t f = 0; f < num_floats; f += 16) __builtin_prefetch(block + f, 0, 3);
+}
+
+}  // namespace
+
+// out, q: [num_tokens, num_heads, head_dim] float32, contiguous.
+// k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] float32, contiguous.
+// block_tables: [num_seqs, max_blocks] int32; q_starts, q_lens, context_lens: [num_seqs] int32.
+// Request s owns query rows [q_starts[s], q_starts[s] + q_lens[s]) at absolute positions
+// [context_lens[s] - q_lens[s], context_lens[s]); its keys 0 .. context_lens[s]-1 live in the
+// blocks block_tables[s][0 ..].
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                     torch::Tensor block_tables, torch::Tensor q_starts, torch::Tensor q_lens,
+                     torch::Tensor context_lens, double scale, int64_t q_tile) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "the CPU paged-attention kernel takes float32 tensors");
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "the CPU paged-attention kernel takes contiguous tensors");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && q_starts.scalar_type() == at::kInt &&
+                  q_lens.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
+              "block tables and lengths must be int32");
+  TORCH_CHECK(q_tile >= 1, "q_tile must be positive");
+
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t num_seqs = block_tables.size(0), max_blocks = block_tables.size(1);
+
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* starts = q_starts.data_ptr<int32_t>();
+  const int32_t* lens = q_lens.data_ptr<int32_t>();
+  const int32_t* ctxs = context_lens.data_ptr<int32_t>();
+  const float fscale = static_cast<float>(scale);
+
+  std::vector<Item> items;
+  for (int32_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(lens[s] >= 1 && lens[s] <= ctxs[s], "each request needs 1 <= q_len <= context_len");
+    TORCH_CHECK((ctxs[s] + block_size - 1) / block_size <= max_blocks, "block table too short for the context");
+    for (int32_t t = 0; t < lens[s]; t += static_cast<int32_t>(q_tile))
+      items.push_back({s, t, std::min<int32_t>(static_cast<int32_t>(q_tile), lens[s] - t)});
+  }
+  // Most keys first, so the last items handed out are the cheap ones.
+  auto cost = [&](const Item& it) { return static_cast<int64_t>(ctxs[it.seq] - lens[it.seq] + it.tile_start + it.tile_len) * it.tile_len; };
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return cost(a) > cost(b); });
+
+  const int64_t token_stride = num_kv_heads * head_dim;  // floats between consecutive keys in a block
+  const int64_t block_stride = block_size * token_stride;
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> scores, acc;
+    std::vector<int64_t> limit;
+    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
+      const Item& it = items[i];
+      const int64_t past = ctxs[it.seq] - lens[it.seq];  // keys before the span's first query
+      // Rows are (token of the tile, head), in q's own order: row r is token r / num_heads.
+      const int64_t rows = it.tile_len * num_heads;
+      const int64_t num_keys = past + it.tile_start + it.tile_len;  // the tile's last row sees these
+      const int32_t* table = tables + it.seq * max_blocks;
+      const float* q_tile_ptr = qp + (starts[it.seq] + it.tile_start) * num_heads * head_dim;
+      scores.resize(rows * num_keys);
+      acc.assign(rows * head_dim, 0.f);
+      limit.resize(rows);
+      for (int64_t r = 0; r < rows; ++r) limit[r] = past + it.tile_start + r / num_heads + 1;  // keys visible
+      auto kv_offset = [&](int64_t r) { return ((r % num_heads) / group) * head_dim; };
+
+      // Pass 1: scores. A block's keys for every head are contiguous, so it streams in whole.
+      for (int64_t j0 = 0; j0 < num_keys; j0 += block_size) {
+        const float* kb = kp + static_cast<int64_t>(table[j0 / block_size]) * block_stride;
+        const int64_t jn = std::min(block_size, num_keys - j0);
+        if (j0 + block_size < num_keys) prefetch_block(kp + static_cast<int64_t>(table[j0 / block_size + 1]) * block_stride, block_stride);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t jend = std::min(jn, limit[r] - j0);
+          if (jend > 0)
+            dot_keys(q_tile_ptr + r * head_dim, kb + kv_offset(r), token_stride, jend, head_dim, fscale,
+                     scores.data() + r * num_keys + j0);
+        }
+      }
+      // Pass 2: softmax of each row over its visible keys.
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sr = scores.data() + r * num_keys;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < limit[r]; ++j) m = std::max(m, sr[j]);
+        const float inv = 1.f / exp_shifted_sum(sr, limit[r], m);
+        for (int64_t j = 0; j < limit[r]; ++j) sr[j] *= inv;
+      }
+      // Pass 3: probabilities x values.
+      for (int64_t j0 = 0; j0 < num_keys; j0 += block_size) {
+        const float* vb = vp + static_cast<int64_t>(table[j0 / block_size]) * block_stride;
+        const int64_t jn = std::min(block_size, num_keys - j0);
+        if (j0 + block_size < num_keys) prefetch_block(vp + static_cast<int64_t>(table[j0 / block_size + 1]) * block_stride, block_stride);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t jend = std::min(jn, limit[r] - j0);
+          if (jend > 0)
+            accumulate_values(scores.data() + r * num_keys + j0, vb + kv_offset(r), token_stride, jend, head_dim,
+                              acc.data() + r * head_dim);
+        }
+      }
+      std::copy(acc.begin(), acc.end(), op + (starts[it.seq] + it.tile_start) * num_heads * head_dim);
+    }
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "paged attention over the block pool (CPU, float32)");
+}
