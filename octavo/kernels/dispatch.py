@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from octavo.kernels import cpu, reference
@@ -12,6 +14,18 @@ apply_rotary = reference.apply_rotary
 silu_and_mul = reference.silu_and_mul
 write_kv = reference.write_kv
 copy_blocks = reference.copy_blocks
+
+
+@functools.cache
+def _onednn_linear() -> bool:
+    return cpu.has_onednn_linear()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias: oneDNN for float32 on the CPU where torch has it, else torch's own."""
+    if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and _onednn_linear():
+        return cpu.linear(x, weight, bias)
+    return reference.linear(x, weight, bias)
 
 
 def select_attention_backend(requested: str, device: torch.device, kv_dtype: torch.dtype) -> str:

@@ -8,6 +8,11 @@ import torch.nn.functional as F
 from octavo.kernels.metadata import AttentionMetadata, gather_contexts
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias. x: [num_tokens, in]; weight: [out, in] -> [num_tokens, out]."""
+    return F.linear(x, weight, bias)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32, cast back, then scaled (the order Llama-family models use)."""
     dtype = x.dtype
