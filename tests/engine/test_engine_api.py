@@ -118,3 +118,10 @@ def test_stats_report_usage_and_tokens(make_llm):
     assert stats.num_prompt_tokens_total == 40 and stats.num_generation_tokens_total == 1
     engine.abort_request("s")
     assert engine.get_stats().scheduler.kv_cache_usage == 0
+
+
+def test_unknown_attention_backend_is_refused_with_the_choices():
+    from octavo.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match="auto, cpu or reference"):
+        EngineArgs(attention_backend="flash")

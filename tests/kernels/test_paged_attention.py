@@ -3,6 +3,7 @@ start mid-block, block boundaries, spans longer than the CPU kernel's query tile
 and 4, head dims on and off the vector width): the torch reference (with and without its reused
 gather workspace) and the C++ CPU kernel, each against the dense oracle and against each other."""
 
+import dataclasses
 import shutil
 
 import pytest
@@ -114,6 +115,10 @@ def test_cpu_kernel_rejects_what_it_cannot_do():
     meta.backend = "cpu"
     with pytest.raises(RuntimeError, match="float32"):
         dispatch.paged_attention(q.double(), k_cache, v_cache, meta, scale=1.0)
+    bad_table = meta.block_tables.clone()
+    bad_table[0, 0] = k_cache.shape[0]  # one past the pool: refused, never read
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        dispatch.paged_attention(q, k_cache, v_cache, dataclasses.replace(meta, block_tables=bad_table), scale=1.0)
     meta.context_lens = meta.context_lens + 100  # more keys than the block table holds
     with pytest.raises(RuntimeError, match="block table too short"):
         dispatch.paged_attention(q, k_cache, v_cache, meta, scale=1.0)

@@ -72,10 +72,14 @@ def test_prompt_lengths_span_5_to_600(prompts):
     assert len(prompts) >= 8 and min(map(len, prompts)) == 5 and max(map(len, prompts)) == 600
 
 
-def test_all_in_one_batch(make_llm, prompts, refs):
-    llm = make_llm()
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_all_in_one_batch(make_llm, prompts, refs, backend):
+    """Both attention kernels: the default (the C++ one where it builds) and the torch reference."""
+    llm = make_llm(attention_backend=backend)
+    if backend == "reference":
+        assert llm.engine.runner.attention_backend == "reference"
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    check_all(outs, refs, "one batch")
+    check_all(outs, refs, f"one batch, {llm.engine.runner.attention_backend} attention")
     # everything was admitted at once: the first step computed every prompt
     assert llm.engine.get_stats().num_prompt_tokens_total == sum(map(len, prompts))
 

@@ -1,8 +1,9 @@
 // Paged attention for the CPU: every query row reads its request's keys and values straight from
 // the block pool, once, with no gathered copy of the context.
 //
-// Work item = (request, KV head, tile of up to `q_tile` query tokens). Its rows are the tile's
-// tokens x the query heads that share the KV head (grouped-query attention). Three passes, the
+// Work item = (request, tile of up to `q_tile` of its query tokens). Its rows are the tile's
+// tokens x all query heads; each row reads the KV head its head shares (grouped-query attention),
+// and a block's keys for all KV heads are contiguous, so a block streams in whole. Three passes, the
 // same arithmetic as the torch reference (scores * scale, exact softmax, probabilities x values):
 //   1. scores[r][j] = (q_r . k_j) * scale for every key j the row may see (causal);
 //   2. a row-wise softmax over those scores;
@@ -177,6 +178,9 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
                   q_lens.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "block tables and lengths must be int32");
   TORCH_CHECK(q_tile >= 1, "q_tile must be positive");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && out.sizes() == q.sizes() &&
+                  q.size(2) == k_cache.size(3),
+              "shapes: q, out [tokens, heads, head_dim]; caches [blocks, block_size, kv_heads, head_dim]");
 
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -197,7 +201,13 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
   std::vector<Item> items;
   for (int32_t s = 0; s < num_seqs; ++s) {
     TORCH_CHECK(lens[s] >= 1 && lens[s] <= ctxs[s], "each request needs 1 <= q_len <= context_len");
-    TORCH_CHECK((ctxs[s] + block_size - 1) / block_size <= max_blocks, "block table too short for the context");
+    TORCH_CHECK(starts[s] >= 0 && starts[s] + lens[s] <= q.size(0), "query rows out of range");
+    const int64_t used_blocks = (ctxs[s] + block_size - 1) / block_size;
+    TORCH_CHECK(used_blocks <= max_blocks, "block table too short for the context");
+    for (int64_t b = 0; b < used_blocks; ++b) {
+      const int32_t block = tables[s * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < k_cache.size(0), "block id ", block, " outside the pool");
+    }
     for (int32_t t = 0; t < lens[s]; t += static_cast<int32_t>(q_tile))
       items.push_back({s, t, std::min<int32_t>(static_cast<int32_t>(q_tile), lens[s] - t)});
   }
