@@ -98,9 +98,8 @@ class ModelRunner:
         )
         if self.attention_backend == "reference":
             nd = meta.num_decode_tokens
-            max_len = max(context_lens[:nd], default=0)
-            workspace = self._decode_workspace(nd * max_len * self.model_config.num_kv_heads * self.model_config.head_dim)
-            meta.gathered = gather_contexts(meta, bs, workspace if nd else None)
+            size = nd * max(context_lens[:nd], default=0) * self.model_config.num_kv_heads * self.model_config.head_dim
+            meta.gathered = gather_contexts(meta, bs, self._decode_workspace(size) if nd else None)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos, meta

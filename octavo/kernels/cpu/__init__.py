@@ -79,8 +79,8 @@ def has_onednn_linear() -> bool:
 def linear(x, weight, bias=None):
     """Same contract as `octavo.kernels.reference.linear`, through oneDNN instead of MKL's sgemm.
 
-    Measured on a 2-core AVX2 EPYC (docs/BENCHMARKS.md): 10-20% faster at 2,048 rows and ~35%
-    faster for the 49,152-wide LM head at ~36 rows; no slower at decode shapes.
+    Measured on a 2-core AVX2 EPYC (docs/BENCHMARKS.md): 7-22% faster at 2,048 rows and ~37%
+    faster for the 49,152-wide LM head at ~36 rows; within noise at decode shapes.
     """
     import torch
 
@@ -88,7 +88,7 @@ def linear(x, weight, bias=None):
 
 
 # Query tokens per work item on multi-token spans: 16 tokens x all heads share each key block
-# while it is in L1 (measured: 8 and 32 are no faster on SmolLM2's shapes).
+# while it is in L1. Chosen, not tuned: other tile sizes have not been measured.
 Q_TILE = 16
 
 
