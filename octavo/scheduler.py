@@ -47,6 +47,7 @@ class Scheduler:
         self.config = config
         self.kv_cache = kv_cache
         self.requests: dict[str, Request] = {}
+        self._sequences: dict[str, set[str]] = {}  # user request id -> its live sequence ids
         self.waiting = make_waiting_queue(config.policy)
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -63,6 +64,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        self._sequences.setdefault(request.user_request_id, set()).add(request.request_id)
         self.waiting.add(request)
 
     def check_fits(self, request: Request) -> None:
@@ -71,6 +73,12 @@ class Scheduler:
         num_prompt = request.num_prompt_tokens
         if num_prompt == 0:
             raise RequestRefused("the prompt is empty: at least one token is needed")
+        num_samples = request.num_samples_pending
+        if num_samples > self.config.max_num_seqs:
+            raise RequestRefused(
+                f"n ({num_samples}) exceeds max_num_seqs ({self.config.max_num_seqs}): "
+                "all n completions of a request run at once"
+            )
         if num_prompt >= max_len:
             raise RequestRefused(
                 f"the prompt has {num_prompt} tokens but max_model_len is {max_len}: "
@@ -145,8 +153,13 @@ class Scheduler:
     def _admit_waiting(
         self, budget: int, scheduled: dict[str, tuple[ScheduledRequest, list[tuple[int, int]]]]
     ) -> int:
-        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # A request asked with n > 1 forks into n running sequences once its prompt is computed,
+        # so it is admitted only when all n fit under max_num_seqs.
+        num_seqs = sum(r.num_samples_pending for r in self.running)
+        while len(self.waiting) and budget > 0:
             request = self.waiting.peek()
+            if num_seqs + request.num_samples_pending > self.config.max_num_seqs:
+                break
             computed = self.kv_cache.get_computed_blocks(request)
             num_hit = computed.num_tokens(self.kv_cache.block_size)
             num_new = request.num_tokens - num_hit
@@ -164,6 +177,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.admit_seq = next(self._admit_counter)
             self.running.append(request)
+            num_seqs += request.num_samples_pending
             scheduled[request.request_id] = self._schedule_one(request, num_new, allocation)
             budget -= num_new
         return budget
@@ -217,7 +231,8 @@ class Scheduler:
         return refund
 
     def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
-        """Append sampled tokens, fork n > 1 requests, finish those that hit a stop condition.
+        """Cache the blocks this step filled, append sampled tokens, fork n > 1 requests, finish
+        those that hit a stop condition.
 
         Returns every sequence that received a token this step (finished ones included).
         """
@@ -225,7 +240,12 @@ class Scheduler:
         changed: list[Request] = []
         for entry in output.scheduled:
             request = self.requests.get(entry.request_id)
-            if request is None or not entry.sample_ids:
+            if request is None:
+                continue
+            # The forward has now written KV for [0, start_pos + num_tokens): only now may those
+            # full blocks be shared (before it, a preemption could leave hashes on unwritten KV).
+            self.kv_cache.cache_blocks(request, entry.start_pos + entry.num_tokens)
+            if not entry.sample_ids:
                 continue
             if len(entry.sample_ids) > 1:
                 sequences = [request] + [
@@ -258,6 +278,7 @@ class Scheduler:
         )
         self.kv_cache.fork(leader, child)
         self.requests[child_id] = child
+        self._sequences.setdefault(child.user_request_id, set()).add(child_id)
         self.running.append(child)
         leader.num_samples_pending = 1
         return child
@@ -306,11 +327,16 @@ class Scheduler:
         request.finish_time = time.time()
         self.kv_cache.remove(request)
         del self.requests[request.request_id]
+        siblings = self._sequences.get(request.user_request_id)
+        if siblings is not None:
+            siblings.discard(request.request_id)
+            if not siblings:
+                del self._sequences[request.user_request_id]
         self._finished_ids.append(request.request_id)
 
     def sequences_of(self, user_request_id: str) -> list[str]:
-        """Internal ids of all live sequences of a user's request (one, or the n of a fork)."""
-        return [rid for rid, r in self.requests.items() if r.user_request_id == user_request_id]
+        """Internal ids of all live sequences of a user's request (one, or the n of a fork); O(n)."""
+        return sorted(self._sequences.get(user_request_id, ()))
 
     # ---- reads -------------------------------------------------------------------------------
 

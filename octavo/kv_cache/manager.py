@@ -107,8 +107,10 @@ class KVCacheManager:
 
         start is request.num_computed_tokens, or the hit's length when `computed` is given (a
         request being admitted, whose table must be empty). Returns None and changes nothing
-        when the pool cannot supply the blocks. Blocks that become full are entered into the
-        prefix cache now: their KV is written in this step's forward before anyone reads it.
+        when the pool cannot supply the blocks. Nothing is entered into the prefix cache here:
+        a block becomes shareable only once its tokens are computed (`cache_blocks`, after the
+        step), so a request preempted after being scheduled cannot leave hashes on blocks whose
+        KV was never written.
 
             table:  | full | full | part |  new  |  new  |
                                   ^start        ^start + num_new_tokens
@@ -154,19 +156,22 @@ class KVCacheManager:
             new_blocks = self.pool.allocate(num_new_blocks)
             table.extend(new_blocks)
             block_ids.extend(block.block_id for block in new_blocks)
-        self._cache_full_blocks(request, end)
         return Allocation(block_ids, copies)
 
-    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Enter the request's blocks that are full within its first `num_computed_tokens` tokens
+        into the prefix cache. Call only once the forward has written those tokens' KV."""
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
-        num_full = num_tokens // self.block_size
+        table = self._tables.get(rid)
+        if table is None:
+            return
+        num_full = min(num_computed_tokens // self.block_size, len(table))
         first = self._num_cached_blocks.get(rid, 0)
         if num_full <= first:
             return
         hashes = self._block_hashes(request)
-        table = self._tables[rid]
         for block_idx in range(first, num_full):
             self.pool.cache_block(table[block_idx], hashes[block_idx])
         self._num_cached_blocks[rid] = num_full
@@ -200,3 +205,30 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()
+
+    def check_invariants(self) -> list[str]:
+        """Problems found in the pool and tables (empty when sound); O(num_blocks), for tests and
+        the server's debug endpoint. Checks that every block is free (in the queue once, ref 0)
+        or held with ref_cnt equal to the number of tables holding it, and that the hash map
+        points only at blocks carrying that hash."""
+        problems: list[str] = []
+        free_ids = self.pool.free_queue.block_ids()
+        if len(free_ids) != len(set(free_ids)):
+            problems.append("a block is in the free queue twice")
+        if len(free_ids) != self.pool.num_free_blocks:
+            problems.append(f"free queue holds {len(free_ids)} blocks but counts {self.pool.num_free_blocks}")
+        holders: dict[int, int] = {}
+        for table in self._tables.values():
+            for block in table:
+                holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        free_set = set(free_ids)
+        for block in self.pool.blocks:
+            held = holders.get(block.block_id, 0)
+            if block.ref_cnt != held:
+                problems.append(f"block {block.block_id}: ref_cnt {block.ref_cnt} but held by {held} tables")
+            if (block.ref_cnt == 0) != (block.block_id in free_set):
+                problems.append(f"block {block.block_id}: ref_cnt {block.ref_cnt} but in free queue: {block.block_id in free_set}")
+        for block_hash, block in self.pool.cached.items():
+            if block.block_hash != block_hash:
+                problems.append(f"hash map entry points at {block} with another hash")
+        return problems

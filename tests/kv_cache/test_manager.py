@@ -8,13 +8,27 @@ BS = 4
 
 
 def admit(kv: KVCacheManager, req: Request):
-    """What the scheduler does on admission, without the scheduler: hit, then allocate the rest."""
+    """What the scheduler does on admission, without the scheduler: hit, allocate the rest, and
+    (once the forward has run) cache the blocks it filled."""
     computed = kv.get_computed_blocks(req)
     num_hit = computed.num_tokens(BS)
     alloc = kv.allocate_slots(req, req.num_tokens - num_hit, computed)
     if alloc is not None:
         req.num_computed_tokens = req.num_tokens
+        kv.cache_blocks(req, req.num_tokens)
     return alloc, num_hit
+
+
+def test_blocks_are_shareable_only_once_computed():
+    kv = KVCacheManager(num_blocks=6, block_size=BS)
+    a = make_request("a", list(range(12)))
+    assert kv.allocate_slots(a, 12, kv.get_computed_blocks(a)) is not None
+    b = make_request("b", list(range(12)))
+    assert kv.get_computed_blocks(b).blocks == []  # allocated, not yet written: no hit
+    kv.cache_blocks(a, 8)  # the forward wrote the first two blocks
+    assert len(kv.get_computed_blocks(b).blocks) == 2
+    kv.free(a)  # e.g. preempted: the unwritten third block never became shareable
+    assert len(kv.get_computed_blocks(b).blocks) == 2 and kv.check_invariants() == []
 
 
 def test_blocks_allocated_one_at_a_time_as_sequence_grows():

@@ -2,7 +2,10 @@
 
 Every block is free (in the free queue, ref 0) or held; a block's ref count equals the number of
 block tables holding it; each running request's table covers its computed tokens; and once every
-request has ended, every block is free again.
+request has ended, every block is free again. A shadow KV cache records which token each slot was
+written with (the forward's writes, copy-on-write copies included): every context a scheduled
+request attends to must hold exactly its own tokens, so a prefix hit on a block whose KV was never
+written (a stale hash) fails here.
 """
 
 from collections import Counter
@@ -35,19 +38,37 @@ ops = st.lists(
 )
 
 
+class ShadowKV:
+    """slot -> the token id last written there; what a real forward would have left in the pool."""
+
+    def __init__(self) -> None:
+        self.slots: dict[tuple[int, int], int] = {}
+
+    def run(self, s: Scheduler, out) -> None:
+        """Check every scheduled request's context, then write its new tokens (as the runner does)."""
+        for src, dst in out.copies:
+            for offset in range(BS):
+                if (src, offset) in self.slots:
+                    self.slots[(dst, offset)] = self.slots[(src, offset)]
+                else:
+                    self.slots.pop((dst, offset), None)
+        for e in out.scheduled:
+            tokens = s.requests[e.request_id].all_token_ids
+            for pos in range(e.start_pos):
+                slot = (e.block_ids[pos // BS], pos % BS)
+                assert self.slots.get(slot) == tokens[pos], f"{e.request_id} reads unwritten or foreign KV at {pos}"
+            for pos, token in zip(range(e.start_pos, e.start_pos + e.num_tokens), e.token_ids):
+                self.slots[(e.block_ids[pos // BS], pos % BS)] = token
+
+
 def check_invariants(s: Scheduler) -> None:
     kv = s.kv_cache
-    pool = kv.pool
-    free_ids = pool.free_queue.block_ids()
-    assert len(free_ids) == len(set(free_ids)) == pool.num_free_blocks
+    assert kv.check_invariants() == []
     holders = Counter()
     for rid in s.requests:
         holders.update(kv.block_ids(rid))
-    for block in pool.blocks:
+    for block in kv.pool.blocks:
         assert block.ref_cnt == holders[block.block_id], block
-        assert (block.ref_cnt == 0) == (block.block_id in free_ids)
-    for block_hash, block in pool.cached.items():
-        assert block.block_hash == block_hash
     for req in s.running:
         assert req.status is RequestStatus.RUNNING
         assert len(kv.block_ids(req.request_id)) * BS >= req.num_computed_tokens
@@ -62,6 +83,7 @@ def test_random_operations_keep_invariants(ops, num_blocks, budget, caching, pol
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=6, max_model_len=64, policy=policy)
     s = Scheduler(cfg, KVCacheManager(num_blocks, BS, enable_prefix_caching=caching))
     prefixes = [[7] * 8, [8] * 8, list(range(8)), [9] * 3]
+    shadow = ShadowKV()
     ids = []
     for i, op in enumerate(ops):
         if op[0] == "add":
@@ -75,6 +97,7 @@ def test_random_operations_keep_invariants(ops, num_blocks, budget, caching, pol
                 pass
         elif op[0] == "step":
             out = s.schedule()
+            shadow.run(s, out)
             tok = op[1]
             s.update(out, ModelRunnerOutput(sampled={sid: tok for e in out.scheduled for sid in e.sample_ids}))
         else:
@@ -88,6 +111,7 @@ def test_random_operations_keep_invariants(ops, num_blocks, budget, caching, pol
             break
         out = s.schedule()
         assert out.scheduled, "nothing scheduled while requests wait: livelock"
+        shadow.run(s, out)
         s.update(out, ModelRunnerOutput(sampled={sid: 1 for e in out.scheduled for sid in e.sample_ids}))
         check_invariants(s)
     assert not s.has_unfinished_requests()

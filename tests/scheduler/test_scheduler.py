@@ -174,3 +174,50 @@ def test_n_greater_than_one_forks_after_prompt_sharing_blocks():
     # the shared partial block is copied for the first two writers; the last writes in place
     assert len(out.copies) == 2
     assert s.kv_cache.pool.blocks[tables[0][0]].ref_cnt == 3  # the full block stays shared
+
+
+def test_blocks_become_shareable_only_after_the_step_that_computes_them():
+    # Before the fix, full blocks were hashed when allocated; a request preempted later in the same
+    # schedule() left hashes on blocks whose KV was never written, and a later hit read garbage.
+    s = make_scheduler(num_blocks=16, budget=8)
+    a = make_request("a", list(range(100, 112)), max_tokens=4)
+    s.add_request(a)
+    out = s.schedule()  # chunk of 8 tokens: blocks 0 and 1 full, not yet computed
+    assert plan(out) == {"a": 8}
+    assert s.kv_cache.pool.cached == {}
+    twin = make_request("twin", list(range(100, 112)), max_tokens=4)
+    assert s.kv_cache.get_computed_blocks(twin).blocks == []
+    s.update(out, fake_run(out))  # the forward ran: now both blocks may be shared
+    assert len(s.kv_cache.get_computed_blocks(twin).blocks) == 2
+
+
+
+def test_n_counts_against_max_num_seqs_and_is_refused_past_it():
+    s = make_scheduler(num_blocks=32, max_seqs=4)
+    with pytest.raises(RequestRefused, match=r"n \(5\) exceeds max_num_seqs \(4\)"):
+        s.add_request(make_request("big", 3, n=5))
+    s.add_request(make_request("p", 3, n=3))
+    s.add_request(make_request("q", 3, n=2))  # 3 + 2 > 4: waits until p's sequences end
+    step(s)
+    assert len(s.running) == 3 and len(s.waiting) == 1
+    for _ in range(20):
+        assert len(s.running) <= 4
+        if not s.has_unfinished_requests():
+            break
+        step(s)
+    assert not s.has_unfinished_requests()
+
+
+def test_aborting_waiting_requests_is_lazy_but_exact():
+    for policy in ("fcfs", "priority"):
+        s = make_scheduler(num_blocks=64, max_seqs=1, policy=policy)
+        for i in range(300):
+            s.add_request(make_request(f"r{i}", 3, arrival=float(i)))
+        step(s)  # r0 runs; 299 wait
+        s.finish_requests([f"r{i}" for i in range(1, 300) if i % 3], FinishReason.ABORT)
+        live = [f"r{i}" for i in range(3, 300, 3)]
+        assert len(s.waiting) == len(live) and [r.request_id for r in s.waiting] == live
+        assert len(s.waiting._dead) <= len(live) + 64  # compacted, memory stays O(live)
+        s.finish_requests(["r0"], FinishReason.ABORT)
+        assert [e.request_id for e in s.schedule().scheduled] == ["r3"]
+        assert sorted(s.sequences_of("r3")) == ["r3"] and s.sequences_of("r1") == []
