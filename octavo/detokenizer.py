@@ -4,7 +4,13 @@ Decoding token by token breaks in two ways: a multi-byte UTF-8 character split o
 decodes to U+FFFD until its last byte arrives, and SentencePiece/BPE tokenizers drop or add a
 leading space depending on what precedes a token. So each step decodes a short window that
 starts a few tokens back (`_prefix_offset`) and emits only the text beyond what that window
-produced before the new tokens (`_read_offset`); text ending in U+FFFD is held until complete.
+produced before the new tokens (`_read_offset`); text ending in U+FFFD is held until complete
+(at most `_MAX_HELD_TOKENS` tokens, so a model that emits invalid UTF-8 cannot grow the window).
+
+Stop strings. The last `max(len(stop)) - 1` characters are held back ("pending"): they could be
+the start of a stop string that the next token completes. Everything before them is committed and
+can be shown. Each token costs O(len(new text) + max stop length) for every stop string, never
+O(text so far), and `take_delta` hands out only what is new.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token, for correct spacing
+_MAX_HELD_TOKENS = 8  # tokens that may decode to an incomplete character before it is emitted as is
 
 
 class IncrementalDetokenizer:
@@ -27,53 +34,73 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
         self.include_stop = include_stop_str_in_output
+        self._max_hold = max((len(s) for s in stop), default=1) - 1
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._ids = context
         self._prefix_offset = 0
         self._read_offset = len(context)
-        self.text = ""
+        self._committed: list[str] = []  # text that can no longer be cut by a stop string
+        self._num_taken = 0  # pieces of _committed already handed out by take_delta
+        self._pending = ""  # the held-back tail
         self.stop_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        """All text so far (held-back tail included); O(length): for final or cumulative outputs."""
+        return "".join(self._committed) + self._pending
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_token(self, token_id: int) -> str:
-        """Add one generated token; returns the new text (possibly ""). Sets `stop_reason` and cuts
-        `text` at the stop string when one appears (the stop string is kept only if asked)."""
+        """Add one generated token; returns the text it added (possibly ""). Sets `stop_reason` and
+        cuts the text at the stop string when one appears (the stop string is kept only if asked)."""
         if self.stop_reason is not None:
             return ""
         self._ids.append(token_id)
         before = self._decode(self._ids[self._prefix_offset : self._read_offset])
         window = self._decode(self._ids[self._prefix_offset :])
-        if len(window) <= len(before) or window.endswith("\ufffd"):
-            return ""  # nothing printable yet (incomplete character, or a skipped special token)
+        num_held = len(self._ids) - self._read_offset
+        if len(window) <= len(before):
+            # Nothing printable (skipped special tokens): move on, keeping a short spacing context.
+            self._read_offset = len(self._ids)
+            if self._read_offset - self._prefix_offset > 2 * _CONTEXT_TOKENS:
+                self._prefix_offset = self._read_offset - _CONTEXT_TOKENS
+            return ""
+        if window.endswith("\ufffd") and num_held < _MAX_HELD_TOKENS:
+            return ""  # an incomplete character: wait for its last byte
         new_text = window[len(before) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        old_len = len(self.text)
-        self.text += new_text
-        if self.stop:
-            self._check_stop(old_len)
-        return self.text[old_len:]
+        return self._append(new_text)
 
-    def _check_stop(self, old_len: int) -> None:
-        for stop in self.stop:
-            # a stop string may straddle the previous text and the new text
-            idx = self.text.find(stop, max(0, old_len - len(stop) + 1))
-            if idx != -1:
-                end = idx + len(stop) if self.include_stop else idx
-                self.text = self.text[:end]
-                self.stop_reason = stop
-                return
+    def _append(self, new_text: str) -> str:
+        if not self.stop:
+            self._committed.append(new_text)
+            return new_text
+        searched = self._pending + new_text  # a stop string may straddle the held tail and new text
+        found = [(idx, stop) for stop in self.stop if (idx := searched.find(stop)) != -1]
+        if found:
+            idx, stop = min(found)
+            end = idx + len(stop) if self.include_stop else idx
+            added = searched[:end][len(self._pending) :] if end > len(self._pending) else ""
+            self._committed.append(searched[:end])
+            self._pending = ""
+            self.stop_reason = stop
+            return added
+        cut = max(0, len(searched) - self._max_hold)
+        self._committed.append(searched[:cut])
+        self._pending = searched[cut:]
+        return new_text
 
     def visible_text(self, finished: bool) -> str:
-        """The text safe to show now: while running, a tail that could still grow into a stop
-        string is held back, so a streamed client never sees part of a stop string."""
-        if finished or not self.stop:
-            return self.text
-        hold = 0
-        for stop in self.stop:
-            for k in range(min(len(stop) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(stop[:k]):
-                    hold = max(hold, k)
-                    break
-        return self.text[: len(self.text) - hold] if hold else self.text
+        """All text safe to show now: while running, the held-back tail is not."""
+        return self.text if finished else "".join(self._committed)
+
+    def take_delta(self, finished: bool) -> str:
+        """Text safe to show that was not handed out before; on finish, the held tail too."""
+        if finished and self._pending:
+            self._committed.append(self._pending)
+            self._pending = ""
+        new = self._committed[self._num_taken :]
+        self._num_taken = len(self._committed)
+        return "".join(new)

@@ -26,7 +26,7 @@ from octavo.request import (
     TokenLogprob,
     child_request_id,
 )
-from octavo.sampling.params import SamplingParams
+from octavo.sampling.params import RequestOutputKind, SamplingParams
 from octavo.scheduler import Scheduler, SchedulerStats
 from octavo.tokenizer import encode_prompt, load_tokenizer
 
@@ -52,6 +52,8 @@ class _Completion:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    num_sent_tokens: int = 0  # DELTA outputs: tokens (and logprobs) already handed out
+    reported_finish: bool = False  # DELTA outputs: the finish reason was already handed out
 
 
 @dataclass(slots=True)
@@ -128,11 +130,19 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt must be a non-empty string (or absent)")
+        vocab = self.config.model_config.vocab_size
+        bad_stops = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad_stops:
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}); got {bad_stops[:5]}")
         if isinstance(prompt, str):
             text, token_ids = prompt, encode_prompt(self.tokenizer, prompt)
         else:
-            text, token_ids = None, [int(t) for t in prompt]
-            vocab = self.config.model_config.vocab_size
+            text = None
+            if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
+                raise ValueError("prompt token ids must be integers")
+            token_ids = list(prompt)
             bad = [t for t in token_ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
@@ -220,19 +230,22 @@ class LLMEngine:
                 state.num_cached_tokens = seq.num_cached_tokens or 0
             state.num_preemptions = max(state.num_preemptions, seq.num_preemptions)
             touched[state.request_id] = state
-        outputs = [self._output(state) for state in touched.values()]
-        for out in outputs:
-            if out.finished:
-                del self._states[out.request_id]
+        outputs = []
+        for state in touched.values():
+            finished = state.finished
+            if finished:
+                del self._states[state.request_id]
+            if finished or state.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._output(state, finished))
         return outputs
 
-    def _output(self, state: _RequestState) -> RequestOutput:
-        finished = state.finished
-        return RequestOutput(
-            request_id=state.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=[
+    def _output(self, state: _RequestState, finished: bool) -> RequestOutput:
+        """Cumulative (and final-only) outputs copy everything so far; DELTA outputs carry only
+        what is new since the last output, so a long stream costs O(its length) in all."""
+        if state.params.output_kind is RequestOutputKind.DELTA:
+            completions = [self._delta(i, c) for i, c in enumerate(state.completions)]
+        else:
+            completions = [
                 CompletionOutput(
                     index=i,
                     text=c.detokenizer.visible_text(c.finish_reason is not None),
@@ -242,7 +255,12 @@ class LLMEngine:
                     stop_reason=c.stop_reason,
                 )
                 for i, c in enumerate(state.completions)
-            ],
+            ]
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=completions,
             finished=finished,
             num_cached_tokens=state.num_cached_tokens,
             metrics=RequestMetrics(
@@ -252,6 +270,22 @@ class LLMEngine:
                 finish_time=time.time() if finished else None,
                 num_preemptions=state.num_preemptions,
             ),
+        )
+
+    @staticmethod
+    def _delta(index: int, c: _Completion) -> CompletionOutput:
+        done = c.finish_reason is not None
+        start = c.num_sent_tokens
+        c.num_sent_tokens = len(c.token_ids)
+        newly_finished = done and not c.reported_finish
+        c.reported_finish = done
+        return CompletionOutput(
+            index=index,
+            text=c.detokenizer.take_delta(done),
+            token_ids=c.token_ids[start:],
+            finish_reason=c.finish_reason if newly_finished else None,
+            logprobs=c.logprobs[start:] if c.logprobs is not None else None,
+            stop_reason=c.stop_reason if newly_finished else None,
         )
 
     def get_stats(self) -> EngineStats:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -11,7 +12,7 @@ from tqdm.auto import tqdm
 from octavo.engine import LLMEngine
 from octavo.engine_args import EngineArgs
 from octavo.request import RequestOutput
-from octavo.sampling.params import SamplingParams
+from octavo.sampling.params import RequestOutputKind, SamplingParams
 from octavo.tokenizer import apply_chat_template
 
 Prompt = str | list[int]
@@ -56,7 +57,12 @@ class LLM:
         token ids) a ValueError names it and no prompt is left running.
         """
         batch = _as_prompt_list(prompts)
-        params = _broadcast(sampling_params or SamplingParams(), len(batch), "sampling_params")
+        params = [
+            # only final outputs are returned, so none of the intermediate ones is built
+            dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+            if p.output_kind is RequestOutputKind.CUMULATIVE else p
+            for p in _broadcast(sampling_params or SamplingParams(), len(batch), "sampling_params")
+        ]
         priorities = _broadcast(0, len(batch), "priority") if priority is None else list(priority)
         salts = _broadcast(cache_salt, len(batch), "cache_salt") if not isinstance(cache_salt, list) else cache_salt
         if len(priorities) != len(batch) or len(salts) != len(batch):

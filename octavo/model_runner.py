@@ -112,7 +112,7 @@ class ModelRunner:
         gen = self._generators.get(seq_id)
         if gen is None:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed + index)
+            gen.manual_seed((seed + index) % 2**64)  # int64 seed + sample index stays in range
             self._generators[seq_id] = gen
         return gen
 

@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
+import enum
+import math
 from dataclasses import dataclass
 
 _GREEDY_EPS = 1e-5
+# Limits that keep one request's cost bounded (documented in docs/RELIABILITY.md).
+MAX_N = 128  # completions per request (the engine also refuses n > max_num_seqs)
+MAX_STOP_STRINGS = 16  # OpenAI allows 4
+MAX_STOP_STRING_CHARS = 256  # the streamed text is held back by the longest one - 1 characters
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as torch generators take
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request carries: everything so far (CUMULATIVE, O(length) per
+    step), only what is new since the previous output (DELTA, what a stream needs), or nothing
+    until the request has finished (FINAL_ONLY)."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +52,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         # Accept a single string or any iterable for the tuple fields; store tuples (hashable, frozen).
@@ -49,8 +69,12 @@ class SamplingParams:
         def bad(name: str, value: object, rule: str) -> ValueError:
             return ValueError(f"{name} {rule}, got {value!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", self.n, "must be an integer >= 1")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(name, value, "must be a finite number")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise bad("n", self.n, f"must be an integer in [1, {MAX_N}]")
         if self.temperature < 0.0:
             raise bad("temperature", self.temperature, "must be >= 0 (0 means greedy)")
         if not isinstance(self.top_k, int) or self.top_k < -1:
@@ -59,8 +83,8 @@ class SamplingParams:
             raise bad("top_p", self.top_p, "must be in (0, 1]")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", self.min_p, "must be in [0, 1]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", self.seed, "must be an integer or None")
+        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise bad("seed", self.seed, f"must be an integer in [{SEED_MIN}, {SEED_MAX}] (int64) or None")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", self.presence_penalty, "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -75,12 +99,18 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
-        if any(not isinstance(s, str) or s == "" for s in self.stop):
-            raise bad("stop", self.stop, "must be non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+        if any(not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_STRING_CHARS for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", self.stop_token_ids, "must be non-negative integers")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise bad("logprobs", self.logprobs, "must be an integer in [0, 20] or None")
+            raise ValueError("stop_token_ids must be non-negative integers (token ids of the vocabulary)")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", self.logprobs, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", self.output_kind, "must be a RequestOutputKind")
 
     @property
     def is_greedy(self) -> bool:

@@ -39,13 +39,49 @@ def test_stop_string_is_cut_even_across_tokens(smol_tokenizer):
     assert kept.text == "abc STOP"
 
 
-def test_visible_text_holds_back_a_possible_stop_prefix(smol_tokenizer):
+def test_visible_text_holds_back_the_longest_stop_minus_one(smol_tokenizer):
     tok = smol_tokenizer
-    detok = IncrementalDetokenizer(tok, [], stop=("###",))
+    detok = IncrementalDetokenizer(tok, [], stop=("###", "x"))
     feed(detok, tok.encode("answer #"))
-    assert detok.text.endswith("#")
-    assert detok.visible_text(finished=False) == detok.text[:-1]
+    assert detok.text == "answer #"
+    assert detok.visible_text(finished=False) == "answer"  # a fixed 2 = len("###") - 1 characters
     assert detok.visible_text(finished=True) == detok.text
+
+
+def test_deltas_concatenate_to_the_text_with_and_without_stops(smol_tokenizer):
+    tok = smol_tokenizer
+    ids = tok.encode(TEXT)
+    for stop in ((), ("spaces\nand",), ("zzz-never",)):
+        detok = IncrementalDetokenizer(tok, [], stop=stop)
+        deltas = []
+        for t in ids:
+            detok.add_token(t)
+            deltas.append(detok.take_delta(finished=False))
+        deltas.append(detok.take_delta(finished=True))
+        assert "".join(deltas) == detok.text
+        assert detok.text == (TEXT[: TEXT.index(stop[0])] if stop == ("spaces\nand",) else tok.decode(ids))
+
+
+def test_held_tail_stays_bounded_on_a_long_output(smol_tokenizer):
+    # Before, every token re-scanned the text for stop prefixes and copied it whole: O(L^2).
+    tok = smol_tokenizer
+    detok = IncrementalDetokenizer(tok, [], stop=("never appears " * 4,))
+    piece = tok.encode(" word")
+    for _ in range(4000):
+        detok.add_token(piece[0])
+        assert len(detok._pending) <= len("never appears " * 4) - 1
+        detok.take_delta(finished=False)
+    assert len(detok.text) == 4000 * len(" word")
+
+
+def test_invalid_utf8_forever_does_not_grow_the_window(smol_tokenizer):
+    tok = smol_tokenizer
+    byte_token = next(i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd")
+    detok = IncrementalDetokenizer(tok, [])
+    for _ in range(100):
+        detok.add_token(byte_token)
+        assert len(detok._ids) - detok._prefix_offset <= 2 * 8 + 5
+    assert detok.text.count("\ufffd") >= 50
 
 
 def test_special_tokens_are_skipped_or_kept(smol_tokenizer):

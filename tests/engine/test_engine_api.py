@@ -125,3 +125,41 @@ def test_unknown_attention_backend_is_refused_with_the_choices():
 
     with pytest.raises(ValueError, match="auto, cpu or reference"):
         EngineArgs(attention_backend="flash")
+
+
+def test_values_that_used_to_kill_step_are_refused_or_safe(make_llm):
+    # Each of these raised inside step() before (killing a server's engine thread for everyone).
+    llm = make_llm(max_num_seqs=4)
+    with pytest.raises(ValueError, match=r"stop_token_ids must be token ids in \[0, 49152\)"):
+        llm.generate(PROMPT, SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[10**6]), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"n \(5\) exceeds max_num_seqs \(4\)"):
+        llm.generate(PROMPT, SamplingParams(max_tokens=4, n=5), use_tqdm=False)
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        llm.generate(PROMPT, SamplingParams(max_tokens=4), cache_salt="", use_tqdm=False)
+    # the largest int64 seed plus the sample index of n=3 stays a valid generator seed
+    (out,) = llm.generate(PROMPT, SamplingParams(max_tokens=3, n=3, seed=2**63 - 1), use_tqdm=False)
+    assert [len(c.token_ids) for c in out.outputs] == [3, 3, 3]
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_delta_outputs_concatenate_to_the_cumulative_output(make_llm):
+    from octavo.sampling.params import RequestOutputKind
+
+    llm = make_llm()
+    engine = llm.engine
+    kinds = {"c": RequestOutputKind.CUMULATIVE, "d": RequestOutputKind.DELTA, "f": RequestOutputKind.FINAL_ONLY}
+    for rid, kind in kinds.items():
+        engine.add_request(rid, PROMPT, SamplingParams(temperature=0, max_tokens=20, n=2, logprobs=1,
+                                                       stop=["never-there"], output_kind=kind))
+    seen: dict[str, list] = {rid: [] for rid in kinds}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    final = seen["c"][-1]
+    assert len(seen["f"]) == 1 and seen["f"][0].finished
+    for i in range(2):
+        deltas = [o.outputs[i] for o in seen["d"]]
+        assert "".join(d.text for d in deltas) == final.outputs[i].text == seen["f"][0].outputs[i].text
+        assert [t for d in deltas for t in d.token_ids] == final.outputs[i].token_ids
+        assert len([lp for d in deltas for lp in d.logprobs]) == 20
+        assert [d.finish_reason for d in deltas if d.finish_reason] == ["length"]
