@@ -17,43 +17,38 @@ DEFAULT_CHATS = [
 ]
 
 
+_FLAG_TYPES = {"int": int, "float": float, "str": str}
+
+
 def add_engine_flags(parser: argparse.ArgumentParser, model_positional: bool = True) -> None:
-    """Engine flags named as vLLM users know them."""
-    help_model = "HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)"
-    if model_positional:
-        parser.add_argument("model", nargs="?", default=None, help=help_model)
-    else:
-        parser.add_argument("--model", default=None, help=help_model)
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens (default: the model's)")
-    parser.add_argument("--max-num-seqs", type=int, default=128, help="most sequences in one step")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="share full KV blocks between requests by a hash of their tokens")
-    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True, help="split long prompts into chunks that share a step with decodes")
-    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (default on CPU: 4 GiB, at most a quarter of RAM)")
-    parser.add_argument("--memory-fraction", type=float, default=None, help="share of device memory for weights, activations and KV cache")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and KV cache dtype (float32 is fastest on CPUs without bf16 units)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "reference"], help="paged-attention kernel: the C++ CPU kernel (auto on float32 CPU; compiled once per machine) or the torch reference")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (engine sampling, and the workload's)")
+    """One flag per EngineArgs field (named as vLLM users know them), built from the dataclass so
+    that a field can never lack its flag. `model` is positional for generate and serve."""
+    import dataclasses
+
+    from octavo.engine_args import EngineArgs
+
+    for f in dataclasses.fields(EngineArgs):
+        meta, flag = f.metadata, "--" + f.name.replace("_", "-")
+        kwargs: dict = {"default": f.default, "help": meta.get("help")}
+        base = str(f.type).replace(" | None", "")
+        if f.name == "model" and model_positional:
+            parser.add_argument("model", nargs="?", **kwargs)
+            continue
+        if base == "bool":
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = parse_bytes if meta.get("bytes") else _FLAG_TYPES[base]
+            if "choices" in meta:
+                kwargs["choices"] = list(meta["choices"])
+        parser.add_argument(flag, dest=f.name, **kwargs)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        model=args.model,
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        kv_cache_memory=args.kv_cache_memory,
-        memory_fraction=args.memory_fraction,
-        dtype=args.dtype,
-        device=args.device,
-        attention_backend=args.attention_backend,
-        seed=args.seed,
-    )
+    import dataclasses
+
+    from octavo.engine_args import EngineArgs
+
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -102,24 +97,52 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from octavo.engine_args import EngineArgs
     from octavo.metrics import EngineMetrics
     from octavo.models.loader import DEFAULT_MODEL_NAME
-    from octavo.server.app import OpenAIServer, build_app
+    from octavo.server.app import OpenAIServer, ServerLimits, build_app
     from octavo.server.async_engine import AsyncEngine
 
+    log = logging.getLogger("octavo")
     engine = LLMEngine.from_args(EngineArgs(**engine_kwargs(args)))
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else args.model)
-    server = OpenAIServer(AsyncEngine(engine, EngineMetrics(name), args.log_interval), name, args.api_key)
+    limits = ServerLimits(
+        max_request_bytes=args.max_request_bytes, max_waiting_requests=args.max_waiting_requests,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_debug_endpoints=args.enable_debug_endpoints,
+    )
+    died: list[BaseException] = []
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:
+            if not self.should_exit:
+                log.info("shutdown requested (signal %d): %d requests in flight get up to %.0f s to finish",
+                         sig, async_engine.num_in_flight, args.shutdown_timeout)
+            super().handle_exit(sig, frame)
+
+    def on_dead(exc: BaseException) -> None:
+        died.append(exc)
+        if args.keep_alive_on_engine_death:
+            log.error("engine died; staying up (--keep-alive-on-engine-death): /health answers 503")
+            return
+        log.error("engine died; shutting the server down (exit status 1) so a supervisor can restart it")
+        http_server.should_exit = True
+
+    async_engine = AsyncEngine(engine, EngineMetrics(name), args.log_interval, args.max_waiting_requests, on_dead)
+    server = OpenAIServer(async_engine, name, args.api_key, limits)
     config = uvicorn.Config(
         build_app(server), host=args.host, port=args.port, log_level="info",
         timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.access_log,
     )
-    logging.getLogger("octavo").info("serving %s on http://%s:%d/v1", name, args.host, args.port)
+    http_server = Server(config)
+    log.info("serving %s on http://%s:%d/v1", name, args.host, args.port)
     # uvicorn handles SIGINT/SIGTERM (stop accepting, let in-flight requests finish, shut the engine
     # down), then re-raises the signal to the handlers it found. Make those no-ops so a requested
     # shutdown ends with exit status 0 rather than death by signal.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: None)
-    uvicorn.Server(config).run()
-    logging.getLogger("octavo").info("server stopped")
+    http_server.run()
+    if died:
+        log.error("server stopped after the engine failed: %r", died[0])
+        return 1
+    log.info("server stopped")
     return 0
 
 
@@ -294,6 +317,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-interval", type=float, default=10.0, help="seconds between throughput log lines while busy")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
     serve.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False, help="log every HTTP request")
+    serve.add_argument("--max-waiting-requests", type=int, default=1024, help="requests that may wait for a slot; past it new ones get 429 with Retry-After")
+    serve.add_argument("--max-request-bytes", type=parse_bytes, default=4 << 20, help="largest request body (default 4MiB); larger ones get 413")
+    serve.add_argument("--enable-prompt-tokens-details", action="store_true", help="report usage.prompt_tokens_details.cached_tokens (off: it tells a tenant whether another's prefix is cached)")
+    serve.add_argument("--keep-alive-on-engine-death", action="store_true", help="if the engine fails, keep serving /health (503) instead of exiting with status 1")
+    serve.add_argument("--enable-debug-endpoints", action="store_true", help="serve GET /debug/kv_cache (pool counts and an invariant check)")
     serve.set_defaults(func=cmd_serve)
 
     plan = sub.add_parser("plan", help="KV-cache capacity from a model's config.json: bytes per token, sequences that fit")

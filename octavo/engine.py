@@ -186,6 +186,9 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def num_waiting_requests(self) -> int:
+        return self.scheduler.num_waiting
+
     def reset_prefix_cache(self) -> int:
         return self.scheduler.reset_prefix_cache()
 

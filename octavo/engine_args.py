@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from octavo.config import (
     DEFAULT_BLOCK_SIZE,
@@ -21,21 +21,34 @@ SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 class EngineArgs:
     """Options named as vLLM users know them. `model` None means the embedded default model."""
 
-    model: str | None = None
-    block_size: int = DEFAULT_BLOCK_SIZE
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    kv_cache_memory: int | None = None  # bytes
-    memory_fraction: float | None = None
-    num_kv_blocks: int | None = None  # override: exactly this many blocks
-    scheduling_policy: str = "fcfs"
-    dtype: str = "float32"
-    device: str = "cpu"
-    attention_backend: str = "auto"  # "auto", "cpu" (the C++ kernel) or "reference" (torch)
-    seed: int = 0
+    model: str | None = field(default=None, metadata={
+        "help": "HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)"})
+    block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"help": "tokens per KV-cache block"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "longest prompt + output, in tokens (default: the model's max_position_embeddings)"})
+    max_num_seqs: int = field(default=DEFAULT_MAX_NUM_SEQS, metadata={"help": "most sequences in one step"})
+    max_num_batched_tokens: int = field(default=DEFAULT_MAX_NUM_BATCHED_TOKENS, metadata={
+        "help": "token budget of one step"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "share full KV blocks between requests by a hash of their tokens"})
+    enable_chunked_prefill: bool = field(default=True, metadata={
+        "help": "split long prompts into chunks that share a step with decodes"})
+    kv_cache_memory: int | None = field(default=None, metadata={
+        "help": "bytes for the KV cache, e.g. 512MiB (default on CPU: 4 GiB, at most a quarter of RAM)", "bytes": True})
+    memory_fraction: float | None = field(default=None, metadata={
+        "help": "share of device memory for weights, activations and KV cache"})
+    num_kv_blocks: int | None = field(default=None, metadata={
+        "help": "exactly this many KV blocks (overrides the memory-based sizing)"})
+    scheduling_policy: str = field(default="fcfs", metadata={
+        "help": "fcfs, or priority (the request's `priority` field: lower runs first, and is preempted last)",
+        "choices": ("fcfs", "priority")})
+    dtype: str = field(default="float32", metadata={
+        "help": "weights and KV cache dtype (float32 is fastest on CPUs without bf16 units)", "choices": SUPPORTED_DTYPES})
+    device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
+    attention_backend: str = field(default="auto", metadata={
+        "help": "paged-attention kernel: the C++ CPU kernel (auto on float32 CPU; compiled once per machine) "
+                "or the torch reference", "choices": ("auto", "cpu", "reference")})
+    seed: int = field(default=0, metadata={"help": "random seed (engine sampling, and the workload's)"})
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:

@@ -69,7 +69,10 @@ class EngineMetrics:
             self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
             if m.first_scheduled_time is not None:
                 self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
-        if out.finished:
-            self.e2e.observe(max(0.0, (m.finish_time or time.time()) - m.arrival_time))
-            # one count per request (its first completion's reason), as a client sees one response
-            self._success.labels(self.model_name, out.outputs[0].finish_reason or "abort").inc()
+
+    def observe_finished(self, out: RequestOutput, finish_reason: str | None) -> None:
+        """A request's last output; `finish_reason` is its first completion's (one count per
+        request, as a client sees one response)."""
+        m = out.metrics
+        self.e2e.observe(max(0.0, (m.finish_time or time.time()) - m.arrival_time))
+        self._success.labels(self.model_name, finish_reason or "abort").inc()

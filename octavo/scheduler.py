@@ -343,6 +343,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
     def reset_prefix_cache(self) -> int:
         return self.kv_cache.reset_prefix_cache()
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,107 +19,174 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import octavo
 from octavo.request import RequestOutput, TokenLogprob
-from octavo.server.async_engine import AsyncEngine, EngineStopped
-from octavo.server.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
+from octavo.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineStopped,
+    OutputCollector,
+    merge_deltas,
+)
+from octavo.server.guard import error_body, error_json
+from octavo.server.protocol import (
+    MAX_PROMPTS_PER_REQUEST,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    new_id,
+    now,
+)
 from octavo.tokenizer import apply_chat_template, encode_prompt
+
+logger = logging.getLogger("octavo.server")
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "BadRequestError", param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, type_: str = "BadRequestError", param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
-
-
-def error_json(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}}, status_code=status)
+        self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
 
 
 _PARAM_NAMES = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "presence_penalty",
-                "frequency_penalty", "repetition_penalty", "logprobs", "stop_token_ids", "stop", "seed", "n")
+                "frequency_penalty", "repetition_penalty", "logprobs", "stop_token_ids", "stop", "seed", "n",
+                "cache_salt")
 
 
 def _param_of(message: str) -> str | None:
-    return next((p for p in _PARAM_NAMES if message.startswith(p)), None)
+    return next((p for p in _PARAM_NAMES if message.startswith(p) or f": {p}" in message[:40]), None)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """What one request may ask for; see docs/RELIABILITY.md."""
+
+    max_request_bytes: int = 4 << 20
+    max_waiting_requests: int = 1024
+    retry_after_s: int = 1
+    enable_prompt_tokens_details: bool = False
+    enable_debug_endpoints: bool = False
 
 
 class OpenAIServer:
-    """Holds what the routes share: the engine, tokenizer, model name and limits."""
+    """Holds what the routes share: the engine, tokenizer, model name, limits and the thread pool
+    that keeps tokenisation, chat templating and logprob decoding off the event loop."""
 
-    def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: str | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+                 limits: ServerLimits | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.engine.tokenizer
         self.model_name = served_model_name
         self.api_key = api_key
-        self.max_model_len = engine.engine.config.scheduler.max_model_len
+        self.limits = limits or ServerLimits()
+        config = engine.engine.config
+        self.max_model_len = config.scheduler.max_model_len
+        self.vocab_size = config.model_config.vocab_size
+        self.priority_enabled = config.scheduler.policy == "priority"
+        self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="octavo-tokenize")
+        self._token_text: dict[int, str] = {}
+        # No token decodes to more characters than its vocabulary entry has (byte-level entries
+        # spell each byte with one character), so a prompt longer than max_model_len times the
+        # longest entry cannot fit and is refused without tokenising it.
+        vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+        self.max_chars_per_token = max((len(t) for t in vocab), default=64) + 1
 
-    # ---- helpers -----------------------------------------------------------------------------
+    async def off_loop(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    # ---- checks ------------------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            "NotFoundError", "model")
 
+    def check_request(self, req: Any) -> None:
+        self.check_model(req.model)
+        bad = req.unsupported()
+        if bad is not None:
+            raise APIError(400, bad[1], "BadRequestError", bad[0])
+        if req.priority != 0 and not self.priority_enabled:
+            raise APIError(400, "priority needs a server started with --scheduling-policy priority",
+                           "BadRequestError", "priority")
+
     def check_prompt_len(self, ids: list[int]) -> None:
         if len(ids) >= self.max_model_len:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens, but the prompt "
                                 f"has {len(ids)} tokens; at least one output token must fit.", "BadRequestError", "prompt")
 
+    def check_text_len(self, text: str) -> None:
+        if len(text) > self.max_model_len * self.max_chars_per_token:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens, but the prompt "
+                                f"has {len(text)} characters, more than that many tokens can hold.",
+                           "BadRequestError", "prompt")
+
+    # ---- off-loop work -----------------------------------------------------------------------
+
+    async def encode(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                self.check_text_len(p)
+                out.append(await self.off_loop(encode_prompt, self.tokenizer, p))
+            else:
+                out.append(list(p))
+        return out
+
+    async def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        self.check_text_len("".join(m["content"] for m in messages))
+        try:
+            return await self.off_loop(apply_chat_template, self.tokenizer, messages, add_generation_prompt)
+        except Exception as exc:
+            raise APIError(400, f"could not apply the chat template: {exc}", "BadRequestError", "messages") from exc
+
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
-    async def run(self, request: Request, prompts: list[list[int]], params, priority: int, salt: str | None
-                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs of every prompt, interleaved as they come: (prompt index, output)."""
-        base = new_id("req")
-        gens = [self.engine.generate(f"{base}-{i}", ids, params, priority, salt) for i, ids in enumerate(prompts)]
-        if len(gens) == 1:
-            async for out in gens[0]:
-                yield 0, out
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, gen) -> None:
-            try:
-                async for out in gen:
-                    await queue.put((i, out))
-            except BaseException as exc:  # includes a refusal
-                await queue.put((i, exc))
-            finally:
-                await queue.put((i, None))
-
-        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
-        try:
-            open_count = len(tasks)
-            while open_count:
-                i, item = await queue.get()
-                if item is None:
-                    open_count -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield i, item
-        finally:
-            for t in tasks:
-                t.cancel()
-
-    async def start_stream(self, request: Request, prompts, params, priority, salt):
-        """Start generation and wait for the engine to accept every prompt, so that a refusal is an
-        HTTP error rather than a broken stream. Returns (first item, iterator)."""
-        it = self.run(request, prompts, params, priority, salt).__aiter__()
-        try:
-            first = await it.__anext__()
-        except ValueError as exc:
-            raise APIError(400, str(exc), "BadRequestError", _param_of(str(exc)) or "prompt") from exc
-        except EngineStopped as exc:
-            raise APIError(503, str(exc), "ServiceUnavailableError") from exc
-        return first, it
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
 
 
-def _completion_logprobs(server: OpenAIServer, lps: list[TokenLogprob] | None) -> dict | None:
+# ---- disconnects ---------------------------------------------------------------------------
+
+
+class DisconnectWatch:
+    """While open, a task waits for the client's http.disconnect and then calls `on_disconnect`
+    (which aborts the request's engine work). Used for the whole life of a request that is not
+    streaming yet: queued, prefilling, or collecting a non-streamed answer."""
+
+    def __init__(self, request: Request, on_disconnect: Callable[[], None]) -> None:
+        self.request, self.on_disconnect = request, on_disconnect
+        self.disconnected = False
+        self._task: asyncio.Task | None = None
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self.request.receive()
+            if message["type"] == "http.disconnect":
+                self.disconnected = True
+                self.on_disconnect()
+                return
+
+    async def __aenter__(self) -> DisconnectWatch:
+        self._task = asyncio.create_task(self._watch())
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
+# ---- response bodies -----------------------------------------------------------------------
+
+
+def _completion_logprobs(server: OpenAIServer, lps: list[TokenLogprob] | None, offset: int = 0) -> dict | None:
     if lps is None:
         return None
     tokens = [server.token_text(lp.token_id) for lp in lps]
-    offsets, pos = [], 0
+    offsets, pos = [], offset
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
@@ -139,30 +209,44 @@ def _chat_logprobs(server: OpenAIServer, lps: list[TokenLogprob] | None) -> dict
     return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top.items()]} for lp in lps]}
 
 
-def _usage(prompts: list[list[int]], finals: dict[int, RequestOutput]) -> dict:
+def _usage(server: OpenAIServer, prompts: list[list[int]], finals: dict[int, RequestOutput]) -> dict:
     num_prompt = sum(len(p) for p in prompts)
     num_completion = sum(len(c.token_ids) for out in finals.values() for c in out.outputs)
-    cached = sum(out.num_cached_tokens for out in finals.values())
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion, "total_tokens": num_prompt + num_completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    usage: dict[str, Any] = {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+                             "total_tokens": num_prompt + num_completion}
+    if server.limits.enable_prompt_tokens_details:  # off by default: it tells a tenant what is cached
+        usage["prompt_tokens_details"] = {"cached_tokens": sum(out.num_cached_tokens for out in finals.values())}
+    return usage
 
 
 def _sse(data: Any) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
+def _engine_error(exc: Exception, limits: ServerLimits) -> APIError:
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(429, str(exc), "RateLimitError", headers={"Retry-After": str(limits.retry_after_s)})
+    if isinstance(exc, (EngineStopped, EngineDeadError)):
+        return APIError(503, str(exc), "ServiceUnavailableError")
+    return APIError(400, str(exc), "BadRequestError", _param_of(str(exc)) or "prompt")
+
+
 def build_app(server: OpenAIServer) -> FastAPI:
+    from octavo.server.guard import RequestGuard
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         server.engine.start()
         yield
         server.engine.shutdown()
+        server.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="Octavo", version=octavo.__version__, lifespan=lifespan)
+    app.add_middleware(RequestGuard, max_body_bytes=server.limits.max_request_bytes, api_key=server.api_key)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_json(exc.status, exc.message, exc.type, exc.param)
+        return error_json(exc.status, exc.message, exc.type, exc.param, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -176,18 +260,13 @@ def build_app(server: OpenAIServer) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_json(exc.status_code, str(exc.detail), "NotFoundError" if exc.status_code == 404 else "APIError")
+        kind = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError"}.get(exc.status_code, "APIError")
+        return error_json(exc.status_code, str(exc.detail), kind)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        return error_json(500, f"internal error: {exc}", "InternalServerError")
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if server.api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {server.api_key}":
-                return error_json(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", "AuthenticationError")
-        return await call_next(request)
+        logger.exception("unexpected error in %s", request.url.path)
+        return error_json(500, f"internal error: {type(exc).__name__}", "InternalServerError")
 
     @app.get("/health")
     async def health() -> Any:
@@ -209,32 +288,31 @@ def build_app(server: OpenAIServer) -> FastAPI:
                                             "owned_by": "octavo", "max_model_len": server.max_model_len}]}
 
     @app.post("/tokenize")
-    async def tokenize(body: dict) -> dict:
-        if "messages" in body:
-            ids = apply_chat_template(server.tokenizer, body["messages"], body.get("add_generation_prompt", True))
-        elif isinstance(body.get("prompt"), str):
-            ids = encode_prompt(server.tokenizer, body["prompt"])
+    async def tokenize(body: TokenizeRequest) -> dict:
+        if body.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            ids = await server.render_chat(messages, body.add_generation_prompt)
         else:
-            raise APIError(400, "give 'prompt' (a string) or 'messages'", "BadRequestError", "prompt")
+            ids = (await server.encode([body.prompt or ""]))[0]
         return {"tokens": ids, "count": len(ids), "max_model_len": server.max_model_len}
 
     @app.post("/detokenize")
-    async def detokenize(body: dict) -> dict:
-        tokens = body.get("tokens")
-        vocab = server.engine.engine.config.model_config.vocab_size
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        vocab = server.vocab_size
+        if not all(0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"'tokens' must be a list of token ids in [0, {vocab})", "BadRequestError", "tokens")
-        return {"prompt": server.tokenizer.decode(tokens)}
+        return {"prompt": await server.off_loop(server.tokenizer.decode, body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
-        server.check_model(req.model)
-        raw = req.prompt
-        if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
-            raw = [raw]  # type: ignore[list-item]
+        server.check_request(req)
+        raw = req.prompt_list()
         if not raw:
             raise APIError(400, "prompt must not be empty", "BadRequestError", "prompt")
-        prompts = [encode_prompt(server.tokenizer, p) if isinstance(p, str) else list(p) for p in raw]
+        if len(raw) > MAX_PROMPTS_PER_REQUEST:
+            raise APIError(400, f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {len(raw)}",
+                           "BadRequestError", "prompt")
+        prompts = await server.encode(raw)
         for ids in prompts:
             server.check_prompt_len(ids)
         params = _params(req, 16, req.logprobs)
@@ -242,19 +320,18 @@ def build_app(server: OpenAIServer) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Any:
-        server.check_model(req.model)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            ids = apply_chat_template(server.tokenizer, messages, req.add_generation_prompt)
-        except Exception as exc:
-            raise APIError(400, f"could not apply the chat template: {exc}", "BadRequestError", "messages") from exc
+        server.check_request(req)
+        ids = await server.render_chat(req.plain_messages(), req.add_generation_prompt)
         server.check_prompt_len(ids)
-        if req.max_completion_tokens is not None:
-            req.max_tokens = req.max_completion_tokens
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        req = req.model_copy(update={"max_tokens": max_tokens})
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = _params(req, server.max_model_len - len(ids), logprobs)
         return await _respond(server, request, req, [ids], params, chat=True)
 
+    from octavo.server.debug import add_debug_routes
+
+    add_debug_routes(app, server)
     return app
 
 
@@ -266,13 +343,39 @@ def _params(req, default_max_tokens: int, logprobs: int | None):
 
 
 async def _respond(server: OpenAIServer, request: Request, req, prompts: list[list[int]], params, chat: bool) -> Any:
-    first, it = await server.start_stream(request, prompts, params, req.priority, req.cache_salt)
     rid = new_id("chatcmpl" if chat else "cmpl")
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(server, rid, first, it, prompts, params, chat, include_usage),
-                                 media_type="text/event-stream")
-    finals = await _collect_unless_disconnected(request, first, it)
+    request_ids = [f"{rid}-{i}" for i in range(len(prompts))]
+    async with DisconnectWatch(request, lambda: server.engine.abort(request_ids)) as watch:
+        try:
+            collector = await server.engine.add(request_ids, prompts, params, req.priority, req.cache_salt)
+        except (ValueError, EngineOverloadedError, EngineStopped, EngineDeadError) as exc:
+            raise _engine_error(exc, server.limits) from exc
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            body = _stream(server, rid, request_ids, collector, prompts, params, chat, include_usage)
+            return StreamingResponse(body, media_type="text/event-stream")
+        try:
+            items = await _collect(collector)
+        except (EngineDeadError, EngineStopped) as exc:
+            raise _engine_error(exc, server.limits) from exc
+        finally:
+            server.engine.abort(request_ids)  # no-op for finished requests; frees a cancelled one's
+        if watch.disconnected or len(items) < len(prompts) or not all(o.finished for o in items.values()):
+            raise APIError(499, "client disconnected", "ClientClosedRequest")
+    if params.logprobs is not None:  # decoding every logprob token is work: off the event loop
+        return await server.off_loop(_final_body, server, rid, prompts, items, params, chat)
+    return _final_body(server, rid, prompts, items, params, chat)
+
+
+async def _collect(collector: OutputCollector) -> dict[int, RequestOutput]:
+    """Every prompt's DELTA outputs merged into its whole output; O(total size)."""
+    items: list[tuple[int, RequestOutput]] = []
+    while batch := await collector.next_batch():
+        items.extend(batch)
+    return dict(merge_deltas(items)) if items else {}
+
+
+def _final_body(server: OpenAIServer, rid: str, prompts, finals: dict[int, RequestOutput], params, chat: bool) -> dict:
     choices = []
     for i in sorted(finals):
         for c in finals[i].outputs:
@@ -285,53 +388,29 @@ async def _respond(server: OpenAIServer, request: Request, req, prompts: list[li
                 choices.append({"index": index, "text": c.text, "logprobs": _completion_logprobs(server, c.logprobs),
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(),
-            "model": server.model_name, "choices": choices, "usage": _usage(prompts, finals)}
+            "model": server.model_name, "choices": choices, "usage": _usage(server, prompts, finals)}
 
 
-async def _collect_unless_disconnected(request: Request, first, it) -> dict[int, RequestOutput]:
-    """Final outputs per prompt; if the client goes away first, the requests are aborted."""
-
-    async def collect() -> dict[int, RequestOutput]:
-        finals: dict[int, RequestOutput] = {}
-        item = first
-        while item is not None:
-            i, out = item
-            if out.finished:
-                finals[i] = out
-            item = await anext(it, None)
-        return finals
-
-    task = asyncio.create_task(collect())
+async def _stream(server, rid, request_ids, collector, prompts, params, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    """SSE chunks of the deltas. If the engine dies or the server stops mid-stream, the client gets
+    an error event and [DONE] rather than a reset connection."""
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                raise APIError(499, "client disconnected", "ClientClosedRequest")
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        await it.aclose()
-
-
-async def _stream(server, rid, first, it, prompts, params, chat: bool, include_usage: bool) -> AsyncIterator[str]:
-    try:
-        async for piece in _stream_pieces(server, rid, first, it, prompts, params, chat, include_usage):
+        async for piece in _stream_pieces(server, rid, collector, prompts, params, chat, include_usage):
             yield piece
+    except (EngineDeadError, EngineStopped) as exc:
+        yield _sse(error_body(503, str(exc), "ServiceUnavailableError"))
+        yield "data: [DONE]\n\n"
     finally:
-        await it.aclose()  # a client that went away aborts its requests here, freeing their blocks
+        server.engine.abort(request_ids)  # a client that went away frees its blocks here
 
 
-async def _stream_pieces(server, rid, first, it, prompts, params, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+async def _stream_pieces(server, rid, collector: OutputCollector, prompts, params, chat: bool,
+                         include_usage: bool) -> AsyncIterator[str]:
     obj = "chat.completion.chunk" if chat else "text_completion"
     created = now()
-    sent_text: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
-    finished: set[int] = set()
-    finals: dict[int, RequestOutput] = {}
+    offsets: dict[int, int] = {}  # characters sent per choice, for text_offset
+    totals: dict[int, RequestOutput] = {}  # prompt index -> a stand-in with the token counts, for usage
+    num_tokens: dict[int, int] = {}
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
         body = {"id": rid, "object": obj, "created": created, "model": server.model_name, "choices": choices}
@@ -342,33 +421,31 @@ async def _stream_pieces(server, rid, first, it, prompts, params, chat: bool, in
     if chat:
         yield chunk([{"index": i * params.n + k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(len(prompts)) for k in range(params.n)])
-    item = first
-    while item is not None:
-        i, out = item
-        if out.finished:
-            finals[i] = out
+    while batch := await collector.next_batch():
         choices = []
-        for c in out.outputs:
-            index = i * params.n + c.index
-            if index in finished:
-                continue
-            delta = c.text[sent_text.get(index, 0):]
-            new_lps = c.logprobs[sent_tokens.get(index, 0):] if c.logprobs is not None else None
-            if not delta and c.finish_reason is None and not new_lps:
-                continue
-            sent_text[index] = len(c.text)
-            sent_tokens[index] = len(c.token_ids)
-            if chat:
-                choices.append({"index": index, "delta": {"content": delta} if delta else {},
-                                "logprobs": _chat_logprobs(server, new_lps), "finish_reason": c.finish_reason})
-            else:
-                choices.append({"index": index, "text": delta, "logprobs": _completion_logprobs(server, new_lps),
-                                "finish_reason": c.finish_reason})
-            if c.finish_reason is not None:
-                finished.add(index)
+        for i, out in batch:
+            totals[i] = out
+            for c in out.outputs:
+                index = i * params.n + c.index
+                num_tokens[index] = num_tokens.get(index, 0) + len(c.token_ids)
+                if not c.text and c.finish_reason is None and not c.logprobs:
+                    continue
+                if chat:
+                    choices.append({"index": index, "delta": {"content": c.text} if c.text else {},
+                                    "logprobs": _chat_logprobs(server, c.logprobs), "finish_reason": c.finish_reason})
+                else:
+                    choices.append({"index": index, "text": c.text,
+                                    "logprobs": _completion_logprobs(server, c.logprobs, offsets.get(index, 0)),
+                                    "finish_reason": c.finish_reason})
+                offsets[index] = offsets.get(index, 0) + len(c.text)
         if choices:
             yield chunk(choices)
-        item = await anext(it, None)
     if include_usage:
-        yield chunk([], _usage(prompts, finals))
+        num_prompt = sum(len(p) for p in prompts)
+        num_completion = sum(num_tokens.values())
+        usage: dict[str, Any] = {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+                                 "total_tokens": num_prompt + num_completion}
+        if server.limits.enable_prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens for o in totals.values())}
+        yield chunk([], usage)
     yield "data: [DONE]\n\n"

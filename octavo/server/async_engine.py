@@ -1,8 +1,14 @@
 """AsyncEngine: one thread runs LLMEngine steps; asyncio handlers add requests and read their outputs.
 
-The engine thread owns the LLMEngine outright. Handlers send it commands (add, abort) through a
-queue and get per-request asyncio queues back, fed with RequestOutputs through the event loop's
-call_soon_threadsafe. Commands are applied between steps, so a step never races an add or abort.
+The engine thread owns the LLMEngine outright. Handlers send it commands (add a batch of prompts,
+abort, call a function) through a queue; commands are applied between steps, so a step never
+races an add or abort. Outputs are DELTAs (only what is new) pushed into the handler's
+`OutputCollector` with call_soon_threadsafe; a slow reader's collector holds its backlog, nothing
+more, and merges it when read.
+
+If a step raises, the engine is dead: every registered and every queued request fails with
+`EngineDeadError`, later submissions are refused at once, `is_healthy` turns False and `on_dead`
+is called (the server then exits non-zero so a supervisor restarts it).
 """
 
 from __future__ import annotations
@@ -12,48 +18,150 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from octavo.engine import LLMEngine
 from octavo.metrics import EngineMetrics
-from octavo.request import RequestOutput
+from octavo.request import CompletionOutput, RequestOutput
 from octavo.sampling.params import SamplingParams
 
 logger = logging.getLogger("octavo.server")
 
 
 class EngineStopped(RuntimeError):
-    pass
+    """The server is shutting down and takes no new requests."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; this process can no longer generate."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full; the client should retry later."""
+
+
+class OutputCollector:
+    """The event-loop side of one submission (one HTTP request's prompts). Lives on the loop:
+    the engine thread only reaches it through call_soon_threadsafe."""
+
+    def __init__(self, num_requests: int) -> None:
+        self._items: list[tuple[int, RequestOutput]] = []
+        self._event = asyncio.Event()
+        self._error: BaseException | None = None
+        self.num_open = num_requests
+
+    def push(self, index: int, out: RequestOutput) -> None:
+        self._items.append((index, out))
+        if out.finished:
+            self.num_open -= 1
+        self._event.set()
+
+    def close_one(self) -> None:
+        """A request ended without a final output (aborted)."""
+        self.num_open -= 1
+        self._event.set()
+
+    def fail(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = exc
+        self._event.set()
+
+    async def next_batch(self) -> list[tuple[int, RequestOutput]]:
+        """Everything pushed since the last call, merged per prompt, in prompt order; [] once every
+        request has ended. Raises the failure (after handing out what came before it)."""
+        while not self._items and self._error is None and self.num_open > 0:
+            await self._event.wait()
+            self._event.clear()
+        if self._items:
+            items, self._items = self._items, []
+            return merge_deltas(items)
+        if self._error is not None:
+            raise self._error
+        return []
+
+
+def merge_deltas(items: list[tuple[int, RequestOutput]]) -> list[tuple[int, RequestOutput]]:
+    """Fold consecutive DELTA outputs of the same prompt into one; O(total size)."""
+    by_index: dict[int, list[RequestOutput]] = {}
+    for index, out in items:
+        by_index.setdefault(index, []).append(out)
+    merged = []
+    for index in sorted(by_index):
+        outs = by_index[index]
+        if len(outs) == 1:
+            merged.append((index, outs[0]))
+            continue
+        last = outs[-1]
+        completions = []
+        for k in range(len(last.outputs)):
+            parts = [o.outputs[k] for o in outs]
+            lps = [lp for p in parts if p.logprobs is not None for lp in p.logprobs]
+            reason = next((p for p in parts if p.finish_reason is not None), None)
+            completions.append(CompletionOutput(
+                index=k,
+                text="".join(p.text for p in parts),
+                token_ids=[t for p in parts for t in p.token_ids],
+                finish_reason=reason.finish_reason if reason else None,
+                logprobs=lps if parts[0].logprobs is not None else None,
+                stop_reason=reason.stop_reason if reason else None,
+            ))
+        merged.append((index, RequestOutput(
+            request_id=last.request_id, prompt=last.prompt, prompt_token_ids=last.prompt_token_ids,
+            outputs=completions, finished=last.finished, num_cached_tokens=last.num_cached_tokens,
+            metrics=last.metrics,
+        )))
+    return merged
 
 
 @dataclass(slots=True)
-class _Stream:
+class _Registered:
+    """Engine-thread bookkeeping of one running request."""
+
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    collector: OutputCollector
+    index: int
     last_token_time: float | None = None
-    num_tokens: int = 0
+    finish_reason: str | None = None  # of completion 0: the label of the success metric
 
 
 @dataclass(slots=True)
 class _Add:
-    request_id: str
-    prompt: str | list[int]
+    request_ids: list[str]
+    prompts: list[list[int]]
     params: SamplingParams
     priority: int
     cache_salt: str | None
-    stream: _Stream
-    done: asyncio.Future = field(default=None)  # type: ignore[assignment]
+    collector: OutputCollector
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future
+
+
+@dataclass(slots=True)
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: EngineMetrics, log_interval_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        metrics: EngineMetrics,
+        log_interval_s: float = 10.0,
+        max_waiting_requests: int | None = None,
+        on_dead: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.log_interval_s = log_interval_s
+        self.max_waiting_requests = max_waiting_requests
+        self.on_dead = on_dead
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()  # orders "put a command" against "die and drain the queue"
+        self._streams: dict[str, _Registered] = {}
         self._thread = threading.Thread(target=self._run, name="octavo-engine", daemon=True)
         self._stop = threading.Event()
         self._accepting = True
@@ -80,75 +188,121 @@ class AsyncEngine:
     def is_healthy(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
+    @property
+    def num_in_flight(self) -> int:
+        """Requests registered with the engine and not yet ended (read from any thread)."""
+        return len(self._streams)
+
     # ---- handler side ------------------------------------------------------------------------
 
-    async def generate(
+    def _submit(self, cmd: Any) -> None:
+        with self._lock:
+            if self.error is not None:
+                raise EngineDeadError(f"the engine failed and cannot serve: {self.error!r}")
+            if not self._accepting:
+                raise EngineStopped("the server is shutting down")
+            self._commands.put(cmd)
+
+    async def add(
         self,
-        request_id: str,
-        prompt: str | list[int],
+        request_ids: list[str],
+        prompts: list[list[int]],
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Queue a request and yield its outputs until finished. Raises ValueError (before the
-        first output) if the engine refuses it. Leaving the iteration early aborts the request."""
-        if not self._accepting or not self.is_healthy:
-            raise EngineStopped("the server is shutting down" if not self._accepting else f"engine failed: {self.error}")
-        loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
-        cmd = _Add(request_id, prompt, params, priority, cache_salt, stream, loop.create_future())
-        self._commands.put(cmd)
-        finished = False
-        try:
-            await cmd.done  # raises the engine's ValueError, if any
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(request_id)
+    ) -> OutputCollector:
+        """Queue the prompts as one unit and wait until the engine has taken all of them or none.
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        Raises ValueError (a refusal, naming the prompt), EngineOverloadedError, EngineStopped or
+        EngineDeadError. If the caller is cancelled meanwhile, the requests are aborted."""
+        loop = asyncio.get_running_loop()
+        collector = OutputCollector(len(prompts))
+        cmd = _Add(list(request_ids), prompts, params, priority, cache_salt, collector, loop, loop.create_future())
+        self._submit(cmd)
+        try:
+            await cmd.done
+        except asyncio.CancelledError:
+            self.abort(request_ids)
+            raise
+        return collector
+
+    def abort(self, request_ids: list[str]) -> None:
+        """End the requests wherever they are (no-op for ended ones); their collector is closed."""
+        self._commands.put(("abort", list(request_ids)))
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run fn(engine) on the engine thread between steps and return its result."""
+        loop = asyncio.get_running_loop()
+        cmd = _Call(fn, loop, loop.create_future())
+        self._submit(cmd)
+        return await cmd.done
 
     # ---- engine thread -----------------------------------------------------------------------
 
     def _apply(self, cmd: Any) -> None:
         if isinstance(cmd, _Add):
+            self._apply_add(cmd)
+        elif isinstance(cmd, _Call):
             try:
-                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority, cache_salt=cmd.cache_salt)
-            except Exception as exc:  # refused: tell the handler, keep nothing
-                cmd.stream.loop.call_soon_threadsafe(_set_exception, cmd.done, exc)
-                return
-            self._streams[cmd.request_id] = cmd.stream
-            cmd.stream.loop.call_soon_threadsafe(_set_result, cmd.done)
+                result = cmd.fn(self.engine)
+            except Exception as exc:
+                cmd.loop.call_soon_threadsafe(_set_exception, cmd.done, exc)
+            else:
+                cmd.loop.call_soon_threadsafe(_set_result, cmd.done, result)
         elif isinstance(cmd, tuple) and cmd[0] == "abort":
             self.engine.abort_request(cmd[1])
-            self._streams.pop(cmd[1], None)
+            for rid in cmd[1]:
+                reg = self._streams.pop(rid, None)
+                if reg is not None:
+                    reg.loop.call_soon_threadsafe(reg.collector.close_one)
 
-    def _drain_commands(self, block: bool) -> None:
+    def _apply_add(self, cmd: _Add) -> None:
+        limit = self.max_waiting_requests
+        num_waiting = self.engine.num_waiting_requests()
+        if limit is not None and num_waiting + len(cmd.prompts) > limit:
+            exc: Exception = EngineOverloadedError(
+                f"{num_waiting} requests are already waiting (limit {limit}); retry later")
+            cmd.loop.call_soon_threadsafe(_set_exception, cmd.done, exc)
+            return
+        added: list[str] = []
+        try:
+            for i, (rid, ids) in enumerate(zip(cmd.request_ids, cmd.prompts)):
+                try:
+                    self.engine.add_request(rid, ids, cmd.params, priority=cmd.priority, cache_salt=cmd.cache_salt)
+                except ValueError as exc:
+                    raise ValueError(f"prompt {i}: {exc}" if len(cmd.prompts) > 1 else str(exc)) from exc
+                added.append(rid)
+        except ValueError as exc:  # refused: keep none of the batch
+            self.engine.abort_request(added)
+            cmd.loop.call_soon_threadsafe(_set_exception, cmd.done, exc)
+            return
+        for i, rid in enumerate(cmd.request_ids):
+            self._streams[rid] = _Registered(cmd.loop, cmd.collector, i)
+        cmd.loop.call_soon_threadsafe(_set_result, cmd.done, None)
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply queued commands; returns whether any was applied."""
         try:
             cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
         except queue.Empty:
-            return
+            return False
         while True:
             if cmd is not None:
                 self._apply(cmd)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return True
 
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain_commands(block=not self.engine.has_unfinished_requests())
-                if self._stop.is_set() or not self.engine.has_unfinished_requests():
+                applied = self._drain_commands(block=not self.engine.has_unfinished_requests())
+                if self._stop.is_set():
+                    break
+                if not self.engine.has_unfinished_requests():
+                    if applied:  # e.g. aborts while idle: the gauges show the freed blocks
+                        self.metrics.observe_step(self.engine.get_stats())
                     continue
                 outputs = self.engine.step()
                 now = time.time()
@@ -156,28 +310,58 @@ class AsyncEngine:
                 for out in outputs:
                     self._deliver(out, now)
                 self._maybe_log()
-        except BaseException as exc:  # the loop must never die silently: fail every open stream
-            logger.exception("engine loop failed")
+        except BaseException as exc:  # the loop must never die silently: fail everything, loudly
+            logger.exception("engine loop failed; failing every request")
+            self._die(exc)
+            return
+        self._close(EngineStopped("the server shut down before this request finished"))
+
+    def _die(self, exc: BaseException) -> None:
+        dead = EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}")
+        with self._lock:
             self.error = exc
-            for stream in self._streams.values():
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RuntimeError(f"engine failed: {exc}"))
-        finally:
-            for rid in list(self._streams):
-                self.engine.abort_request(rid)
-            self._streams.clear()
+        self._close(dead)
+        if self.on_dead is not None:
+            self.on_dead(exc)
+
+    def _close(self, exc: BaseException) -> None:
+        """Fail every registered request and every command still queued (none can be added after:
+        `_submit` checks `error` / `_accepting` under the same lock)."""
+        with self._lock:
+            self._accepting = False
+            pending = []
+            while True:
+                try:
+                    pending.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+        for cmd in pending:
+            if isinstance(cmd, (_Add, _Call)):
+                cmd.loop.call_soon_threadsafe(_set_exception, cmd.done, exc)
+        for reg in self._streams.values():
+            reg.loop.call_soon_threadsafe(reg.collector.fail, exc)
+        try:
+            self.engine.abort_request(list(self._streams))
+        except Exception:  # a dead engine may not even abort cleanly; the process is going away
+            logger.exception("could not abort requests after the engine stopped")
+        self._streams.clear()
 
     def _deliver(self, out: RequestOutput, now: float) -> None:
-        stream = self._streams.get(out.request_id)
-        if stream is None:
+        reg = self._streams.get(out.request_id)
+        if reg is None:
             return
-        num_tokens = sum(len(c.token_ids) for c in out.outputs)
-        if stream.last_token_time is not None and num_tokens > stream.num_tokens:
-            self.metrics.observe_token_gap(now - stream.last_token_time)
-        self.metrics.observe_output(out, is_first=stream.last_token_time is None)
-        stream.last_token_time, stream.num_tokens = now, num_tokens
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+        num_new = sum(len(c.token_ids) for c in out.outputs)
+        if reg.last_token_time is not None and num_new:
+            self.metrics.observe_token_gap(now - reg.last_token_time)
+        self.metrics.observe_output(out, is_first=reg.last_token_time is None)
+        if num_new:
+            reg.last_token_time = now
+        if out.outputs and out.outputs[0].finish_reason is not None:
+            reg.finish_reason = out.outputs[0].finish_reason
         if out.finished:
+            self.metrics.observe_finished(out, reg.finish_reason)
             del self._streams[out.request_id]
+        reg.loop.call_soon_threadsafe(reg.collector.push, reg.index, out)
 
     def _maybe_log(self) -> None:
         now = time.monotonic()
@@ -197,9 +381,9 @@ class AsyncEngine:
         self._last_log, self._last_log_stats = now, stats
 
 
-def _set_result(fut: asyncio.Future) -> None:
+def _set_result(fut: asyncio.Future, value: Any = None) -> None:
     if not fut.done():
-        fut.set_result(None)
+        fut.set_result(value)
 
 
 def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:

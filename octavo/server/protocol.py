@@ -1,45 +1,111 @@
-"""OpenAI-compatible request and response models (pydantic), and their mapping to SamplingParams."""
+"""OpenAI-compatible request models (pydantic), their limits, and their mapping to SamplingParams.
+
+Every value is bounded here, before it reaches the engine: numbers are finite and in range,
+lists have a maximum length, strings are valid Unicode (no lone surrogates, which JSON can carry
+but UTF-8 cannot encode). Unknown fields are ignored, as OpenAI-compatible servers do; known
+OpenAI fields this server cannot honour are refused with a 400 (`unsupported`), never ignored.
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from octavo.sampling.params import SamplingParams
+from octavo.sampling.params import (
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SEED_MAX,
+    SEED_MIN,
+    RequestOutputKind,
+    SamplingParams,
+)
+
+MAX_PROMPTS_PER_REQUEST = 64
+MAX_MESSAGES = 1024
+INT32_MAX = 2**31 - 1
 
 
-class StreamOptions(BaseModel):
+def _reject_invalid_unicode(value: Any, depth: int = 0) -> None:
+    """Raise ValueError if a string anywhere in `value` cannot be encoded as UTF-8."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"text contains invalid Unicode (a lone surrogate at character {exc.start})") from None
+    elif isinstance(value, dict) and depth < 64:
+        for k, v in value.items():
+            _reject_invalid_unicode(k, depth + 1)
+            _reject_invalid_unicode(v, depth + 1)
+    elif isinstance(value, list) and depth < 64:
+        for v in value:
+            _reject_invalid_unicode(v, depth + 1)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        _reject_invalid_unicode(data)
+        return data
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
-    """Fields shared by completions and chat; unknown fields are ignored as OpenAI's server does."""
-
-    model_config = ConfigDict(extra="ignore")
+class _SamplingFields(_Body):
+    """Fields shared by completions and chat."""
 
     model: str | None = None
-    n: int = 1
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    min_tokens: int | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    stop: str | list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    min_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    cache_salt: str | None = None
-    priority: int = 0
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
     user: str | None = None
+    # OpenAI fields Octavo does not implement: accepted in the schema so that a value is refused
+    # with a clear 400 (see `unsupported`) rather than silently ignored.
+    logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, message) of the first field set to a value this server cannot honour."""
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported by this server"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format", "response_format other than {\"type\": \"text\"} is not supported by this server"
+        if self.tools or self.functions:
+            return ("tools" if self.tools else "functions"), "tool and function calling is not supported by this server"
+        if self.tool_choice not in (None, "none", "auto") or self.function_call not in (None, "none", "auto"):
+            return "tool_choice", "tool_choice / function_call is not supported by this server"
+        if isinstance(self.stop, str) and not 1 <= len(self.stop) <= MAX_STOP_STRING_CHARS:
+            return "stop", f"stop must be 1 to {MAX_STOP_STRING_CHARS} characters"
+        return None
 
     def to_sampling_params(self, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError with SamplingParams' message when a value is out of range."""
@@ -51,6 +117,7 @@ class _SamplingFields(BaseModel):
             "stop_token_ids": self.stop_token_ids or (),
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
+            "output_kind": RequestOutputKind.DELTA,
         }
         for name, default in (
             ("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("presence_penalty", 0.0),
@@ -63,27 +130,76 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.echo:
+            return "echo", "echo is not supported by this server"
+        if self.suffix:
+            return "suffix", "suffix (insertion) is not supported by this server"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of", "best_of is not supported by this server (use n)"
+        return super().unsupported()
+
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompts as a list (a single string or token list becomes a list of one)."""
+        raw = self.prompt
+        if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
+            return [raw]  # type: ignore[list-item]
+        return list(raw)  # type: ignore[arg-type]
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> ContentPart:
+        if self.type != "text":
+            raise ValueError(f"content parts of type {self.type!r} are not supported; only 'text'")
+        if self.text is None:
+            raise ValueError("a 'text' content part needs a 'text' string")
+        return self
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, list):  # [{"type": "text", "text": ...}, ...]
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        if isinstance(self.content, list):
+            return "".join(part.text or "" for part in self.content)
         return self.content or ""
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+
+    def plain_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class TokenizeRequest(_Body):
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_of(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' (a string) or 'messages'")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    tokens: list[int]
 
 
 def new_id(prefix: str) -> str:
@@ -92,4 +208,3 @@ def new_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
-
