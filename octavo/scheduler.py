@@ -161,6 +161,8 @@ class Scheduler:
             if num_seqs + request.num_samples_pending > self.config.max_num_seqs:
                 break
             computed = self.kv_cache.get_computed_blocks(request)
+            if self.kv_cache.is_prefix_in_flight(request, computed):
+                break  # its next block is being computed now: admitted next step, it will hit it
             num_hit = computed.num_tokens(self.kv_cache.block_size)
             num_new = request.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:

@@ -53,6 +53,11 @@ class KVCacheManager:
         self._block_ids: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}
         self._num_cached_blocks: dict[str, int] = {}
+        # Full blocks scheduled in this step but not yet computed: rid -> their hashes, and how
+        # many requests are computing each hash. A waiting request whose next block is among
+        # them waits one step and then hits it, rather than computing the same KV twice.
+        self._in_flight: dict[str, list[bytes]] = {}
+        self._num_in_flight: dict[bytes, int] = {}
         self.stats = PrefixCacheStats()
 
     # ---- reads -------------------------------------------------------------------------------
@@ -156,7 +161,38 @@ class KVCacheManager:
             new_blocks = self.pool.allocate(num_new_blocks)
             table.extend(new_blocks)
             block_ids.extend(block.block_id for block in new_blocks)
+        self._mark_in_flight(request, end)
         return Allocation(block_ids, copies)
+
+    def _mark_in_flight(self, request: Request, end: int) -> None:
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        first = max(self._num_cached_blocks.get(rid, 0), len(self._in_flight.get(rid, ())))
+        num_full = end // self.block_size
+        if num_full <= first:
+            return
+        hashes = self._block_hashes(request)[first:num_full]
+        self._in_flight.setdefault(rid, []).extend(hashes)
+        for h in hashes:
+            self._num_in_flight[h] = self._num_in_flight.get(h, 0) + 1
+
+    def _clear_in_flight(self, rid: str) -> None:
+        for h in self._in_flight.pop(rid, ()):
+            left = self._num_in_flight[h] - 1
+            if left:
+                self._num_in_flight[h] = left
+            else:
+                del self._num_in_flight[h]
+
+    def is_prefix_in_flight(self, request: Request, computed: ComputedBlocks) -> bool:
+        """Whether the block right after the hit is being computed by another request this step
+        (so waiting one step turns it into a hit)."""
+        if not self._num_in_flight:
+            return False
+        hashes = self._block_hashes(request)
+        idx = len(computed.blocks)
+        return idx < min(len(hashes), (request.num_tokens - 1) // self.block_size) and hashes[idx] in self._num_in_flight
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Enter the request's blocks that are full within its first `num_computed_tokens` tokens
@@ -164,6 +200,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
+        self._clear_in_flight(rid)
         table = self._tables.get(rid)
         if table is None:
             return
@@ -193,6 +230,7 @@ class KVCacheManager:
         its own cached prefix. `remove` forgets them once the request has ended.
         """
         rid = request.request_id
+        self._clear_in_flight(rid)
         table = self._tables.pop(rid, [])
         self._block_ids.pop(rid, None)
         self._num_cached_blocks.pop(rid, None)

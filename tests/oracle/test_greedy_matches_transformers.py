@@ -106,6 +106,18 @@ def test_preemption_with_prefix_caching_resumes_from_own_prefix(make_llm, prompt
     check_all(outs, refs, "preemption+cache")
 
 
+def test_priority_policy_preempting_scheduled_requests_with_caching(make_llm, prompts, refs):
+    # Priority preemption can pick a victim that was already scheduled earlier in the same step
+    # (the lowest priority need not be the newest). Its blocks must not stay hashed: a tiny pool,
+    # mixed priorities (later prompts more urgent) and a small budget make that happen.
+    llm = make_llm(num_kv_blocks=48, max_num_batched_tokens=96, scheduling_policy="priority")
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False, priority=[len(prompts) - i for i in range(len(prompts))])
+    stats = llm.engine.get_stats().scheduler
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert llm.engine.scheduler.kv_cache.check_invariants() == []
+    check_all(outs, refs, "priority preemption+cache")
+
+
 @pytest.mark.parametrize("caching", [True, False])
 def test_shared_prefixes(make_llm, shared_prompts, shared_refs, caching):
     llm = make_llm(enable_prefix_caching=caching, max_num_batched_tokens=512)

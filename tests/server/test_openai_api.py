@@ -99,7 +99,7 @@ def test_sampling_extensions_and_usage_counts(client, live_server):
     resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0.8, top_p=0.9, seed=1,
                                      presence_penalty=0.5, frequency_penalty=0.5,
                                      extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2,
-                                                 "min_tokens": 10, "ignore_eos": True, "cache_salt": "s", "priority": 1})
+                                                 "min_tokens": 10, "ignore_eos": True, "cache_salt": "s"})
     assert resp.usage.completion_tokens == 10 and resp.choices[0].finish_reason == "length"
     count = httpx.post(f"{live_server.url}/tokenize", json={"prompt": PROMPT}).json()["count"]
     assert resp.usage.prompt_tokens == count
