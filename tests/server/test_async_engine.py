@@ -1,0 +1,84 @@
+"""AsyncEngine on the real model: engine death fails every request (running and queued) at once,
+a refusal keeps none of a multi-prompt batch, the waiting limit answers EngineOverloadedError."""
+
+import asyncio
+import threading
+
+import pytest
+
+from octavo.metrics import EngineMetrics
+from octavo.sampling.params import RequestOutputKind, SamplingParams
+from octavo.server.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+
+PARAMS = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+
+def _ids(tokenizer, text):
+    return tokenizer.encode(text)
+
+
+def test_a_failing_step_fails_running_and_queued_requests_and_refuses_new_ones(make_llm, smol_tokenizer):
+    engine = make_llm().engine
+    entered, release = threading.Event(), threading.Event()
+    real_execute = engine.runner.execute
+    calls = []
+
+    def execute(sched):
+        calls.append(1)
+        if len(calls) == 3:  # the third step: hold it, let commands queue up, then fail
+            entered.set()
+            release.wait(30)
+            raise RuntimeError("injected fault")
+        return real_execute(sched)
+
+    engine.runner.execute = execute
+    died = []
+    ae = AsyncEngine(engine, EngineMetrics("m"), on_dead=died.append)
+    prompt = _ids(smol_tokenizer, "Once upon a time")
+
+    async def main():
+        ae.start()
+        running = await ae.add(["a"], [prompt], PARAMS)
+        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 30)
+        queued = [asyncio.create_task(ae.add([f"q{i}"], [prompt], PARAMS)) for i in range(3)]
+        await asyncio.sleep(0.2)  # the adds sit in the command queue of the failing step
+        release.set()
+        outcomes = await asyncio.gather(*queued, return_exceptions=True)
+        with pytest.raises(EngineDeadError, match="injected fault"):
+            while await running.next_batch():
+                pass
+        with pytest.raises(EngineDeadError):
+            await ae.add(["late"], [prompt], PARAMS)
+        return outcomes
+
+    outcomes = asyncio.run(asyncio.wait_for(main(), 60))
+    assert all(isinstance(o, EngineDeadError) for o in outcomes), outcomes
+    assert not ae.is_healthy and len(died) == 1 and "injected fault" in str(died[0])
+
+
+def test_a_refused_prompt_keeps_none_of_the_batch_and_the_waiting_limit_holds(make_llm, smol_tokenizer):
+    engine = make_llm(max_num_seqs=1).engine
+    ae = AsyncEngine(engine, EngineMetrics("m"), max_waiting_requests=2)
+    ok = _ids(smol_tokenizer, "Hello")
+
+    async def main():
+        ae.start()
+        with pytest.raises(ValueError, match=r"prompt 1: prompt token ids must be in \[0, 49152\)"):
+            await ae.add(["b0", "b1"], [ok, [10**7]], PARAMS)
+        assert await ae.call(lambda e: e.has_unfinished_requests()) is False  # b0 was not kept
+        with pytest.raises(EngineOverloadedError, match=r"0 requests are already waiting \(limit 2\)"):
+            await ae.add(["x0", "x1", "x2"], [ok, ok, ok], PARAMS)  # the batch alone is over the limit
+        first = await ae.add(["r0", "r1"], [ok, ok], PARAMS)
+        while await ae.call(lambda e: e.num_waiting_requests()) != 1:  # r0 runs (max_num_seqs 1), r1 waits
+            await asyncio.sleep(0.01)
+        with pytest.raises(EngineOverloadedError, match=r"1 requests are already waiting \(limit 2\)"):
+            await ae.add(["r2", "r3"], [ok, ok], PARAMS)
+        ae.abort(["r0", "r1"])
+        assert await first.next_batch() is not None
+        while await first.next_batch():
+            pass
+        return await ae.call(lambda e: (e.has_unfinished_requests(), e.scheduler.kv_cache.check_invariants()))
+
+    busy, problems = asyncio.run(asyncio.wait_for(main(), 60))
+    ae.shutdown()
+    assert busy is False and problems == []
