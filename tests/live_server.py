@@ -51,23 +51,31 @@ def wait_healthy(url: str, proc: subprocess.Popen, read_log, timeout_s: float = 
     raise RuntimeError(f"server did not become healthy:\n{read_log()}")
 
 
-@pytest.fixture(scope="session")
-def live_server(tmp_path_factory, smol_dir):  # smol_dir: the embedded model is converted before start
+def start_server(log: Path, flags: list[str], entry: list[str] | None = None) -> LiveServer:
+    """`octavo serve` (or `entry`, a script taking the same flags) on a free port; healthy on return."""
     port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
     env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "octavo.cli", "serve", "--port", str(port), "--api-key", API_KEY,
-           "--kv-cache-memory", str(256 << 20), "--max-model-len", str(MAX_MODEL_LEN), "--log-interval", "1",
-           "--shutdown-timeout", "5"]
+    cmd = (entry or [sys.executable, "-m", "octavo.cli", "serve"]) + ["--port", str(port), *flags]
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc, lambda: log.read_text())
-    server = LiveServer(url, proc, log)
-    yield server
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+    return LiveServer(url, proc, log)
+
+
+def stop_server(server: LiveServer) -> None:
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGTERM)
         try:
-            proc.wait(60)
+            server.process.wait(60)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            server.process.kill()
+
+
+@pytest.fixture(scope="session")
+def live_server(tmp_path_factory, smol_dir):  # smol_dir: the embedded model is converted before start
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    server = start_server(log, ["--api-key", API_KEY, "--kv-cache-memory", str(256 << 20),
+                                "--max-model-len", str(MAX_MODEL_LEN), "--log-interval", "1", "--shutdown-timeout", "5"])
+    yield server
+    stop_server(server)

@@ -232,5 +232,8 @@ def test_sigterm_lets_an_in_flight_stream_finish_then_exits_0(smol_dir):
     assert finish == "length"  # the in-flight request was allowed to finish
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out.decode()[-2000:]
+    # the proof that the stream was in flight when the signal came: the server counted it then
+    assert b"shutdown requested (signal 15): 1 requests in flight" in out, out.decode()[-2000:]
+    assert len([c for c in rest if c.choices and c.choices[0].text]) > 0  # and tokens still came after it
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{url}/health", timeout=2)  # and it no longer accepts connections

@@ -1,0 +1,130 @@
+"""Hostile bodies against a live server: each gets a 4xx in the OpenAI error shape (never a 5xx,
+never a dead engine), and the server answers a normal request afterwards."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.live_server import API_KEY, MODEL
+
+HEADERS = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+C, CHAT, TOK, DETOK = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"
+
+
+def comp(**kw) -> dict:
+    return {"model": MODEL, "prompt": "Hello", "max_tokens": 2, **kw}
+
+
+def chat(messages=None, **kw) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}] if messages is None else messages, "max_tokens": 2, **kw}
+
+
+# (kind of attack, route, body: a dict sent as JSON or raw bytes, expected status)
+CASES = [
+    ("huge number", C, comp(seed=2**64), 400),
+    ("huge number", C, comp(seed=-(2**64)), 400),
+    ("huge number", C, comp(n=10**9), 400),
+    ("huge number", C, comp(max_tokens=10**30), 400),
+    ("huge number", C, comp(top_k=10**20), 400),
+    ("huge number", C, comp(min_tokens=10**12, max_tokens=None), 400),
+    ("huge number", C, comp(priority=10**30), 400),
+    ("huge number", C, comp(logprobs=10**6), 400),
+    ("huge number", CHAT, chat(top_logprobs=100, logprobs=True), 400),
+    ("huge number", DETOK, {"tokens": [10**30]}, 400),
+    ("negative", C, comp(n=-1), 400),
+    ("negative", C, comp(max_tokens=-5), 400),
+    ("negative", C, comp(logprobs=-1), 400),
+    ("negative", CHAT, chat(max_completion_tokens=-1), 400),
+    ("non-finite", C, b'{"prompt": "Hi", "max_tokens": 2, "temperature": NaN}', 400),
+    ("non-finite", C, b'{"prompt": "Hi", "max_tokens": 2, "top_p": NaN}', 400),
+    ("non-finite", C, b'{"prompt": "Hi", "max_tokens": 2, "temperature": Infinity}', 400),
+    ("non-finite", C, b'{"prompt": "Hi", "max_tokens": 2, "repetition_penalty": 1e400}', 400),
+    ("non-finite", C, b'{"prompt": "Hi", "max_tokens": 2, "frequency_penalty": -Infinity}', 400),
+    ("token ids", C, comp(prompt=[-1, 5]), 400),
+    ("token ids", C, comp(prompt=[10**12]), 400),
+    ("token ids", C, comp(prompt=[[1, 2], [3, 49152]]), 400),
+    ("token ids", C, comp(stop_token_ids=[-1]), 400),
+    ("token ids", C, comp(stop_token_ids=[10**9], min_tokens=1), 400),
+    ("token ids", C, comp(stop_token_ids=list(range(10_000))), 400),
+    ("token ids", DETOK, {"tokens": [-1]}, 400),
+    ("stop", C, comp(stop=["x"] * 100), 400),
+    ("stop", C, comp(stop="y" * 10_000), 400),
+    ("stop", C, comp(stop=["ok", "z" * 300]), 400),
+    ("wrong type", C, comp(prompt=1.5), 400),
+    ("wrong type", C, comp(prompt={"a": 1}), 400),
+    ("wrong type", C, comp(prompt=None), 400),
+    ("wrong type", C, comp(model=123), 400),
+    ("wrong type", C, comp(cache_salt=5), 400),
+    ("wrong type", C, comp(stream="maybe"), 400),
+    ("wrong type", C, [1, 2, 3], 400),
+    ("wrong type", CHAT, chat([{"role": "user", "content": [{"type": "text", "text": 5}]}]), 400),
+    ("wrong type", CHAT, chat([{"role": "user", "content": {"x": 1}}]), 400),
+    ("wrong type", CHAT, chat([{"role": "wizard", "content": "hi"}]), 400),
+    ("wrong type", TOK, {"messages": "abc"}, 400),
+    ("wrong type", TOK, {"messages": [{"role": "user", "content": 7}]}, 400),
+    ("wrong type", TOK, {"prompt": 5}, 400),
+    ("wrong type", TOK, {}, 400),
+    ("wrong type", TOK, {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400),
+    ("wrong type", DETOK, {"tokens": "abc"}, 400),
+    ("wrong type", DETOK, {"tokens": [1.5]}, 400),
+    ("empty", C, comp(prompt=""), 400),
+    ("empty", C, comp(prompt=[]), 400),
+    ("empty", CHAT, chat([]), 400),
+    ("empty", C, comp(cache_salt=""), 400),
+    ("empty", C, b"", 400),
+    ("too many", C, comp(prompt=["a"] * 100), 400),
+    ("invalid text", C, b'{"prompt": "abc \\ud800 def", "max_tokens": 2}', 400),
+    ("invalid text", CHAT, b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}', 400),
+    ("invalid text", C, b'{"prompt": "caf\xc3", "max_tokens": 2}', 400),
+    ("invalid text", C, b'{"prompt": "Hi", "max_tokens": ', 400),
+    ("unsupported", C, comp(echo=True), 400),
+    ("unsupported", C, comp(logit_bias={"50": 10}), 400),
+    ("unsupported", C, comp(suffix="end"), 400),
+    ("unsupported", C, comp(best_of=3), 400),
+    ("unsupported", C, comp(priority=3), 400),  # this server runs fcfs
+    ("unsupported", CHAT, chat(response_format={"type": "json_object"}), 400),
+    ("unsupported", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400),
+    ("unsupported", CHAT, chat(tool_choice="required"), 400),
+    ("unsupported", CHAT, chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400),
+    ("size", C, comp(prompt="a" * (10 << 20)), 413),
+    ("size", C, comp(prompt="word " * 200_000), 400),  # under the body limit, over any context length
+]
+
+
+def _send(url: str, route: str, body) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"{url}{route}", content=content, headers=HEADERS, timeout=60)
+
+
+@pytest.mark.parametrize("kind, route, body, status", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_hostile_body_gets_a_clear_4xx(live_server, kind, route, body, status):
+    r = _send(live_server.url, route, body)
+    assert r.status_code == status, r.text[:500]
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status and error["message"]
+
+
+def test_the_server_still_answers_and_the_engine_is_alive(live_server):
+    for _ in range(2):  # also after the whole list above ran (tests run in file order)
+        r = _send(live_server.url, C, comp(prompt="The capital of France is", temperature=0))
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert httpx.get(f"{live_server.url}/health").status_code == 200
+
+
+def test_api_key_scheme_is_case_insensitive_and_a_wrong_key_is_refused(live_server):
+    body = json.dumps(comp()).encode()
+    for auth, status in ((f"bearer {API_KEY}", 200), (f"BEARER  {API_KEY}", 200), (f"Bearer {API_KEY}x", 401),
+                         (f"Basic {API_KEY}", 401), ("Bearer", 401), (API_KEY, 401)):
+        r = httpx.post(f"{live_server.url}{C}", content=body, headers={"Authorization": auth,
+                                                                         "Content-Type": "application/json"})
+        assert r.status_code == status, (auth, r.text)
+        if status == 401:
+            assert r.json()["error"]["type"] == "AuthenticationError"
+
+
+def test_cached_tokens_are_not_reported_by_default(live_server):
+    r = _send(live_server.url, C, comp(prompt="A shared system prompt " * 8))
+    assert r.status_code == 200 and "prompt_tokens_details" not in r.json()["usage"]
