@@ -82,3 +82,30 @@ def test_a_refused_prompt_keeps_none_of_the_batch_and_the_waiting_limit_holds(ma
     busy, problems = asyncio.run(asyncio.wait_for(main(), 60))
     ae.shutdown()
     assert busy is False and problems == []
+
+
+def test_a_slow_readers_backlog_is_merged_in_one_read():
+    from octavo.request import CompletionOutput, RequestMetrics, RequestOutput
+    from octavo.server.async_engine import OutputCollector
+
+    def delta(index, k, finished=False):
+        outs = [CompletionOutput(index=c, text=f"t{k}.{c} ", token_ids=[k], finish_reason="length" if finished else None,
+                                 logprobs=None) for c in range(2)]
+        return index, RequestOutput("r", None, [1], outs, finished, 0, RequestMetrics(0.0))
+
+    async def main():
+        collector = OutputCollector(num_requests=2)
+        for k in range(500):  # the reader is away while 500 steps of two prompts arrive
+            collector.push(*delta(0, k, finished=k == 499))
+            collector.push(*delta(1, k))
+        first = await collector.next_batch()
+        collector.push(*delta(1, 500, finished=True))
+        second = await collector.next_batch()
+        return first, second, await collector.next_batch()
+
+    first, second, end = asyncio.run(asyncio.wait_for(main(), 10))
+    assert [i for i, _ in first] == [0, 1] and end == []
+    (_, p0), (_, p1) = first
+    assert p0.finished and p0.outputs[1].token_ids == list(range(500))
+    assert p0.outputs[0].text == "".join(f"t{k}.0 " for k in range(500)) and p0.outputs[0].finish_reason == "length"
+    assert not p1.finished and p1.outputs[1].finish_reason is None and second[0][1].finished
