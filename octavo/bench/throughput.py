@@ -77,14 +77,16 @@ def _check(backend: str, asked: list[int], got: list[int]) -> None:
 def run_octavo(workload: list[SimRequest], engine_args: dict[str, Any], progress: bool = True) -> ThroughputResult:
     from octavo.engine import LLMEngine
     from octavo.engine_args import EngineArgs
-    from octavo.sampling.params import SamplingParams
+    from octavo.sampling.params import RequestOutputKind, SamplingParams
     from octavo.simulator.simulator import used_slots
 
     engine = LLMEngine.from_args(EngineArgs(**engine_args))
     _reset_peak_rss()
     start = time.perf_counter()
     for i, w in enumerate(workload):
-        params = SamplingParams(temperature=0.0, max_tokens=w.output_len, ignore_eos=True)
+        # final outputs only, as LLM.generate asks: nothing is copied out per step
+        params = SamplingParams(temperature=0.0, max_tokens=w.output_len, ignore_eos=True,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
         engine.add_request(str(i), list(w.prompt_token_ids), params, arrival_time=time.time())
     outputs: dict[str, Any] = {}
     batch_sizes, kv_util = [], []
