@@ -25,7 +25,7 @@ LENGTHS = [8, 32, 64]
 @pytest.fixture(scope="module")
 def soak_server(tmp_path_factory, smol_dir):
     log = tmp_path_factory.mktemp("soak") / "server.log"
-    server = start_server(log, ["--api-key", API_KEY, "--num-kv-blocks", "96", "--max-num-seqs", "32",
+    server = start_server(log, ["--api-key", API_KEY, "--num-kv-blocks", "80", "--max-num-seqs", "32",
                                 "--max-model-len", "512", "--enable-debug-endpoints", "--log-interval", "5"])
     yield server
     stop_server(server)
