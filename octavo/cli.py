@@ -104,7 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = LLMEngine.from_args(EngineArgs(**engine_kwargs(args)))
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else args.model)
     limits = ServerLimits(
-        max_request_bytes=args.max_request_bytes, max_waiting_requests=args.max_waiting_requests,
+        max_request_bytes=args.max_request_bytes,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         enable_debug_endpoints=args.enable_debug_endpoints,
     )

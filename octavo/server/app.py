@@ -27,7 +27,8 @@ from octavo.server.async_engine import (
     OutputCollector,
     merge_deltas,
 )
-from octavo.server.guard import error_body, error_json
+from octavo.server.debug import add_debug_routes
+from octavo.server.guard import RequestGuard, error_body, error_json
 from octavo.server.protocol import (
     MAX_PROMPTS_PER_REQUEST,
     ChatCompletionRequest,
@@ -63,7 +64,6 @@ class ServerLimits:
     """What one request may ask for; see docs/RELIABILITY.md."""
 
     max_request_bytes: int = 4 << 20
-    max_waiting_requests: int = 1024
     retry_after_s: int = 1
     enable_prompt_tokens_details: bool = False
     enable_debug_endpoints: bool = False
@@ -209,13 +209,14 @@ def _chat_logprobs(server: OpenAIServer, lps: list[TokenLogprob] | None) -> dict
     return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top.items()]} for lp in lps]}
 
 
-def _usage(server: OpenAIServer, prompts: list[list[int]], finals: dict[int, RequestOutput]) -> dict:
+def _usage(server: OpenAIServer, prompts: list[list[int]], num_completion: int,
+           outs: list[RequestOutput]) -> dict:
+    """The usage object; `outs` holds an output of each prompt (for its cached-token count)."""
     num_prompt = sum(len(p) for p in prompts)
-    num_completion = sum(len(c.token_ids) for out in finals.values() for c in out.outputs)
     usage: dict[str, Any] = {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
                              "total_tokens": num_prompt + num_completion}
     if server.limits.enable_prompt_tokens_details:  # off by default: it tells a tenant what is cached
-        usage["prompt_tokens_details"] = {"cached_tokens": sum(out.num_cached_tokens for out in finals.values())}
+        usage["prompt_tokens_details"] = {"cached_tokens": sum(out.num_cached_tokens for out in outs)}
     return usage
 
 
@@ -232,8 +233,6 @@ def _engine_error(exc: Exception, limits: ServerLimits) -> APIError:
 
 
 def build_app(server: OpenAIServer) -> FastAPI:
-    from octavo.server.guard import RequestGuard
-
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         server.engine.start()
@@ -329,8 +328,6 @@ def build_app(server: OpenAIServer) -> FastAPI:
         params = _params(req, server.max_model_len - len(ids), logprobs)
         return await _respond(server, request, req, [ids], params, chat=True)
 
-    from octavo.server.debug import add_debug_routes
-
     add_debug_routes(app, server)
     return app
 
@@ -359,7 +356,8 @@ async def _respond(server: OpenAIServer, request: Request, req, prompts: list[li
         except (EngineDeadError, EngineStopped) as exc:
             raise _engine_error(exc, server.limits) from exc
         finally:
-            server.engine.abort(request_ids)  # no-op for finished requests; frees a cancelled one's
+            if collector.num_open:  # cancelled or failed midway: free what is left
+                server.engine.abort(request_ids)
         if watch.disconnected or len(items) < len(prompts) or not all(o.finished for o in items.values()):
             raise APIError(499, "client disconnected", "ClientClosedRequest")
     if params.logprobs is not None:  # decoding every logprob token is work: off the event loop
@@ -388,7 +386,8 @@ def _final_body(server: OpenAIServer, rid: str, prompts, finals: dict[int, Reque
                 choices.append({"index": index, "text": c.text, "logprobs": _completion_logprobs(server, c.logprobs),
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(),
-            "model": server.model_name, "choices": choices, "usage": _usage(server, prompts, finals)}
+            "model": server.model_name, "choices": choices, "usage": _usage(server, prompts, sum(len(c.token_ids) for out in finals.values() for c in out.outputs),
+                            list(finals.values()))}
 
 
 async def _stream(server, rid, request_ids, collector, prompts, params, chat: bool, include_usage: bool) -> AsyncIterator[str]:
@@ -401,7 +400,8 @@ async def _stream(server, rid, request_ids, collector, prompts, params, chat: bo
         yield _sse(error_body(503, str(exc), "ServiceUnavailableError"))
         yield "data: [DONE]\n\n"
     finally:
-        server.engine.abort(request_ids)  # a client that went away frees its blocks here
+        if collector.num_open:  # a client that went away frees its blocks here
+            server.engine.abort(request_ids)
 
 
 async def _stream_pieces(server, rid, collector: OutputCollector, prompts, params, chat: bool,
@@ -409,7 +409,7 @@ async def _stream_pieces(server, rid, collector: OutputCollector, prompts, param
     obj = "chat.completion.chunk" if chat else "text_completion"
     created = now()
     offsets: dict[int, int] = {}  # characters sent per choice, for text_offset
-    totals: dict[int, RequestOutput] = {}  # prompt index -> a stand-in with the token counts, for usage
+    totals: dict[int, RequestOutput] = {}  # prompt index -> its latest output (cached-token count)
     num_tokens: dict[int, int] = {}
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
@@ -441,11 +441,5 @@ async def _stream_pieces(server, rid, collector: OutputCollector, prompts, param
         if choices:
             yield chunk(choices)
     if include_usage:
-        num_prompt = sum(len(p) for p in prompts)
-        num_completion = sum(num_tokens.values())
-        usage: dict[str, Any] = {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-                                 "total_tokens": num_prompt + num_completion}
-        if server.limits.enable_prompt_tokens_details:
-            usage["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens for o in totals.values())}
-        yield chunk([], usage)
+        yield chunk([], _usage(server, prompts, sum(num_tokens.values()), list(totals.values())))
     yield "data: [DONE]\n\n"
