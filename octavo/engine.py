@@ -16,7 +16,7 @@ from octavo.engine_args import EngineArgs
 from octavo.kv_cache.manager import KVCacheManager
 from octavo.memory import KVSizing, size_kv_cache
 from octavo.model_runner import ModelRunner
-from octavo.models.loader import load_model, resolve_model
+from octavo.models.loader import auto_dtype, describe_weights, load_model, resolve_model, weight_bytes
 from octavo.request import (
     CompletionOutput,
     FinishReason,
@@ -110,10 +110,14 @@ class LLMEngine:
         args = args or EngineArgs(**kwargs)
         torch.manual_seed(args.seed)
         model_dir = resolve_model(args.model)
-        model, model_config = load_model(model_dir, dtype=_DTYPES[args.dtype], device=args.device)
-        config = args.to_config(model_config)
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        return cls(config, model, load_tokenizer(model_dir), weight_bytes)
+        dtype = "float32" if args.dtype == "auto" else args.dtype
+        model, model_config = load_model(model_dir, dtype=_DTYPES[dtype], device=args.device, quantization=args.quantization)
+        if args.dtype == "auto":
+            dtype = auto_dtype(model, args.device)
+            model = model.to(_DTYPES[dtype])
+        config = dataclasses.replace(args, dtype=dtype).to_config(model_config)
+        logger.info(describe_weights(model))
+        return cls(config, model, load_tokenizer(model_dir), weight_bytes(model))
 
     # ---- requests ----------------------------------------------------------------------------
 

@@ -14,7 +14,8 @@ from octavo.config import (
     SchedulerConfig,
 )
 
-SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")  # octavo.quantization's, without importing torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,8 +43,15 @@ class EngineArgs:
     scheduling_policy: str = field(default="fcfs", metadata={
         "help": "fcfs, or priority (the request's `priority` field: lower runs first, and is preempted last)",
         "choices": ("fcfs", "priority")})
-    dtype: str = field(default="float32", metadata={
-        "help": "weights and KV cache dtype (float32 is fastest on CPUs without bf16 units)", "choices": SUPPORTED_DTYPES})
+    dtype: str = field(default="auto", metadata={
+        "help": "activations, dense weights and KV cache. auto: float32 for quantized weights (the C++ "
+                "kernels' input); for dense weights bfloat16 where the CPU has bf16 units (AVX512_BF16 or "
+                "AMX), else float32", "choices": SUPPORTED_DTYPES})
+    quantization: str = field(default="auto", metadata={
+        "help": "auto: a GGUF's Q4_0/Q4_1/Q8_0 tensors stay quantized (others, and HF weights, dense); "
+                "none: dequantize everything to the dtype; int8 / int4: quantize every linear layer at load "
+                "(Q8_0 symmetric / Q4_1 with a zero point, groups of 32; the embedding to Q8_0)",
+        "choices": QUANTIZATION_CHOICES})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
     attention_backend: str = field(default="auto", metadata={
         "help": "paged-attention kernel: the C++ CPU kernel (auto on float32 CPU; compiled once per machine) "
@@ -53,12 +61,17 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
         if self.attention_backend not in ("auto", "cpu", "reference"):
             raise ValueError(f"attention_backend must be auto, cpu or reference, got {self.attention_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
     def to_config(self, model_config: ModelConfig) -> EngineConfig:
+        """The engine's configuration; dtype "auto" must have been resolved (the engine does it at load)."""
+        if self.dtype == "auto":
+            raise ValueError("dtype 'auto' is resolved when the model loads: pass a concrete dtype to to_config")
         max_len = self.max_model_len or model_config.max_position
         if max_len > model_config.max_position:
             raise ValueError(

@@ -24,32 +24,44 @@ def smol_tokenizer(smol_dir):
     return load_tokenizer(smol_dir)
 
 
-@pytest.fixture(scope="session")
-def smol(smol_dir, smol_tokenizer):
-    """(model, tokenizer, weight_bytes) of the embedded model, shared by every engine in the session."""
+def _load_smol(smol_dir, smol_tokenizer, quantization: str):
     import torch
 
-    from octavo.models.loader import load_model
+    from octavo.models.loader import load_model, weight_bytes
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    model, _ = load_model(smol_dir)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return model, smol_tokenizer, weight_bytes
+    model, _ = load_model(smol_dir, quantization=quantization)
+    return model, smol_tokenizer, weight_bytes(model)
 
 
 @pytest.fixture(scope="session")
-def make_llm(smol, smol_dir):
-    """Build an LLM over the shared weights with any EngineArgs fields."""
+def smol(smol_dir, smol_tokenizer):
+    """(model, tokenizer, weight_bytes) of the embedded model as the engine loads it by default (the
+    GGUF's Q4_1 / Q8_0 blocks, float32 activations), shared by every engine in the session."""
+    return _load_smol(smol_dir, smol_tokenizer, "auto")
+
+
+@pytest.fixture(scope="session")
+def smol_dense(smol_dir, smol_tokenizer):
+    """The same model with every weight dequantized to float32 (--quantization none)."""
+    return _load_smol(smol_dir, smol_tokenizer, "none")
+
+
+@pytest.fixture(scope="session")
+def make_llm(smol, smol_dir, request):
+    """Build an LLM over the shared weights with any EngineArgs fields; weights="dense" for the
+    dequantized copy."""
     from octavo.engine import LLMEngine
     from octavo.engine_args import EngineArgs
     from octavo.llm import LLM
     from octavo.models.registry import load_model_config
 
-    model, tokenizer, weight_bytes = smol
     model_config = load_model_config(smol_dir)
 
-    def build(**kwargs):
+    def build(weights: str = "quantized", **kwargs):
+        model, tokenizer, weight_bytes = smol if weights == "quantized" else request.getfixturevalue("smol_dense")
         kwargs.setdefault("kv_cache_memory", 256 << 20)
+        kwargs.setdefault("dtype", "float32")
         config = EngineArgs(**kwargs).to_config(model_config)
         return LLM.from_engine(LLMEngine(config, model, tokenizer, weight_bytes))
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from octavo.kernels.metadata import AttentionMetadata, gather_contexts
+from octavo.quantization import QuantFormat, dequantize
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -19,6 +20,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the residual add and the norm after it."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def rotary_write_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> None:
+    """In place on qkv [n, (num_heads + 2 * num_kv_heads) * head_dim]: RoPE on the q and k heads,
+    then this step's k and v written to the cache at `slot_mapping`."""
+    n, head_dim = qkv.shape[0], cos.shape[-1]
+    heads = qkv.view(n, num_heads + 2 * num_kv_heads, head_dim)
+    rotated = num_heads + num_kv_heads
+    heads[:, :rotated] = apply_rotary(heads[:, :rotated], cos, sin)
+    write_kv(k_cache, v_cache, heads[:, num_heads:rotated], heads[:, rotated:], slot_mapping)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -116,3 +144,11 @@ def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], copies: list
     for k_cache, v_cache in kv_caches:
         k_cache[dst] = k_cache[src]
         v_cache[dst] = v_cache[src]
+
+
+def quant_linear(
+    x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, in_features: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ W.T + bias with W in GGML blocks (octavo.quantization): rebuild W, then a plain linear.
+    x: [num_tokens, in_features]; qweight: [out, row_bytes] uint8 -> [num_tokens, out]."""
+    return F.linear(x, dequantize(qweight, fmt, in_features).to(x.dtype), bias)

@@ -14,6 +14,7 @@ from torch import nn
 from octavo.config import ModelConfig, RopeConfig
 from octavo.kernels import dispatch
 from octavo.kernels.metadata import AttentionMetadata
+from octavo.quantization import QuantFormat
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -25,14 +26,53 @@ class Linear(nn.Linear):
         return dispatch.linear(x, self.weight, self.bias)
 
 
+class QuantLinear(nn.Module):
+    """A linear layer whose weight stays quantized: given as GGUF-layout blocks (octavo.quantization),
+    held in the layout the kernel dispatch chose (`layout`)."""
+
+    def __init__(self, qweight: torch.Tensor, fmt: QuantFormat, in_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.fmt, self.in_features, self.out_features = fmt, in_features, qweight.shape[0]
+        data, self.layout = dispatch.prepare_quant_weight(qweight, fmt)
+        self.register_buffer("qweight", data)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dispatch.quant_linear(x, self.qweight, self.layout, self.fmt, self.in_features, self.out_features, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}"
+
+
+class QuantEmbedding(QuantLinear):
+    """Token embedding kept quantized: looked-up rows are rebuilt in the activation dtype. As the
+    layer of a tied LM head it is also a QuantLinear [vocab, dim]."""
+
+    def __init__(self, qweight: torch.Tensor, fmt: QuantFormat, dim: int, dtype: torch.dtype) -> None:
+        super().__init__(qweight, fmt, dim, None)
+        self.embedding_dim, self.dtype = dim, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return dispatch.quant_embedding(
+            ids, self.qweight, self.layout, self.fmt, self.embedding_dim, self.out_features, self.dtype
+        )  # [n, dim]
+
+    def as_linear(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dispatch.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """rms_norm(x); with a residual, (rms_norm(x + residual), x + residual) (may reuse x's and
+        residual's storage)."""
+        if residual is None:
+            return dispatch.rms_norm(x, self.weight, self.eps)
+        return dispatch.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -86,16 +126,18 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)  # [n, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = dispatch.apply_rotary(q, cos, sin)
-        k = dispatch.apply_rotary(k, cos, sin)
         k_cache, v_cache = kv_cache
-        dispatch.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if self.q_norm is None:
+            # one fused op: RoPE on q and k in place, k and v into the cache
+            dispatch.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads)
+            q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim))
+            q = dispatch.apply_rotary(q, cos, sin)
+            k = dispatch.apply_rotary(k, cos, sin)
+            dispatch.write_kv(k_cache, v_cache, k, v.view(n, self.num_kv_heads, self.head_dim), meta.slot_mapping)
         out = dispatch.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [n, H, d]
         return self.o_proj(out.reshape(n, self.q_size))
 
@@ -118,9 +160,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos, sin, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream before it): the residual add happens inside the
+        next norm (fused), so the stream is x + residual, as in the unfused form."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -144,11 +195,15 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> float32 logits [num_rows, vocab]."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return dispatch.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if isinstance(self.embed_tokens, QuantEmbedding):  # tied, quantized
+            return self.embed_tokens.as_linear(hidden).float()
+        return dispatch.linear(hidden, self.embed_tokens.weight).float()

@@ -22,8 +22,19 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from octavo.config import ModelConfig
-from octavo.models.llama import LlamaForCausalLM
+from octavo.models.llama import LlamaForCausalLM, QuantEmbedding, QuantLinear
 from octavo.models.registry import load_model_config
+from octavo.quantization import (
+    BY_GGUF_TYPE,
+    FORMATS,
+    HF_SCHEMES,
+    Q8_0,
+    QUANTIZATION_CHOICES,
+    QuantFormat,
+    can_quantize,
+    dequantize,
+    quantize,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -145,15 +156,197 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
 
 
 def load_model(
-    model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu", quantization: str = "none"
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """The model of `model_dir` in `dtype` on `device`.
+
+    quantization: "none" = every weight dense in `dtype`; "auto" = the quantized tensors of the
+    GGUF the directory was converted from stay in their blocks (a plain HF directory holds none:
+    same as "none"); "int8" / "int4" = quantize every linear layer at load to Q8_0 / Q4_1 (the
+    token embedding, and a tied LM head, to Q8_0).
+    """
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}")
     cfg = load_model_config(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device=device)
     model.rotary = model.rotary.__class__(cfg.rope, cfg.head_dim, cfg.max_position).to(device)
-    load_weights(model, model_dir)
-    return model.to(dtype=dtype).eval(), cfg
+    source = gguf_source(model_dir) if quantization == "auto" else None
+    if source is not None:
+        load_gguf_weights(model, source, model_dir)
+    else:
+        load_weights(model, model_dir)
+    model = model.to(dtype=dtype).eval()
+    if quantization in HF_SCHEMES:
+        quantize_model(model, HF_SCHEMES[quantization])
+    for module in model.modules():
+        if isinstance(module, QuantEmbedding):
+            module.dtype = dtype
+    return model, cfg
+
+
+def auto_dtype(model: torch.nn.Module, device: str) -> str:
+    """--dtype auto: float32 when any weight is quantized (the C++ kernels take float32 activations),
+    else bfloat16 on a CPU with bf16 units (AVX512_BF16 or AMX-BF16: half the bytes per step),
+    else float32. On CUDA: bfloat16."""
+    from octavo.kernels.cpu import cpu_has_bf16
+
+    if any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules()):
+        return "float32"
+    if device.startswith("cuda"):
+        return "bfloat16"
+    return "bfloat16" if cpu_has_bf16() else "float32"
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's weights as held (quantized blocks at their size; no rotary tables)."""
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def describe_weights(model: torch.nn.Module) -> str:
+    """One line for the start-up log: which formats the weights are in and which kernels run them."""
+    from collections import Counter
+
+    from octavo.kernels.dispatch import quant_kernel_name
+
+    counts: Counter[str] = Counter()
+    dense_dtype = None
+    for module in model.modules():
+        if isinstance(module, (QuantLinear, QuantEmbedding)):
+            counts[module.fmt.name] += 1
+        elif isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            counts["dense"] += 1
+            dense_dtype = module.weight.dtype
+    parts = [f"{n} x {name}" for name, n in sorted(counts.items()) if name != "dense"]
+    if counts["dense"]:
+        parts.append(f"{counts['dense']} x dense {str(dense_dtype).removeprefix('torch.')}")
+    line = f"weights: {', '.join(parts)} ({weight_bytes(model) / 1e6:.1f} MB)"
+    if any(name != "dense" for name in counts):
+        act = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        line += f"; quantized linear kernel: {quant_kernel_name(act, next(model.buffers()).device)}"
+    return line
+
+
+def quantize_model(model: LlamaForCausalLM, fmt: QuantFormat) -> None:
+    """Replace every linear layer's weight by `fmt` blocks and the embedding by Q8_0 blocks, in place.
+
+    Layers whose input width is not a multiple of 32 stay dense.
+    """
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear) and can_quantize(child.in_features):
+                bias = None if child.bias is None else child.bias.detach().clone()
+                setattr(parent, child_name, QuantLinear(quantize(child.weight, fmt), fmt, child.in_features, bias))
+    emb = model.embed_tokens
+    if isinstance(emb, torch.nn.Embedding) and can_quantize(emb.embedding_dim):
+        model.embed_tokens = QuantEmbedding(quantize(emb.weight, Q8_0), Q8_0, emb.embedding_dim, emb.weight.dtype)
+
+
+GGUF_BLOCKS_FILE = "gguf-blocks/blocks.safetensors"  # a subdirectory: never taken for HF weights
+
+
+def load_gguf_weights(model: LlamaForCausalLM, gguf_path: Path, model_dir: Path | None = None) -> None:
+    """Load a Llama GGUF's tensors into `model`: Q4_0 / Q4_1 / Q8_0 tensors stay in their blocks
+    (QuantLinear, QuantEmbedding); any other type is dequantized to float32 into the dense layer.
+
+    Parts of a fused layer (q/k/v, gate/up) in different formats are all dequantized. With
+    `model_dir`, the tensors are cached there after the first read (parsing a GGUF's metadata
+    takes seconds; the cache maps in milliseconds). Raises ValueError for tensors with no place in
+    the model, or missing ones.
+    """
+    cfg = model.config
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    parts: dict[str, dict[str, tuple[torch.Tensor, QuantFormat | None]]] = {}  # fused layer -> part -> data
+    for hf_name, data, fmt in _gguf_tensors(gguf_path, model_dir):
+        if hf_name == "lm_head.weight" and model.lm_head is None:
+            continue
+        name, part = _target(hf_name)
+        if name not in params:
+            raise ValueError(f"GGUF tensor {hf_name} has no place in {cfg.architecture}")
+        if part is not None:
+            parts.setdefault(name, {})[part] = (data, fmt)
+            continue
+        if fmt is not None:  # a linear layer or the embedding (norms are never block-quantized)
+            _set_quantized(model, name.removesuffix(".weight"), data, fmt)
+        else:
+            with torch.no_grad():
+                params[name].copy_(data)
+        loaded.add(name)
+
+    for name, by_part in parts.items():
+        order = ("q_proj", "k_proj", "v_proj") if "qkv" in name else ("gate_proj", "up_proj")
+        if set(by_part) != set(order):
+            continue  # reported as missing below
+        fmts = {by_part[p][1] for p in order}
+        in_features = params[name].shape[1]
+        if len(fmts) == 1 and None not in fmts:
+            (fmt,) = fmts
+            _set_quantized(model, name.removesuffix(".weight"), torch.cat([by_part[p][0] for p in order]), fmt)
+        else:
+            dense = [d if f is None else dequantize(d, f, in_features) for d, f in (by_part[p] for p in order)]
+            with torch.no_grad():
+                params[name].copy_(torch.cat(dense))
+        loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"GGUF {gguf_path.name} lacks: {', '.join(missing[:8])}")
+
+
+def _gguf_tensors(gguf_path: Path, model_dir: Path | None) -> list[tuple[str, torch.Tensor, QuantFormat | None]]:
+    """(HF name, data, format) of every tensor: blocks uint8 [rows, row_bytes] for Q4_0/Q4_1/Q8_0
+    (format set), else float32 in the HF shape (format None); q/k rows un-interleaved as in
+    `convert_gguf` (whole rows move, so this applies to blocks as well)."""
+    cache = None if model_dir is None else model_dir / GGUF_BLOCKS_FILE
+    if cache is not None and cache.is_file():
+        with safe_open(str(cache), framework="pt") as f:
+            formats = json.loads(f.metadata()["formats"])
+            return [(name, f.get_tensor(name), FORMATS.get(formats[name])) for name in f.keys()]
+    from gguf import GGUFReader
+    from gguf.quants import dequantize as gguf_dequantize
+
+    reader = GGUFReader(str(gguf_path))
+    hf_config = _gguf_hf_config(reader)
+    out = []
+    for t in reader.tensors:
+        if t.name in _GGUF_NAMES:
+            hf_name = _GGUF_NAMES[t.name]
+        else:
+            _, layer, kind, _ = t.name.split(".")
+            hf_name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.weight"
+        fmt = BY_GGUF_TYPE.get(int(t.tensor_type))
+        if fmt is not None:
+            data = np.asarray(t.data).reshape(int(t.shape[-1]) if len(t.shape) > 1 else 1, -1)  # [rows, row_bytes]
+        else:
+            data = np.asarray(gguf_dequantize(t.data, t.tensor_type), dtype=np.float32)
+            data = data.reshape([int(d) for d in reversed(t.shape)])
+        if hf_name.endswith("q_proj.weight"):
+            data = _unpermute_rope(data, hf_config["num_attention_heads"])
+        elif hf_name.endswith("k_proj.weight"):
+            data = _unpermute_rope(data, hf_config["num_key_value_heads"])
+        out.append((hf_name, torch.from_numpy(np.array(data, order="C")), fmt))  # own, writable copy
+    if cache is not None:
+        cache.parent.mkdir(exist_ok=True)
+        tmp = cache.with_suffix(".tmp")
+        save_file({n: d for n, d, _ in out}, str(tmp), metadata={
+            "format": "pt", "formats": json.dumps({n: None if f is None else f.name for n, _, f in out})})
+        tmp.rename(cache)
+    return out
+
+
+def _set_quantized(model: LlamaForCausalLM, module_name: str, qweight: torch.Tensor, fmt: QuantFormat) -> None:
+    """Put a quantized module in place of the dense one at `module_name` (e.g. layers.3.mlp.down_proj)."""
+    parent_name, _, child_name = module_name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    old = getattr(parent, child_name)
+    if isinstance(old, torch.nn.Embedding):
+        new: torch.nn.Module = QuantEmbedding(qweight, fmt, old.embedding_dim, torch.float32)
+    else:
+        if old.bias is not None:
+            raise ValueError(f"{module_name}: quantized GGUF layers with a bias are not supported")
+        new = QuantLinear(qweight, fmt, old.in_features, None)
+    setattr(parent, child_name, new)
 
 
 # ---- GGUF conversion -------------------------------------------------------------------------
@@ -226,6 +419,7 @@ def convert_gguf(gguf_path: Path, name: str) -> Path:
     key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
     out = cache_dir() / "models" / f"{name}-{key}"
     if (out / "model.safetensors").is_file():
+        _record_gguf_source(out, gguf_path)
         return out
     from gguf import GGUFReader
     from gguf.quants import dequantize
@@ -254,6 +448,7 @@ def convert_gguf(gguf_path: Path, name: str) -> Path:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
         _save_gguf_tokenizer(gguf_path, tmp)
+        _record_gguf_source(tmp, gguf_path)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -261,6 +456,26 @@ def convert_gguf(gguf_path: Path, name: str) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+GGUF_SOURCE_FILE = "gguf_source.txt"
+
+
+def _record_gguf_source(model_dir: Path, gguf_path: Path) -> None:
+    """Remember which GGUF a converted directory came from: its quantized tensors are loaded from there."""
+    record = model_dir / GGUF_SOURCE_FILE
+    source = str(gguf_path.resolve())
+    if not record.is_file() or record.read_text() != source:
+        record.write_text(source)
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file a converted model directory was made from, if any (and still there)."""
+    record = model_dir / GGUF_SOURCE_FILE
+    if not record.is_file():
+        return None
+    path = Path(record.read_text().strip())
+    return path if path.is_file() else None
 
 
 def _save_gguf_tokenizer(gguf_path: Path, out: Path) -> None:

@@ -12,11 +12,13 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("bindings.cpp", "layer_ops.cpp", "paged_attention.cpp", "quant_linear.cpp"))
 # -march=native: the build is cached per machine (the key includes the CPU flags), so it may use
-# whatever vector units this CPU has. -fopenmp: at::parallel_for is an OpenMP region in the
-# header; the library resolves to the libgomp torch already loaded.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+# whatever vector units this CPU has (AVX-512, AVX2 or neither: the kernels pick at compile time).
+# -fopenmp: at::parallel_for is an OpenMP region in the header; the library resolves to the
+# libgomp torch already loaded. -ffp-contract=off: the quantized kernels rebuild each weight as
+# d * q + m with two roundings, as gguf-py does; a fused multiply-add would round once.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
 
 
 def _cpu_flags() -> str:
@@ -29,6 +31,18 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as the kernel reports them (/proc/cpuinfo; empty where unreadable)."""
+    line = _cpu_flags()
+    return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
+
+
+def cpu_has_bf16() -> bool:
+    """Whether the CPU has bfloat16 arithmetic units (AVX512_BF16 or AMX-BF16): detected, never assumed."""
+    flags = cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def build_dir() -> Path:
     """Where the build lives: keyed by the source, the flags, torch, Python and the CPU."""
     import torch
@@ -36,7 +50,7 @@ def build_dir() -> Path:
     from octavo.models.loader import cache_dir
 
     key = hashlib.sha256(
-        "\n".join([SOURCE.read_text(), " ".join(CFLAGS), torch.__version__, platform.python_version(), _cpu_flags()]).encode()
+        "\n".join([*(s.read_text() for s in SOURCES), " ".join(CFLAGS), torch.__version__, platform.python_version(), _cpu_flags()]).encode()
     ).hexdigest()[:16]
     return cache_dir() / "kernels" / f"cpu-{key}"
 
@@ -59,7 +73,7 @@ def load() -> ModuleType | None:
             logger.info("compiling Octavo's CPU kernels (once per machine, ~1 min) into %s", directory)
         return load_extension(
             name="octavo_cpu_kernels",
-            sources=[str(SOURCE)],
+            sources=[str(s) for s in SOURCES],
             extra_cflags=CFLAGS,
             build_directory=str(directory),
             verbose=False,
@@ -85,6 +99,80 @@ def linear(x, weight, bias=None):
     import torch
 
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _module() -> ModuleType:
+    module = load()
+    if module is None:
+        raise RuntimeError("Octavo's CPU kernels could not be built on this machine (see the log)")
+    return module
+
+
+def pack(qweight, fmt):
+    """GGUF-layout blocks [N, row_bytes] -> the layout `quant_linear` reads (same bytes, reordered:
+    see quant_linear.cpp)."""
+    return _module().pack(qweight.contiguous(), fmt.code)
+
+
+def quant_linear(x, packed, fmt, out_features: int, bias=None):
+    """Same contract as `octavo.kernels.reference.quant_linear`, W packed by `pack`; float32 x."""
+    import torch
+
+    x = x.contiguous()
+    out = torch.empty((x.shape[0], out_features), dtype=torch.float32)  # [num_tokens, out]
+    _module().quant_linear(out, x, packed, fmt.code)
+    if bias is not None:
+        out += bias
+    return out
+
+
+def dequantize_transposed(packed, fmt, in_features: int, out_features: int):
+    """W^T as float32 [in_features, out_features] (a view of a padded buffer), each weight bit for
+    bit as `octavo.quantization.dequantize` rebuilds it."""
+    import torch
+
+    width = packed.shape[0] * _module().pack_width()
+    out = torch.empty((in_features, width), dtype=torch.float32)
+    _module().dequantize_transposed(out, packed, fmt.code)
+    return out[:, :out_features]
+
+
+def dequantize_rows(packed, fmt, rows, in_features: int, out_features: int):
+    """Rows `rows` of a packed W as float32 [len(rows), in_features], bit for bit as
+    `octavo.quantization.dequantize` rebuilds them (the embedding lookup)."""
+    import torch
+
+    rows = rows.to(torch.long).contiguous()
+    out = torch.empty((rows.shape[0], in_features), dtype=torch.float32)
+    _module().dequantize_rows(out, packed, fmt.code, rows, out_features)
+    return out
+
+
+def rms_norm(x, weight, eps: float):
+    """Same contract as `octavo.kernels.reference.rms_norm`; float32 [n, dim]."""
+    import torch
+
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _module().rms_norm(out, x, weight, eps)
+    return out
+
+
+def add_rms_norm(x, residual, weight, eps: float):
+    """Same contract as `octavo.kernels.reference.add_rms_norm`, in place on contiguous float32."""
+    _module().add_rms_norm(x, residual, weight, eps)
+    return x, residual
+
+
+def rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads: int, num_kv_heads: int):
+    """Same contract as `octavo.kernels.reference.rotary_write_kv`; float32, contiguous qkv."""
+    _module().rotary_write_kv(qkv, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+
+
+def quant_isa() -> str | None:
+    """The vector instructions the quantized kernels use here (avx512, avx2, scalar), or None."""
+    module = load()
+    return None if module is None else module.quant_isa()
 
 
 # Query tokens per work item on multi-token spans: 16 tokens x all heads share each key block

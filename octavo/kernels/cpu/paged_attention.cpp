@@ -273,7 +273,3 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
     }
   });
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention over the block pool (CPU, float32)");
-}

@@ -1,0 +1,29 @@
+// The Python module of Octavo's CPU kernels: one binding per kernel, defined in its own file.
+#include <torch/extension.h>
+
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                     torch::Tensor block_tables, torch::Tensor q_starts, torch::Tensor q_lens,
+                     torch::Tensor context_lens, double scale, int64_t q_tile);
+torch::Tensor pack(torch::Tensor qweight, int64_t fmt);
+void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t fmt);
+void dequantize_rows(torch::Tensor out, torch::Tensor packed, int64_t fmt, torch::Tensor rows, int64_t N);
+void dequantize_transposed(torch::Tensor out, torch::Tensor packed, int64_t fmt);
+const char* quant_isa();
+void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
+void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                     torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads, int64_t num_kv_heads);
+int64_t pack_width();
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "paged attention over the block pool (CPU, float32)");
+  m.def("pack", &pack, "GGUF blocks (Q4_0, Q4_1, Q8_0) -> the kernels' column-interleaved layout");
+  m.def("quant_linear", &quant_linear, "out = x @ W^T, W packed, x float32");
+  m.def("dequantize_rows", &dequantize_rows, "rows of a packed W -> float32, as gguf-py rebuilds them");
+  m.def("dequantize_transposed", &dequantize_transposed, "packed W -> float32 W^T (padded), as gguf-py rebuilds it");
+  m.def("quant_isa", &quant_isa, "the vector instructions the quantized kernels were built for");
+  m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight (float32)");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rms_norm(residual) * weight, in place (float32)");
+  m.def("rotary_write_kv", &rotary_write_kv, "RoPE on qkv's q and k heads in place, then k, v into the cache");
+  m.def("pack_width", &pack_width, "output rows per group of the packed layout");
+}

@@ -1,0 +1,401 @@
+// Weight-only quantized linear layers for the CPU: out = x @ W^T, W in a GGML block format
+// (Q4_0, Q4_1, Q8_0: 32 consecutive weights of a row share an fp16 scale d, Q4_1 also an fp16 min
+// m), activations float32.
+//
+// GGUF layout (what `pack` takes): uint8 [N, K / 32 * block_bytes], each row K / 32 blocks of
+//   Q4_0 (18 bytes): d, 16 bytes of nibbles          w = d * (q - 8)
+//   Q4_1 (20 bytes): d, m, 16 bytes of nibbles       w = d * q + m
+//   Q8_0 (34 bytes): d, 32 int8                       w = d * q
+// where byte j of a Q4 block holds weight j in its low nibble and weight j + 16 in its high one.
+//
+// Packed layout (what the kernels read; the same bytes, reordered once at load): rows go in groups
+// of G = the vector width in floats (16 with AVX-512, 8 otherwise), padded with zero rows. For
+// group g and block b there is one tile:
+//   d[G] fp16 | m[G] fp16 (Q4_1 only) | q[i][G] for i < 16 (Q4: bytes, weights i and i + 16 of the
+//   G rows) or i < 32 (Q8_0: int8)
+// so one vector load gives weight i of G output rows: the lanes are output columns, x[k] is a
+// broadcast, and a weight costs about three vector instructions, not the eight of rebuilding it in
+// row order (measured: 2x on Q4_1 at batch 1; docs/BENCHMARKS.md).
+//
+// Arithmetic: the scale is factored out of each block,
+//   sum_i (d q_i + m) x_i = d * sum_i q_i x_i + m * sum_i x_i       (Q4_0: m = -8 d)
+// with up to MAX_R rows sharing each weight's conversion. For steps of many rows the caller can
+// instead rebuild W^T (`dequantize_transposed`: each weight exactly as gguf-py computes it) and
+// run a float32 GEMM. Either way the model is the GGUF's dequantized weights; only the order of
+// the float sums differs, as between two GEMM libraries.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
+constexpr int64_t QK = 32;
+
+constexpr int64_t block_bytes(int64_t fmt) { return fmt == kQ4_0 ? 18 : fmt == kQ4_1 ? 20 : 34; }
+
+inline float fp16_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      uint32_t m = mant;
+      do { ++e; m <<= 1; } while ((m & 0x400) == 0);
+      bits = sign | ((127 - 15 - e) << 23) | ((m & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return h;
+}
+
+// ---- the vector ISA, as a small traits struct --------------------------------------------------
+// G lanes of float; load_u8/load_s8 widen G bytes to G floats; load_h widens G fp16 values.
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+struct Isa {
+  using V = __m512;
+  using I = __m512i;
+  static constexpr int G = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static I bytes_u(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I bytes_s(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I low_nibble(I v) { return _mm512_and_si512(v, _mm512_set1_epi32(0x0f)); }
+  static I high_nibble(I v) { return _mm512_srli_epi32(v, 4); }
+  static I sub8(I v) { return _mm512_sub_epi32(v, _mm512_set1_epi32(8)); }
+  static V to_float(I v) { return _mm512_cvtepi32_ps(v); }
+  static V halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static constexpr const char* name = "avx512";
+};
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+struct Isa {
+  using V = __m256;
+  using I = __m256i;
+  static constexpr int G = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static I bytes_u(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static I bytes_s(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static I low_nibble(I v) { return _mm256_and_si256(v, _mm256_set1_epi32(0x0f)); }
+  static I high_nibble(I v) { return _mm256_srli_epi32(v, 4); }
+  static I sub8(I v) { return _mm256_sub_epi32(v, _mm256_set1_epi32(8)); }
+  static V to_float(I v) { return _mm256_cvtepi32_ps(v); }
+  static V halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static constexpr const char* name = "avx2";
+};
+#else
+struct Isa {  // plain C++ over G-float arrays (the compiler vectorises what it can)
+  static constexpr int G = 8;
+  struct V { float v[G]; };
+  struct I { int32_t v[G]; };
+  static V zero() { V z{}; return z; }
+  static V load(const float* p) { V r; std::memcpy(r.v, p, sizeof r.v); return r; }
+  static void store(float* p, V v) { std::memcpy(p, v.v, sizeof v.v); }
+  static V set1(float x) { V r; for (float& e : r.v) e = x; return r; }
+  static V fma(V a, V b, V c) { for (int i = 0; i < G; ++i) c.v[i] += a.v[i] * b.v[i]; return c; }
+  static V mul(V a, V b) { for (int i = 0; i < G; ++i) a.v[i] *= b.v[i]; return a; }
+  static V add(V a, V b) { for (int i = 0; i < G; ++i) a.v[i] += b.v[i]; return a; }
+  static I bytes_u(const uint8_t* p) { I r; for (int i = 0; i < G; ++i) r.v[i] = p[i]; return r; }
+  static I bytes_s(const uint8_t* p) { I r; for (int i = 0; i < G; ++i) r.v[i] = static_cast<int8_t>(p[i]); return r; }
+  static I low_nibble(I a) { for (auto& e : a.v) e &= 0x0f; return a; }
+  static I high_nibble(I a) { for (auto& e : a.v) e >>= 4; return a; }
+  static I sub8(I a) { for (auto& e : a.v) e -= 8; return a; }
+  static V to_float(I a) { V r; for (int i = 0; i < G; ++i) r.v[i] = static_cast<float>(a.v[i]); return r; }
+  static V halves(const uint8_t* p) { V r; for (int i = 0; i < G; ++i) r.v[i] = fp16_to_float(load_u16(p + 2 * i)); return r; }
+  static constexpr const char* name = "scalar";
+};
+#endif
+
+using V = Isa::V;
+constexpr int G = Isa::G;
+// Rows per register tile: 3 vectors per row (sum, two partial chains) must fit the register file
+// (32 vector registers with AVX-512, 16 with AVX2).
+constexpr int MAX_R = G == 16 ? 8 : 4;
+constexpr int64_t PREFETCH_TILES = 4;
+
+// Bytes of one (group, block) tile, and where its parts start.
+constexpr int64_t tile_bytes(int64_t fmt) { return G * block_bytes(fmt); }
+constexpr int64_t q_offset(int64_t fmt) { return fmt == kQ4_1 ? 4 * G : 2 * G; }
+
+// ---- decode: up to SMALL_M rows, scales factored out of each block ------------------------------
+
+// out[r][0..G) for rows r < R of one group. xs: per-row block sums of x [R][nb].
+template <int64_t F, int R>
+inline void group_small(const float* x, int64_t K, const uint8_t* tiles, const float* xs, int64_t nb, float* out,
+                        int64_t out_stride, int64_t cols) {
+  constexpr int64_t TB = tile_bytes(F), QO = q_offset(F);
+  V acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = Isa::zero();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* t = tiles + b * TB;
+    const uint8_t* q = t + QO;
+    // Ask for the tile PREFETCH_TILES ahead (it may be in the next group): a layer's weight is a
+    // few hundred KB, so the hardware prefetcher would spend much of it ramping up.
+    for (int64_t l = 0; l < TB; l += 64) __builtin_prefetch(t + PREFETCH_TILES * TB + l, 0, 3);
+    V s0[R], s1[R];  // two chains per row: half the latency of one
+    for (int r = 0; r < R; ++r) s0[r] = s1[r] = Isa::zero();
+    if constexpr (F == kQ8_0) {
+      for (int i = 0; i < QK; i += 2) {
+        const V w0 = Isa::to_float(Isa::bytes_s(q + i * G)), w1 = Isa::to_float(Isa::bytes_s(q + (i + 1) * G));
+        for (int r = 0; r < R; ++r) {
+          s0[r] = Isa::fma(w0, Isa::set1(x[r * K + b * QK + i]), s0[r]);
+          s1[r] = Isa::fma(w1, Isa::set1(x[r * K + b * QK + i + 1]), s1[r]);
+        }
+      }
+    } else {
+      for (int i = 0; i < 16; ++i) {
+        const auto v = Isa::bytes_u(q + i * G);
+        const V lo = Isa::to_float(Isa::low_nibble(v)), hi = Isa::to_float(Isa::high_nibble(v));
+        for (int r = 0; r < R; ++r) {
+          s0[r] = Isa::fma(lo, Isa::set1(x[r * K + b * QK + i]), s0[r]);
+          s1[r] = Isa::fma(hi, Isa::set1(x[r * K + b * QK + 16 + i]), s1[r]);
+        }
+      }
+    }
+    const V d = Isa::halves(t);
+    if constexpr (F == kQ8_0) {
+      for (int r = 0; r < R; ++r) acc[r] = Isa::fma(d, Isa::add(s0[r], s1[r]), acc[r]);
+    } else {
+      // Q4_1: + m * sum(x); Q4_0: the "- 8" of every weight is m = -8 d (exact: a power of two).
+      const V m = F == kQ4_1 ? Isa::halves(t + 2 * G) : Isa::mul(d, Isa::set1(-8.f));
+      for (int r = 0; r < R; ++r) {
+        acc[r] = Isa::fma(d, Isa::add(s0[r], s1[r]), acc[r]);
+        acc[r] = Isa::fma(m, Isa::set1(xs[r * nb + b]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (cols == G) {
+      Isa::store(out + r * out_stride, acc[r]);
+    } else {
+      float tmp[G];
+      Isa::store(tmp, acc[r]);
+      std::copy(tmp, tmp + cols, out + r * out_stride);
+    }
+  }
+}
+
+// ---- many rows: rebuild W^T once, for a float32 GEMM ------------------------------------------
+
+// Weights of one group as float32, k-major: w[k * stride + c] = weight k of the group's row c,
+// with gguf-py's arithmetic: d * q (Q8_0), d * (q - 8) (Q4_0), d * q + m (Q4_1).
+template <int64_t F>
+inline void rebuild_group(const uint8_t* tiles, int64_t nb, float* w, int64_t stride) {
+  constexpr int64_t TB = tile_bytes(F), QO = q_offset(F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* t = tiles + b * TB;
+    const uint8_t* q = t + QO;
+    const V d = Isa::halves(t);
+    float* wb = w + b * QK * stride;
+    if constexpr (F == kQ8_0) {
+      for (int i = 0; i < QK; ++i) Isa::store(wb + i * stride, Isa::mul(Isa::to_float(Isa::bytes_s(q + i * G)), d));
+    } else {
+      const V m = F == kQ4_1 ? Isa::halves(t + 2 * G) : Isa::zero();
+      for (int i = 0; i < 16; ++i) {
+        const auto v = Isa::bytes_u(q + i * G);
+        auto lo = Isa::low_nibble(v), hi = Isa::high_nibble(v);
+        if constexpr (F == kQ4_0) {
+          Isa::store(wb + i * stride, Isa::mul(d, Isa::to_float(Isa::sub8(lo))));
+          Isa::store(wb + (16 + i) * stride, Isa::mul(d, Isa::to_float(Isa::sub8(hi))));
+        } else {
+          Isa::store(wb + i * stride, Isa::add(Isa::mul(d, Isa::to_float(lo)), m));
+          Isa::store(wb + (16 + i) * stride, Isa::add(Isa::mul(d, Isa::to_float(hi)), m));
+        }
+      }
+    }
+  }
+}
+
+template <int64_t F, int R = MAX_R>
+inline void group_rows(const float* x, int64_t M, int64_t K, const uint8_t* tiles, const float* xs, int64_t nb,
+                       float* out, int64_t N, int64_t cols) {
+  if constexpr (R > 0) {
+    if (M == R) return group_small<F, R>(x, K, tiles, xs, nb, out, N, cols);
+    return group_rows<F, R - 1>(x, M, K, tiles, xs, nb, out, N, cols);
+  }
+}
+
+template <int64_t F>
+void run(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N, float* out) {
+  const int64_t nb = K / QK, num_groups = (N + G - 1) / G, group_bytes = nb * tile_bytes(F);
+  std::vector<float> xs(M * nb);  // block sums of x (the m term)
+  at::parallel_for(0, M, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        float s = 0.f;
+        for (int64_t i = 0; i < QK; ++i) s += x[r * K + b * QK + i];
+        xs[r * nb + b] = s;
+      }
+  });
+  // Each group's tiles (K / 32 x tile_bytes: a few KB) stay in L1 while every row chunk uses them.
+  at::parallel_for(0, num_groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* tiles = packed + g * group_bytes;
+      const int64_t cols = std::min<int64_t>(G, N - g * G);
+      for (int64_t m = 0; m < M; m += MAX_R) {
+        const int64_t rows = std::min<int64_t>(MAX_R, M - m);
+        group_rows<F>(x + m * K, rows, K, tiles, xs.data() + m * nb, nb, out + m * N + g * G, N, cols);
+      }
+    }
+  });
+}
+
+void check_format(int64_t fmt) {
+  TORCH_CHECK(fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ8_0, "unknown quantization format ", fmt);
+}
+
+void check_packed(const torch::Tensor& packed, int64_t fmt, int64_t N, int64_t K) {
+  check_format(fmt);
+  TORCH_CHECK(K % QK == 0, "in_features must be a multiple of 32, got ", K);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(0) == (N + G - 1) / G && packed.size(1) == K / QK && packed.size(2) == tile_bytes(fmt),
+              "packed weight must be uint8 [ceil(N / ", G, "), K / 32, ", tile_bytes(fmt), "] (from `pack`)");
+}
+
+}  // namespace
+
+// GGUF blocks uint8 [N, K / 32 * block_bytes] -> packed uint8 [ceil(N / G), K / 32, tile_bytes].
+torch::Tensor pack(torch::Tensor qweight, int64_t fmt) {
+  check_format(fmt);
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
+              "a GGUF-layout weight is a contiguous uint8 tensor [out_features, blocks * block_bytes]");
+  const int64_t bb = block_bytes(fmt);
+  TORCH_CHECK(qweight.size(1) % bb == 0, "row of ", qweight.size(1), " bytes is not whole blocks of ", bb);
+  const int64_t N = qweight.size(0), nb = qweight.size(1) / bb, num_groups = (N + G - 1) / G;
+  auto packed = torch::zeros({num_groups, nb, tile_bytes(fmt)}, qweight.options());
+  const uint8_t* src = qweight.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  const int64_t qo = q_offset(fmt), num_q = fmt == kQ8_0 ? QK : 16;
+  at::parallel_for(0, num_groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* t = dst + (g * nb + b) * tile_bytes(fmt);
+        for (int64_t c = 0; c < G && g * G + c < N; ++c) {
+          const uint8_t* blk = src + (g * G + c) * nb * bb + b * bb;
+          std::memcpy(t + 2 * c, blk, 2);                                 // d
+          if (fmt == kQ4_1) std::memcpy(t + 2 * G + 2 * c, blk + 2, 2);  // m
+          const uint8_t* q = blk + (fmt == kQ4_1 ? 4 : 2);
+          for (int64_t i = 0; i < num_q; ++i) t[qo + i * G + c] = q[i];
+        }
+      }
+  });
+  return packed;
+}
+
+// out [M, N] = x [M, K] @ W^T; x and out float32, contiguous; W packed.
+void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t fmt) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "quant_linear takes float32 activations");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.dim() == 2 && out.is_contiguous(), "x, out: contiguous 2-D");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  TORCH_CHECK(out.size(0) == M, "out must have as many rows as x");
+  check_packed(packed, fmt, N, K);
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  switch (fmt) {
+    case kQ4_0: return run<kQ4_0>(xp, M, K, pp, N, op);
+    case kQ4_1: return run<kQ4_1>(xp, M, K, pp, N, op);
+    default: return run<kQ8_0>(xp, M, K, pp, N, op);
+  }
+}
+
+// out [len(rows), K] float32 = rows `rows` of W, exactly as gguf-py rebuilds them (the embedding
+// lookup; all rows: the whole weight).
+void dequantize_rows(torch::Tensor out, torch::Tensor packed, int64_t fmt, torch::Tensor rows, int64_t N) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous(), "out: contiguous float32");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous() && rows.size(0) == out.size(0),
+              "rows: int64 [len(out)]");
+  const int64_t K = out.size(1), nb = K / QK;
+  check_packed(packed, fmt, N, K);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t tb = tile_bytes(fmt), qo = q_offset(fmt);
+  for (int64_t j = 0; j < rows.size(0); ++j)
+    TORCH_CHECK(rp[j] >= 0 && rp[j] < N, "row ", rp[j], " out of range [0, ", N, ")");
+  at::parallel_for(0, rows.size(0), 16, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t g = rp[j] / G, c = rp[j] % G;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* t = pp + (g * nb + b) * tb;
+        const uint8_t* q = t + qo;
+        const float d = fp16_to_float(load_u16(t + 2 * c));
+        float* w = op + j * K + b * QK;
+        if (fmt == kQ8_0) {
+          for (int i = 0; i < QK; ++i) w[i] = static_cast<float>(static_cast<int8_t>(q[i * G + c])) * d;
+        } else if (fmt == kQ4_0) {
+          for (int i = 0; i < 16; ++i) {
+            w[i] = d * static_cast<float>(static_cast<int>(q[i * G + c] & 0x0f) - 8);
+            w[i + 16] = d * static_cast<float>(static_cast<int>(q[i * G + c] >> 4) - 8);
+          }
+        } else {
+          const float m = fp16_to_float(load_u16(t + 2 * G + 2 * c));
+          for (int i = 0; i < 16; ++i) {
+            w[i] = d * static_cast<float>(q[i * G + c] & 0x0f) + m;
+            w[i + 16] = d * static_cast<float>(q[i * G + c] >> 4) + m;
+          }
+        }
+      }
+    }
+  });
+}
+
+// out [K, ceil(N / G) * G] float32 = W^T (padding columns zero), each weight exactly as gguf-py
+// rebuilds it: for a step of many rows a float32 GEMM on the rebuilt weight beats the factored
+// kernel (which reaches about 2/3 of the FMA peak; docs/BENCHMARKS.md).
+void dequantize_transposed(torch::Tensor out, torch::Tensor packed, int64_t fmt) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous() && out.size(1) % G == 0,
+              "out: contiguous float32 [K, groups * ", G, "]");
+  const int64_t K = out.size(0), N = out.size(1), nb = K / QK;
+  check_packed(packed, fmt, N, K);
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t group_bytes = nb * tile_bytes(fmt);
+  at::parallel_for(0, N / G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      if (fmt == kQ4_0) rebuild_group<kQ4_0>(pp + g * group_bytes, nb, op + g * G, N);
+      else if (fmt == kQ4_1) rebuild_group<kQ4_1>(pp + g * group_bytes, nb, op + g * G, N);
+      else rebuild_group<kQ8_0>(pp + g * group_bytes, nb, op + g * G, N);
+    }
+  });
+}
+
+const char* quant_isa() { return Isa::name; }
+int64_t pack_width() { return G; }

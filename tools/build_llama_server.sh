@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Build llama.cpp's `llama-server` (CPU) from the sources vendored in the llama-cpp-python==0.3.36
+# sdist on PyPI, once, into a cache outside the repo; print the binary's path.
+#   tools/build_llama_server.sh            # ~10-20 min on two cores the first time, then instant
+# Env: LLAMA_CACHE_DIR (default ~/.cache/octavo/llama.cpp), PYTHON (default python3), JOBS (default nproc).
+set -euo pipefail
+VERSION=0.3.36
+CACHE=${LLAMA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/octavo/llama.cpp}
+PYTHON=${PYTHON:-python3}
+BIN="$CACHE/build-$VERSION/bin/llama-server"
+if [[ -x "$BIN" ]]; then echo "$BIN"; exit 0; fi
+mkdir -p "$CACHE"
+cd "$CACHE"
+if [[ ! -d "llama_cpp_python-$VERSION" ]]; then
+  # The sdist's URL from PyPI's simple index (pip download would try to build its metadata).
+  url=$(curl -fsSL "https://pypi.org/simple/llama-cpp-python/" | grep -o "https://[^\"#]*llama_cpp_python-$VERSION.tar.gz" | head -1)
+  mkdir -p sdist && curl -fsSL -o "sdist/llama_cpp_python-$VERSION.tar.gz" "$url"
+  tar -xzf "sdist/llama_cpp_python-$VERSION.tar.gz"
+fi
+SRC="$CACHE/llama_cpp_python-$VERSION/vendor/llama.cpp"
+# GGML_NATIVE: use this CPU's vector units (as Octavo's kernels do); no curl: nothing is downloaded.
+cmake -S "$SRC" -B "build-$VERSION" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON >&2
+cmake --build "build-$VERSION" --target llama-server -j "${JOBS:-$(nproc)}" >&2
+echo "$BIN"
