@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import signal
@@ -101,7 +102,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from octavo.server.async_engine import AsyncEngine
 
     log = logging.getLogger("octavo")
-    engine = LLMEngine.from_args(EngineArgs(**engine_kwargs(args)))
+    engine_args = EngineArgs(**engine_kwargs(args))
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else args.model)
     limits = ServerLimits(
         max_request_bytes=args.max_request_bytes,
@@ -125,7 +126,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.error("engine died; shutting the server down (exit status 1) so a supervisor can restart it")
         http_server.should_exit = True
 
-    async_engine = AsyncEngine(engine, EngineMetrics(name), args.log_interval, args.max_waiting_requests, on_dead)
+    # The engine is built on its own thread, which then runs every step (see AsyncEngine).
+    async_engine = AsyncEngine(lambda: LLMEngine.from_args(engine_args), EngineMetrics(name), args.log_interval,
+                               args.max_waiting_requests, on_dead)
+    async_engine.start()
     server = OpenAIServer(async_engine, name, args.api_key, limits)
     config = uvicorn.Config(
         build_app(server), host=args.host, port=args.port, log_level="info",
@@ -281,10 +285,32 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     from octavo.bench.serve import format_summary, plot_serve, run_serve_benchmark, summarise
 
     workload = load_workload(args)
-    records, duration = asyncio.run(run_serve_benchmark(
-        args.base_url, workload, model=args.model_name, request_rate=args.request_rate, burstiness=args.burstiness,
-        max_concurrency=args.max_concurrency, api_key=args.api_key, seed=args.seed,
-    ))
+    common = dict(model=args.model_name, request_rate=args.request_rate, burstiness=args.burstiness,
+                  max_concurrency=args.max_concurrency, api_key=args.api_key, seed=args.seed)
+    if args.compare:
+        from octavo.bench.serve import compare_servers, format_comparison
+
+        urls = [args.base_url, *args.compare]
+        labels = args.labels.split(",") if args.labels else urls
+        if len(labels) != len(urls):
+            raise ValueError(f"--labels names {len(labels)} servers, but there are {len(urls)}")
+        # Fresh prompts each round and for the warm-up (prefix caches would turn a repeat into a hit):
+        # a new seed, or for a replay file each prompt rotated by r tokens (same ids, same lengths).
+        def variant(r: int):
+            if args.workload != "replay":
+                return load_workload(argparse.Namespace(**{**vars(args), "seed": args.seed + r}))
+            return [dataclasses.replace(w, prompt_token_ids=tuple(w.prompt_token_ids[r % len(w.prompt_token_ids):])
+                                        + tuple(w.prompt_token_ids[: r % len(w.prompt_token_ids)])) for w in workload]
+
+        rounds = [workload] + [variant(r) for r in range(1, args.repeats)]
+        warmup = variant(args.repeats)[: args.warmup]
+        results = asyncio.run(compare_servers(list(zip(labels, urls)), rounds, warmup, **common))
+        print(format_comparison(results))
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(results, fh, indent=2)
+        return 0 if all(s["failed"] == 0 for runs in results.values() for s in runs) else 1
+    records, duration = asyncio.run(run_serve_benchmark(args.base_url, workload, **common))
     summary = summarise(records, duration)
     print(format_summary(summary))
     if args.json:
@@ -379,6 +405,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf sends all at once")
     sv.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival times (1: Poisson)")
     sv.add_argument("--max-concurrency", type=int, default=None)
+    sv.add_argument("--compare", action="append", default=[], metavar="URL",
+                    help="another server's base URL (repeatable): the workload runs on each in turn, --repeats rounds; "
+                         "medians and ratios to --base-url are printed as a table")
+    sv.add_argument("--labels", default=None, help="comma-separated names for --base-url and each --compare URL")
+    sv.add_argument("--repeats", type=int, default=3, help="rounds of a --compare run (default 3)")
+    sv.add_argument("--warmup", type=int, default=2, help="uncounted requests each server gets before each round of a --compare run")
     sv.add_argument("--json", default=None)
     sv.add_argument("--plot", default=None, help="PNG of latency distributions and throughput over time")
     sv.set_defaults(func=cmd_bench_serve)

@@ -179,3 +179,66 @@ def plot_serve(records: list[RequestRecord], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# ---- several servers, side by side ------------------------------------------------------------
+
+COMPARED = (  # (label, summary key, sub-key or None, unit): the figures a comparison reports
+    ("output tok/s", "output_throughput", None, ""),
+    ("TTFT median", "ttft_ms", "p50", " ms"),
+    ("TPOT median", "tpot_ms", "p50", " ms"),
+    ("ITL p90", "itl_ms", "p90", " ms"),
+    ("E2E median", "e2e_ms", "p50", " ms"),
+)
+
+
+def figure(summary: dict[str, Any], key: str, sub: str | None) -> float:
+    value = summary[key] if sub is None else summary[key].get(sub, math.nan)
+    return float(value)
+
+
+async def compare_servers(
+    targets: list[tuple[str, str]], rounds: list[list[SimRequest]], warmup: list[SimRequest], **kwargs: Any
+) -> dict[str, list[dict[str, Any]]]:
+    """Run each round's workload on every (label, base_url) in turn (A, B, A, B, ...: drift on the
+    machine hits every server alike), each preceded by the uncounted `warmup` requests. Give each
+    round fresh prompts: both servers cache prefixes, so a repeated prompt would be a cache hit.
+    Returns label -> one summary per round."""
+    results: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in targets}
+    for workload in rounds:
+        for label, url in targets:
+            if warmup:
+                await run_serve_benchmark(url, warmup, progress=False, **{**kwargs, "request_rate": float("inf")})
+            records, duration = await run_serve_benchmark(url, workload, **kwargs)
+            results[label].append(summarise(records, duration))
+    return results
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(v for v in values if not math.isnan(v))
+    if not ordered:
+        return math.nan
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def format_comparison(results: dict[str, list[dict[str, Any]]]) -> str:
+    """A markdown table: each figure's median over the rounds per server, and each server's ratio
+    to the first (for latencies: first / other, so > 1 means the first is faster)."""
+    labels = list(results)
+    first = labels[0]
+    rounds = len(results[first])
+    head = ["figure (median of %d)" % rounds, *labels] + [f"{first} vs {other}" for other in labels[1:]]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for name, key, sub, unit in COMPARED:
+        meds = {label: median([figure(s, key, sub) for s in results[label]]) for label in labels}
+        row = [name] + [f"{meds[label]:,.1f}{unit}" for label in labels]
+        for other in labels[1:]:
+            a, b = meds[first], meds[other]
+            ratio = a / b if sub is None else b / a
+            row.append(f"{ratio:.2f}x" if b and a and not math.isnan(ratio) else "n/a")
+        lines.append("| " + " | ".join(row) + " |")
+    failed = [f"{label}: {sum(s['failed'] for s in results[label])} of {sum(s['failed'] + s['completed'] for s in results[label])}" for label in labels]
+    lines.append("")
+    lines.append("failed requests: " + ", ".join(failed))
+    return "\n".join(lines)

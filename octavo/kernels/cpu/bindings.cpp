@@ -15,15 +15,18 @@ void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, to
                      torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads, int64_t num_kv_heads);
 int64_t pack_width();
 
+// Every kernel lets go of the GIL while it runs: the server's event-loop thread can then format
+// and send the last step's tokens meanwhile instead of stalling the engine thread.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention over the block pool (CPU, float32)");
-  m.def("pack", &pack, "GGUF blocks (Q4_0, Q4_1, Q8_0) -> the kernels' column-interleaved layout");
-  m.def("quant_linear", &quant_linear, "out = x @ W^T, W packed, x float32");
-  m.def("dequantize_rows", &dequantize_rows, "rows of a packed W -> float32, as gguf-py rebuilds them");
-  m.def("dequantize_transposed", &dequantize_transposed, "packed W -> float32 W^T (padded), as gguf-py rebuilds it");
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("paged_attention", &paged_attention, "paged attention over the block pool (CPU, float32)", nogil);
+  m.def("pack", &pack, "GGUF blocks (Q4_0, Q4_1, Q8_0) -> the kernels' column-interleaved layout", nogil);
+  m.def("quant_linear", &quant_linear, "out = x @ W^T, W packed, x float32", nogil);
+  m.def("dequantize_rows", &dequantize_rows, "rows of a packed W -> float32, as gguf-py rebuilds them", nogil);
+  m.def("dequantize_transposed", &dequantize_transposed, "packed W -> float32 W^T (padded), as gguf-py rebuilds it", nogil);
   m.def("quant_isa", &quant_isa, "the vector instructions the quantized kernels were built for");
-  m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight (float32)");
-  m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rms_norm(residual) * weight, in place (float32)");
-  m.def("rotary_write_kv", &rotary_write_kv, "RoPE on qkv's q and k heads in place, then k, v into the cache");
+  m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight (float32)", nogil);
+  m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rms_norm(residual) * weight, in place (float32)", nogil);
+  m.def("rotary_write_kv", &rotary_write_kv, "RoPE on qkv's q and k heads in place, then k, v into the cache", nogil);
   m.def("pack_width", &pack_width, "output rows per group of the packed layout");
 }

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Octavo vs llama.cpp's llama-server, same GGUF, same requests, one machine, side by side:
+#   1. one user at a time: 8 requests of 128 tokens in / 128 out, concurrency 1;
+#   2. concurrency 16 on ../shared/workloads/random_n64.json.
+# Each load runs on both servers in turn, 3 rounds (fresh prompts each round), medians + ratios.
+#   tools/compare_llama_cpp.sh            # after `make setup`; builds llama-server once (~10-20 min)
+# Env: OUT (results dir, default bench-results), ROUNDS (default 3), OCTAVO_FLAGS (extra serve flags),
+#      WORKLOAD (default ../shared/workloads/random_n64.json).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+OUT=${OUT:-bench-results}
+ROUNDS=${ROUNDS:-3}
+WORKLOAD=${WORKLOAD:-../shared/workloads/random_n64.json}
+mkdir -p "$OUT"
+LLAMA=$(tools/build_llama_server.sh)
+GGUF=$($PY -c "from octavo.models.loader import default_gguf_path; print(default_gguf_path())")
+THREADS=$(nproc)
+
+# 16 slots of 1,024 tokens: the longest request of random_n64 is 744 (prompt + output).
+"$LLAMA" -m "$GGUF" -t "$THREADS" -tb "$THREADS" -np 16 -c 16384 --host 127.0.0.1 --port 8091 >"$OUT/llama-server.log" 2>&1 &
+LLAMA_PID=$!
+OMP_NUM_THREADS=$THREADS .venv/bin/octavo serve --port 8090 ${OCTAVO_FLAGS:-} >"$OUT/octavo-serve.log" 2>&1 &
+OCTAVO_PID=$!
+trap 'kill $LLAMA_PID $OCTAVO_PID 2>/dev/null || true; wait 2>/dev/null || true' EXIT
+for url in http://127.0.0.1:8090/health http://127.0.0.1:8091/health; do
+  for _ in $(seq 1 300); do curl -fs "$url" >/dev/null 2>&1 && break; sleep 1; done
+  curl -fs "$url" >/dev/null || { echo "server at $url did not come up (logs in $OUT)" >&2; exit 1; }
+done
+grep -h "weights:" "$OUT/octavo-serve.log" || true
+
+BENCH=(.venv/bin/octavo bench serve --base-url http://127.0.0.1:8090 --compare http://127.0.0.1:8091
+       --labels octavo,llama.cpp --repeats "$ROUNDS")
+echo "## one user at a time: 8 requests, 128 in / 128 out, concurrency 1"
+"${BENCH[@]}" random --num-requests 8 --input-len 128 --output-len 128 --max-concurrency 1 --json "$OUT/one_user.json"
+echo
+echo "## concurrency 16: $WORKLOAD"
+"${BENCH[@]}" replay "$WORKLOAD" --max-concurrency 16 --json "$OUT/concurrency16.json"
