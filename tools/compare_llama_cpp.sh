@@ -32,7 +32,9 @@ grep -h "weights:" "$OUT/octavo-serve.log" || true
 BENCH=(.venv/bin/octavo bench serve --base-url http://127.0.0.1:8090 --compare http://127.0.0.1:8091
        --labels octavo,llama.cpp --repeats "$ROUNDS")
 echo "## one user at a time: 8 requests, 128 in / 128 out, concurrency 1"
-"${BENCH[@]}" random --num-requests 8 --input-len 128 --output-len 128 --max-concurrency 1 --json "$OUT/one_user.json"
+# (a load with failed requests exits 1; report it and go on to the next load)
+"${BENCH[@]}" random --num-requests 8 --input-len 128 --output-len 128 --max-concurrency 1 --json "$OUT/one_user.json" || status=1
 echo
 echo "## concurrency 16: $WORKLOAD"
-"${BENCH[@]}" replay "$WORKLOAD" --max-concurrency 16 --json "$OUT/concurrency16.json"
+"${BENCH[@]}" replay "$WORKLOAD" --max-concurrency 16 --json "$OUT/concurrency16.json" || status=1
+exit "${status:-0}"

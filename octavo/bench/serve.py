@@ -90,7 +90,11 @@ async def run_serve_benchmark(
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=len(workload), desc="bench serve", unit="req", disable=not progress)
     timeout = httpx.Timeout(None, connect=30.0)
-    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
+    # A fresh connection per request: llama-server closes idle keep-alive connections, and a request
+    # sent on one that it just closed fails with "Server disconnected without sending a response"
+    # (seen: 4 of 24 llama.cpp requests failed that way, none once connections were not reused).
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
 
         async def guarded(w: SimRequest) -> RequestRecord:
             if limit is None:

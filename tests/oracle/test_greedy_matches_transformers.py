@@ -1,7 +1,9 @@
 """The oracle: Octavo's greedy tokens equal transformers' on the embedded model, in every mode.
 
-The reference loads the GGUF through transformers' own dequantiser, so this also checks Octavo's
-GGUF conversion (dequantisation and the rotary row order of q/k).
+The reference loads the GGUF through transformers' own dequantiser. Octavo runs the file's own
+Q4_1 / Q8_0 blocks through its quantized kernels (the default), and once with every weight
+dequantized to float32, so this checks the GGUF loading both ways (the blocks, the rotary row
+order of q/k) and the kernels.
 """
 
 from __future__ import annotations
@@ -82,6 +84,14 @@ def test_all_in_one_batch(make_llm, prompts, refs, backend):
     check_all(outs, refs, f"one batch, {llm.engine.runner.attention_backend} attention")
     # everything was admitted at once: the first step computed every prompt
     assert llm.engine.get_stats().num_prompt_tokens_total == sum(map(len, prompts))
+
+
+def test_dense_weights_with_chunked_prefill(make_llm, prompts, refs):
+    """--quantization none: every weight dequantized to float32 up front (oneDNN linear layers)."""
+    llm = make_llm(weights="dense", max_num_batched_tokens=64)
+    assert llm.engine.runner.model.embed_tokens.weight.dtype == torch.float32
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    check_all(outs, refs, "dense float32 weights, budget 64")
 
 
 def test_chunked_prefill_mixed_with_decodes(make_llm, prompts, refs):
