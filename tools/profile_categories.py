@@ -48,8 +48,10 @@ def main() -> None:
     requests = data["requests"] if isinstance(data, dict) else data
 
     dispatch.paged_attention = attention
-    for name in ("linear", "rms_norm", "apply_rotary", "silu_and_mul", "write_kv"):
-        setattr(dispatch, name, timed(getattr(dispatch, name), name))
+    for name in ("linear", "quant_linear", "rms_norm", "add_rms_norm", "apply_rotary", "rotary_write_kv",
+                 "silu_and_mul", "write_kv"):
+        if hasattr(dispatch, name):  # older checkouts lack the fused and quantized ones
+            setattr(dispatch, name, timed(getattr(dispatch, name), name))
     engine = LLMEngine.from_args(EngineArgs(attention_backend=args.attention_backend))
     engine.runner.prepare = timed(engine.runner.prepare, "runner.prepare (inputs, metadata)")
     engine.scheduler.schedule = timed(engine.scheduler.schedule, "scheduler.schedule")

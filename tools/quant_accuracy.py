@@ -1,7 +1,7 @@
 """What weight-only quantization at load costs: greedy agreement with the float32 model over the
 oracle prompts, and perplexity on the oracle's fixed text (docs/BENCHMARKS.md quotes the output).
 
-    .venv/bin/python tools/quant_accuracy.py [MODEL_DIR]     # default: the embedded model
+    PYTHONPATH=. .venv/bin/python tools/quant_accuracy.py [MODEL_DIR]   # default: the embedded model
 
 Each scheme is compared with --quantization none (every weight float32). "auto" on the embedded
 model is the GGUF's own blocks, i.e. the same weights: it must agree fully.
@@ -19,8 +19,9 @@ from octavo.engine import LLMEngine
 from octavo.engine_args import EngineArgs
 from octavo.llm import LLM
 from octavo.model_runner import ModelRunner
-from octavo.models.loader import load_model, resolve_model, weight_bytes
+from octavo.models.loader import load_model, quantize_model, resolve_model, weight_bytes
 from octavo.outputs import ScheduledRequest
+from octavo.quantization import Q4_0
 from octavo.sampling.params import SamplingParams
 from octavo.tokenizer import load_tokenizer
 from tests.oracle.reference import NUM_NEW_TOKENS, TEXT, oracle_prompts
@@ -41,7 +42,7 @@ def perplexity(model, cfg, token_ids: list[int]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", default=None)
-    parser.add_argument("--schemes", default="auto,int8,int4")
+    parser.add_argument("--schemes", default="auto,int8,int4,q4_0", help="q4_0: symmetric int4 (no zero point), for contrast")
     args = parser.parse_args()
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
@@ -50,7 +51,11 @@ def main() -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
 
     def run(quantization: str):
-        model, cfg = load_model(model_dir, quantization=quantization)
+        if quantization == "q4_0":  # not a --quantization choice: int4 without a zero point, for contrast
+            model, cfg = load_model(model_dir, quantization="none")
+            quantize_model(model, Q4_0)
+        else:
+            model, cfg = load_model(model_dir, quantization=quantization)
         config = EngineArgs(dtype="float32", kv_cache_memory=256 << 20).to_config(cfg)
         llm = LLM.from_engine(LLMEngine(config, model, tokenizer, weight_bytes(model)))
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]

@@ -109,3 +109,37 @@ def test_a_slow_readers_backlog_is_merged_in_one_read():
     assert p0.finished and p0.outputs[1].token_ids == list(range(500))
     assert p0.outputs[0].text == "".join(f"t{k}.0 " for k in range(500)) and p0.outputs[0].finish_reason == "length"
     assert not p1.finished and p1.outputs[1].finish_reason is None and second[0][1].finished
+
+
+def test_a_factory_builds_the_engine_on_the_engine_thread_and_its_errors_reach_start(make_llm, smol_tokenizer):
+    """The server builds its engine on the thread that steps it (one OpenMP thread pool)."""
+    built_on = []
+
+    def factory():
+        built_on.append(threading.current_thread().name)
+        return make_llm().engine
+
+    ae = AsyncEngine(factory, EngineMetrics("m"))
+    assert ae.engine is None
+    ae.start()
+    try:
+        assert built_on == ["octavo-engine"] and ae.engine is not None and ae.is_healthy
+        ae.start()  # idempotent: the app's lifespan calls it again
+        assert built_on == ["octavo-engine"]
+
+        async def main():
+            stream = await ae.add(["f"], [_ids(smol_tokenizer, "Hello")], PARAMS)
+            tokens = 0
+            while batch := await stream.next_batch():
+                tokens += sum(len(out.outputs[0].token_ids) for _, out in batch)
+            return tokens
+
+        assert asyncio.run(asyncio.wait_for(main(), 60)) == PARAMS.max_tokens
+    finally:
+        ae.shutdown()
+
+    def broken():
+        raise FileNotFoundError("no such model")
+
+    with pytest.raises(FileNotFoundError, match="no such model"):
+        AsyncEngine(broken, EngineMetrics("m2")).start()
