@@ -19,6 +19,20 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("bindings.cpp", "lay
 # libgomp torch already loaded. -ffp-contract=off: the quantized kernels rebuild each weight as
 # d * q + m with two roundings, as gguf-py does; a fused multiply-add would round once.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
+# OCTAVO_CPU_ISA narrows what the build may use, to test the other code paths on a bigger CPU:
+# "avx2" (no AVX-512) or "generic" (no AVX2, FMA or F16C: the plain C++ paths). Default "native".
+ISA_FLAGS = {
+    "native": [],
+    "avx2": ["-mno-avx512f"],
+    "generic": ["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c"],
+}
+
+
+def _cflags() -> list[str]:
+    isa = os.environ.get("OCTAVO_CPU_ISA", "native")
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"OCTAVO_CPU_ISA must be one of {', '.join(ISA_FLAGS)}, got {isa!r}")
+    return CFLAGS + ISA_FLAGS[isa]
 
 
 def _cpu_flags() -> str:
@@ -79,7 +93,7 @@ def build_dir() -> Path:
     from octavo.models.loader import cache_dir
 
     key = hashlib.sha256(
-        "\n".join([*(s.read_text() for s in SOURCES), " ".join(CFLAGS), torch.__version__, platform.python_version(), _cpu_flags()]).encode()
+        "\n".join([*(s.read_text() for s in SOURCES), " ".join(_cflags()), torch.__version__, platform.python_version(), _cpu_flags()]).encode()
     ).hexdigest()[:16]
     return cache_dir() / "kernels" / f"cpu-{key}"
 
@@ -103,7 +117,7 @@ def load() -> ModuleType | None:
         return load_extension(
             name="octavo_cpu_kernels",
             sources=[str(s) for s in SOURCES],
-            extra_cflags=CFLAGS,
+            extra_cflags=_cflags(),
             build_directory=str(directory),
             verbose=False,
         )

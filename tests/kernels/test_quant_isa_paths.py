@@ -1,0 +1,54 @@
+"""The quantized kernels' other vector paths, built on this machine with its wider units turned off
+(OCTAVO_CPU_ISA): AVX2 (8-wide groups) and plain C++ (software fp16 conversion), against the same
+torch reference. CPUs of the same kind differ (one has AVX-512, another AVX2 only), so every path
+must be checked wherever the tests run. Each build is compiled once per machine (~1 min) and cached."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from octavo.kernels import cpu
+
+CHECK = r"""
+import torch
+from octavo.kernels import cpu, reference
+from octavo.quantization import FORMATS, dequantize, quantize
+assert cpu.load() is not None, "the build failed"
+print(cpu.quant_isa(), cpu.load().pack_width())
+g = torch.Generator().manual_seed(0)
+for fmt in FORMATS.values():
+    for n, k in ((1, 32), (9, 64), (17, 96), (40, 576)):
+        w = torch.randn(n, k, generator=g) * 0.1
+        w[:, :32] += 0.2
+        q = quantize(w, fmt)
+        packed = cpu.pack(q, fmt)
+        exact = dequantize(q, fmt, k)
+        assert torch.equal(cpu.dequantize_rows(packed, fmt, torch.arange(n), k, n), exact), (fmt.name, n, k)
+        assert torch.equal(cpu.dequantize_transposed(packed, fmt, k, n), exact.t()), (fmt.name, n, k)
+        for m in (1, 3, 4, 5, 9):
+            x = torch.randn(m, k, generator=g)
+            torch.testing.assert_close(cpu.quant_linear(x, packed, fmt, n), reference.quant_linear(x, q, fmt, k),
+                                       atol=1e-4, rtol=1e-4)
+x, r, wn = torch.randn(3, 64), torch.randn(3, 64), torch.randn(64)
+torch.testing.assert_close(cpu.add_rms_norm(x.clone(), r.clone(), wn, 1e-6)[0], reference.add_rms_norm(x, r, wn, 1e-6)[0])
+print("ok")
+"""
+
+
+@pytest.mark.skipif(cpu.load() is None, reason="the C++ CPU kernels are not built on this machine")
+@pytest.mark.parametrize("isa,expect", [("avx2", ("avx2", 8)), ("generic", ("scalar", 8))])
+def test_narrower_builds_match_the_reference(isa, expect):
+    flags = cpu.cpu_flags()
+    if isa == "avx2" and not {"avx2", "fma", "f16c"} <= flags:
+        pytest.skip("this CPU has no AVX2 + FMA + F16C")
+    env = {**os.environ, "OCTAVO_CPU_ISA": isa, "OMP_NUM_THREADS": "1"}
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", CHECK], env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    lines = done.stdout.split()
+    assert (lines[0], int(lines[1])) == expect and lines[-1] == "ok"
