@@ -95,14 +95,19 @@ def quant_linear(
     out_features: int,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x @ W.T + bias, W quantized (from `prepare_quant_weight`): the C++ kernel for float32 on
-    the CPU, else W rebuilt in x's dtype and a plain linear."""
+    """x @ W.T + bias, W quantized (from `prepare_quant_weight`). Packed: the C++ kernel (or, from
+    REBUILD_MIN_ROWS rows, W rebuilt in float32 and one GEMM), in float32 whatever x's dtype, the
+    result cast back. GGUF layout (no kernels): W rebuilt in x's dtype, then a plain linear."""
+    if layout == "packed" and x.dim() == 2:
+        xf = x if x.dtype == torch.float32 else x.float()  # the kernels compute in float32
+        bf = None if bias is None else bias.float()
+        if x.shape[0] >= REBUILD_MIN_ROWS and in_features * out_features <= REBUILD_MAX_WEIGHTS:
+            w_t = cpu.dequantize_transposed(qweight, fmt, in_features, out_features)  # [in, out]
+            out = torch.mm(xf, w_t) if bf is None else torch.addmm(bf, xf, w_t)
+        else:
+            out = cpu.quant_linear(xf, qweight, fmt, out_features, bf)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
     if layout == "packed":
-        if x.dtype == torch.float32 and x.dim() == 2:
-            if x.shape[0] >= REBUILD_MIN_ROWS and in_features * out_features <= REBUILD_MAX_WEIGHTS:
-                w_t = cpu.dequantize_transposed(qweight, fmt, in_features, out_features)  # [in, out]
-                return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
-            return cpu.quant_linear(x, qweight, fmt, out_features, bias)
         rows = torch.arange(out_features)
         return reference.linear(x, cpu.dequantize_rows(qweight, fmt, rows, in_features, out_features).to(x.dtype), bias)
     return reference.quant_linear(x, qweight, fmt, in_features, bias)
