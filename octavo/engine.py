@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,6 +104,7 @@ class LLMEngine:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._num_steps = 0
+        self._thread_id = threading.get_ident()  # the thread that built the engine (see step)
 
     @classmethod
     def from_args(cls, args: EngineArgs | None = None, **kwargs: Any) -> LLMEngine:
@@ -198,9 +200,20 @@ class LLMEngine:
 
     # ---- one step ----------------------------------------------------------------------------
 
+    def _check_thread(self) -> None:
+        """Warn (once per move) when steps run on another thread than the one that built the engine
+        or stepped last: libgomp keeps one OpenMP thread pool per thread that opens parallel
+        regions, and two pools on a small CPU made each step ~2x slower (docs/BENCHMARKS.md,
+        session 4). Build and step an engine on the same thread."""
+        logger.warning("LLMEngine.step runs on another thread than the one that built or last stepped the engine; "
+                       "on few cores two OpenMP thread pools can halve its speed: build and step on one thread")
+        self._thread_id = threading.get_ident()
+
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, apply the sampled tokens; return outputs of requests that
         changed (finished ones carry finished=True and are forgotten afterwards)."""
+        if self._thread_id != threading.get_ident():
+            self._check_thread()
         sched_out = self.scheduler.schedule()
         result = self.runner.execute(sched_out)
         changed = self.scheduler.update(sched_out, result)

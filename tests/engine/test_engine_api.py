@@ -163,3 +163,17 @@ def test_delta_outputs_concatenate_to_the_cumulative_output(make_llm):
         assert [t for d in deltas for t in d.token_ids] == final.outputs[i].token_ids
         assert len([lp for d in deltas for lp in d.logprobs]) == 20
         assert [d.finish_reason for d in deltas if d.finish_reason] == ["length"]
+
+
+def test_stepping_on_another_thread_warns_once_per_move(make_llm, caplog):
+    import threading
+
+    engine = make_llm().engine
+    engine.add_request("t", [1, 2, 3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    with caplog.at_level("WARNING", logger="octavo"):
+        engine.step()  # built on this thread: no warning
+        assert "another thread" not in caplog.text
+        worker = threading.Thread(target=lambda: [engine.step(), engine.step()])
+        worker.start()
+        worker.join()
+    assert caplog.text.count("another thread") == 1
