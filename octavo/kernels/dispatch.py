@@ -11,13 +11,19 @@ from octavo.kernels.metadata import BACKENDS, AttentionMetadata
 from octavo.quantization import QuantFormat, dequantize
 
 apply_rotary = reference.apply_rotary
-silu_and_mul = reference.silu_and_mul
 write_kv = reference.write_kv
 copy_blocks = reference.copy_blocks
 
 
 def _cpu_f32(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and _cpu_kernels()
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up (reference.silu_and_mul): the fused C++ op for float32 rows on the CPU."""
+    if _cpu_f32(gate_up):
+        return cpu.silu_and_mul(gate_up)
+    return reference.silu_and_mul(gate_up)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -46,3 +46,10 @@ def test_rotary_refuses_a_slot_outside_the_cache():
     k, v = torch.zeros(2, 4, 1, 16), torch.zeros(2, 4, 1, 16)
     with pytest.raises(RuntimeError, match="outside the cache"):
         cpu.rotary_write_kv(qkv, cos, sin, k, v, torch.tensor([8]), 1, 1)
+
+
+@pytest.mark.parametrize("n,inter", [(1, 1536), (3, 40), (70, 96)])
+def test_silu_and_mul(n, inter):
+    gate_up = torch.randn(n, 2 * inter) * 4
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -88.0])  # the exp's clamps and zero
+    torch.testing.assert_close(cpu.silu_and_mul(gate_up), reference.silu_and_mul(gate_up), atol=1e-5, rtol=1e-5)

@@ -212,6 +212,16 @@ def rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads: in
     _module().rotary_write_kv(qkv, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
 
 
+def silu_and_mul(gate_up):
+    """Same contract as `octavo.kernels.reference.silu_and_mul`; float32 [n, 2 * inter]."""
+    import torch
+
+    gate_up = gate_up.contiguous()
+    out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=torch.float32)
+    _module().silu_and_mul(out, gate_up)
+    return out
+
+
 def quant_isa() -> str | None:
     """The vector instructions the quantized kernels use here (avx512, avx2, scalar), or None."""
     module = load()

@@ -9,6 +9,7 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int6
 void dequantize_rows(torch::Tensor out, torch::Tensor packed, int64_t fmt, torch::Tensor rows, int64_t N);
 void dequantize_transposed(torch::Tensor out, torch::Tensor packed, int64_t fmt);
 const char* quant_isa();
+void silu_and_mul(torch::Tensor out, torch::Tensor gate_up);
 void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
@@ -28,5 +29,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight (float32)", nogil);
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rms_norm(residual) * weight, in place (float32)", nogil);
   m.def("rotary_write_kv", &rotary_write_kv, "RoPE on qkv's q and k heads in place, then k, v into the cache", nogil);
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up from [n, 2 * inter] (float32)", nogil);
   m.def("pack_width", &pack_width, "output rows per group of the packed layout");
 }

@@ -1,5 +1,5 @@
-// The small per-layer ops of a decoder step, fused: RMSNorm (with the residual add before it) and
-// rotary embedding with the KV-cache write. At batch 1 each of these is a few microseconds of
+// The small per-layer ops of a decoder step, fused: RMSNorm (with the residual add before it),
+// rotary embedding with the KV-cache write, and SiLU(gate) x up. At batch 1 each of these is a few microseconds of
 // arithmetic behind tens of microseconds of op dispatch and temporaries when written as torch
 // ops (measured: norm + rotary + KV write were 2.7 of a 13 ms step at batch 1; docs/BENCHMARKS.md).
 // Same arithmetic as octavo/kernels/reference.py, float32 only.
@@ -9,6 +9,10 @@
 
 #include <cmath>
 #include <cstdint>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -20,6 +24,35 @@ inline void norm_row(const float* __restrict x, const float* __restrict w, float
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
 #pragma omp simd
   for (int64_t i = 0; i < dim; ++i) y[i] = w[i] * (x[i] * inv);
+}
+
+// silu(g) * u = g * u / (1 + exp(-g)) over n floats.
+inline void silu_mul_row(const float* __restrict g, const float* __restrict u, float* __restrict y, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  // exp(-g) by Cephes' single-precision polynomial (range reduction by ln 2, degree 5): ~2 ulp,
+  // as in the attention kernel's softmax.
+  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-88.3762626647949f);
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), half = _mm512_set1_ps(0.5f);
+  const __m512 c1 = _mm512_set1_ps(0.693359375f), c2 = _mm512_set1_ps(-2.12194440e-4f), one = _mm512_set1_ps(1.f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 gv = _mm512_loadu_ps(g + i);
+    __m512 v = _mm512_max_ps(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv), hi), lo);
+    const __m512 fx = _mm512_floor_ps(_mm512_fmadd_ps(v, log2e, half));
+    v = _mm512_fnmadd_ps(fx, c2, _mm512_fnmadd_ps(fx, c1, v));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(v, v), v), one);
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    const __m512 ex = _mm512_mul_ps(p, _mm512_castsi512_ps(e));  // exp(-g)
+    _mm512_storeu_ps(y + i, _mm512_div_ps(_mm512_mul_ps(gv, _mm512_loadu_ps(u + i)), _mm512_add_ps(one, ex)));
+  }
+#endif
+  for (; i < n; ++i) y[i] = g[i] * u[i] / (1.f + std::exp(-g[i]));
 }
 
 void check_rows(const torch::Tensor& t, const char* name) {
@@ -103,5 +136,18 @@ void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, to
       std::copy(row + num_heads * head_dim, row + num_heads * head_dim + kv_width, kc + sp[t] * kv_width);
       std::copy(row + num_heads * head_dim + kv_width, row + width, vc + sp[t] * kv_width);
     }
+  });
+}
+
+// out [n, inter] = silu(gate_up[:, :inter]) * gate_up[:, inter:].
+void silu_and_mul(torch::Tensor out, torch::Tensor gate_up) {
+  check_rows(gate_up, "gate_up");
+  check_rows(out, "out");
+  const int64_t n = gate_up.size(0), inter = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.size(1) == 2 * inter && out.size(0) == n && out.size(1) == inter, "gate_up [n, 2 * inter], out [n, inter]");
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) silu_mul_row(gp + r * 2 * inter, gp + r * 2 * inter + inter, op + r * inter, inter);
   });
 }
