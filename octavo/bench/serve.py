@@ -212,7 +212,7 @@ async def compare_servers(
     for workload in rounds:
         for label, url in targets:
             if warmup:
-                await run_serve_benchmark(url, warmup, progress=False, **{**kwargs, "request_rate": float("inf")})
+                await run_serve_benchmark(url, warmup, **{**kwargs, "request_rate": float("inf"), "progress": False})
             records, duration = await run_serve_benchmark(url, workload, **kwargs)
             results[label].append(summarise(records, duration))
     return results

@@ -321,21 +321,14 @@ def _gguf_tensors(gguf_path: Path, model_dir: Path | None) -> list[tuple[str, to
     hf_config = _gguf_hf_config(reader)
     out = []
     for t in reader.tensors:
-        if t.name in _GGUF_NAMES:
-            hf_name = _GGUF_NAMES[t.name]
-        else:
-            _, layer, kind, _ = t.name.split(".")
-            hf_name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.weight"
+        hf_name = _hf_name(t.name)
         fmt = BY_GGUF_TYPE.get(int(t.tensor_type))
         if fmt is not None:
             data = np.asarray(t.data).reshape(int(t.shape[-1]) if len(t.shape) > 1 else 1, -1)  # [rows, row_bytes]
         else:
             data = np.asarray(gguf_dequantize(t.data, t.tensor_type), dtype=np.float32)
             data = data.reshape([int(d) for d in reversed(t.shape)])
-        if hf_name.endswith("q_proj.weight"):
-            data = _unpermute_rope(data, hf_config["num_attention_heads"])
-        elif hf_name.endswith("k_proj.weight"):
-            data = _unpermute_rope(data, hf_config["num_key_value_heads"])
+        data = _rotary_rows_to_hf(hf_name, data, hf_config)
         out.append((hf_name, torch.from_numpy(np.array(data, order="C")), fmt))  # own, writable copy
     if cache is not None:
         cache.parent.mkdir(exist_ok=True)
@@ -390,6 +383,23 @@ def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _hf_name(gguf_name: str) -> str:
+    """A Llama GGUF tensor name -> the Hugging Face checkpoint's name."""
+    if gguf_name in _GGUF_NAMES:
+        return _GGUF_NAMES[gguf_name]
+    _, layer, kind, _ = gguf_name.split(".")
+    return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.weight"
+
+
+def _rotary_rows_to_hf(hf_name: str, rows: np.ndarray, hf_config: dict) -> np.ndarray:
+    """q/k weights (float rows or rows of blocks) in HF's rotary row order; others unchanged."""
+    if hf_name.endswith("q_proj.weight"):
+        return _unpermute_rope(rows, hf_config["num_attention_heads"])
+    if hf_name.endswith("k_proj.weight"):
+        return _unpermute_rope(rows, hf_config["num_key_value_heads"])
+    return rows
+
+
 def _gguf_field(reader, key: str):
     field = reader.fields.get(key)
     return None if field is None else field.contents()
@@ -440,17 +450,10 @@ def convert_gguf(gguf_path: Path, name: str) -> Path:
     hf_config = _gguf_hf_config(reader)
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        if t.name in _GGUF_NAMES:
-            hf_name = _GGUF_NAMES[t.name]
-        else:
-            _, layer, kind, _ = t.name.split(".")
-            hf_name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.weight"
+        hf_name = _hf_name(t.name)
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         w = w.reshape([int(d) for d in reversed(t.shape)]) if w.ndim != len(t.shape) else w
-        if hf_name.endswith("q_proj.weight"):
-            w = _unpermute_rope(w, hf_config["num_attention_heads"])
-        elif hf_name.endswith("k_proj.weight"):
-            w = _unpermute_rope(w, hf_config["num_key_value_heads"])
+        w = _rotary_rows_to_hf(hf_name, w, hf_config)
         tensors[hf_name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # own, writable copy
 
     out.parent.mkdir(parents=True, exist_ok=True)

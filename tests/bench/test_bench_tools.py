@@ -67,3 +67,33 @@ def test_bench_serve_counts_failures(live_server):
     records, duration = asyncio.run(run_serve_benchmark(live_server.url, work, api_key="wrong", progress=False))
     s = summarise(records, duration)
     assert s["failed"] == 1 and "HTTP 401" in s["errors"][0]
+
+
+def test_compare_runs_each_round_on_every_server_and_tabulates_medians(live_server):
+    from octavo.bench.serve import compare_servers, format_comparison
+
+    rounds = [[SimRequest(0.0, tuple(range(400 + 20 * r + i, 410 + 20 * r + i)), 3) for i in range(2)] for r in range(3)]
+    warmup = [SimRequest(0.0, (5, 6, 7), 2)]
+    targets = [("a", live_server.url), ("b", live_server.url.rstrip("/") + "/")]
+    results = asyncio.run(compare_servers(targets, rounds, warmup, model=MODEL, api_key=API_KEY, progress=False))
+    assert list(results) == ["a", "b"] and all(len(runs) == 3 for runs in results.values())
+    assert all(s["completed"] == 2 and s["failed"] == 0 and s["output_tokens"] == 6 for runs in results.values() for s in runs)
+    table = format_comparison(results)
+    assert "| figure (median of 3) | a | b | a vs b |" in table and "failed requests: a: 0 of 6, b: 0 of 6" in table
+    assert table.count("x |") == 5  # a ratio in every figure's row
+
+
+def test_comparison_table_medians_and_ratios():
+    from octavo.bench.serve import format_comparison
+
+    def summary(tok_s: float, ttft: float) -> dict:
+        p = {"p50": ttft, "p90": ttft, "p99": ttft, "mean": ttft}
+        return {"output_throughput": tok_s, "ttft_ms": p, "tpot_ms": p, "itl_ms": p, "e2e_ms": p,
+                "failed": 0, "completed": 4}
+
+    table = format_comparison({"fast": [summary(90, 10), summary(100, 12), summary(300, 11)],
+                               "slow": [summary(50, 30), summary(40, 33), summary(45, 99)]})
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table.splitlines()
+            if line.startswith("| ") and "---" not in line}
+    assert rows["output tok/s"] == ["100.0", "45.0", "2.22x"]  # medians 100 and 45
+    assert rows["TTFT median"] == ["11.0 ms", "33.0 ms", "3.00x"]  # latency ratio: other / first

@@ -13,6 +13,7 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("bindings.cpp", "layer_ops.cpp", "paged_attention.cpp", "quant_linear.cpp"))
+HEADERS = (Path(__file__).with_name("vec_math.h"),)  # compiled through the sources; part of the cache key
 # -march=native: the build is cached per machine (the key includes the CPU flags), so it may use
 # whatever vector units this CPU has (AVX-512, AVX2 or neither: the kernels pick at compile time).
 # -fopenmp: at::parallel_for is an OpenMP region in the header; the library resolves to the
@@ -93,7 +94,7 @@ def build_dir() -> Path:
     from octavo.models.loader import cache_dir
 
     key = hashlib.sha256(
-        "\n".join([*(s.read_text() for s in SOURCES), " ".join(_cflags()), torch.__version__, platform.python_version(), _cpu_flags()]).encode()
+        "\n".join([*(s.read_text() for s in SOURCES + HEADERS), " ".join(_cflags()), torch.__version__, platform.python_version(), _cpu_flags()]).encode()
     ).hexdigest()[:16]
     return cache_dir() / "kernels" / f"cpu-{key}"
 

@@ -10,9 +10,7 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec_math.h"
 
 namespace {
 
@@ -26,30 +24,23 @@ inline void norm_row(const float* __restrict x, const float* __restrict w, float
   for (int64_t i = 0; i < dim; ++i) y[i] = w[i] * (x[i] * inv);
 }
 
-// silu(g) * u = g * u / (1 + exp(-g)) over n floats.
+// silu(g) * u = g * u / (1 + exp(-g)) over n floats (exp: vec_math.h).
 inline void silu_mul_row(const float* __restrict g, const float* __restrict u, float* __restrict y, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
-  // exp(-g) by Cephes' single-precision polynomial (range reduction by ln 2, degree 5): ~2 ulp,
-  // as in the attention kernel's softmax.
-  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-88.3762626647949f);
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), half = _mm512_set1_ps(0.5f);
-  const __m512 c1 = _mm512_set1_ps(0.693359375f), c2 = _mm512_set1_ps(-2.12194440e-4f), one = _mm512_set1_ps(1.f);
+  const __m512 one16 = _mm512_set1_ps(1.f);
   for (; i + 16 <= n; i += 16) {
     const __m512 gv = _mm512_loadu_ps(g + i);
-    __m512 v = _mm512_max_ps(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv), hi), lo);
-    const __m512 fx = _mm512_floor_ps(_mm512_fmadd_ps(v, log2e, half));
-    v = _mm512_fnmadd_ps(fx, c2, _mm512_fnmadd_ps(fx, c1, v));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, v, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(v, v), v), one);
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
-    const __m512 ex = _mm512_mul_ps(p, _mm512_castsi512_ps(e));  // exp(-g)
-    _mm512_storeu_ps(y + i, _mm512_div_ps(_mm512_mul_ps(gv, _mm512_loadu_ps(u + i)), _mm512_add_ps(one, ex)));
+    const __m512 ex = octavo::exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), gv));  // exp(-g)
+    _mm512_storeu_ps(y + i, _mm512_div_ps(_mm512_mul_ps(gv, _mm512_loadu_ps(u + i)), _mm512_add_ps(one16, ex)));
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 one8 = _mm256_set1_ps(1.f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 ex = octavo::exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+    _mm256_storeu_ps(y + i, _mm256_div_ps(_mm256_mul_ps(gv, _mm256_loadu_ps(u + i)), _mm256_add_ps(one8, ex)));
   }
 #endif
   for (; i < n; ++i) y[i] = g[i] * u[i] / (1.f + std::exp(-g[i]));

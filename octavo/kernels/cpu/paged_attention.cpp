@@ -21,6 +21,8 @@
 #include <limits>
 #include <vector>
 
+#include "vec_math.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define OCTAVO_AVX2 1
@@ -118,26 +120,10 @@ inline float exp_shifted_sum(float* __restrict x, int64_t n, float m) {
   float sum = 0.f;
   int64_t j = 0;
 #ifdef OCTAVO_AVX2
-  // Cephes' single-precision exp (range reduction by ln 2, degree-5 polynomial): within ~2 ulp.
-  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
-  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f), half = _mm256_set1_ps(0.5f);
-  const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
-  const __m256 one = _mm256_set1_ps(1.f), vm = _mm256_set1_ps(m);
+  const __m256 vm = _mm256_set1_ps(m);
   __m256 vsum = _mm256_setzero_ps();
   for (; j + 8 <= n; j += 8) {
-    __m256 v = _mm256_sub_ps(_mm256_loadu_ps(x + j), vm);
-    v = _mm256_max_ps(_mm256_min_ps(v, hi), lo);
-    const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(v, log2e, half));
-    v = _mm256_fnmadd_ps(fx, c2, _mm256_fnmadd_ps(fx, c1, v));
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(v, v), v), one);
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    const __m256 y = octavo::exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm));
     _mm256_storeu_ps(x + j, y);
     vsum = _mm256_add_ps(vsum, y);
   }
