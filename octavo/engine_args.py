@@ -15,7 +15,7 @@ from octavo.config import (
 )
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")  # octavo.quantization's, without importing torch
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")  # int8 / int4: octavo.quantization.HF_SCHEMES
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,10 +38,10 @@ FORMATS = {f.name: f for f in (Q4_0, Q4_1, Q8_0)}
 BY_CODE = {f.code: f for f in FORMATS.values()}
 BY_GGUF_TYPE = {f.gguf_type: f for f in FORMATS.values()}
 
-# --quantization for models given as float weights: the format every linear layer gets. The token
-# embedding (and a tied LM head) always gets Q8_0, as llama.cpp's own Q4 files do.
+# --quantization int8 / int4 (engine_args.QUANTIZATION_CHOICES owns the list of choices): the
+# format every linear layer gets. The token embedding (and a tied LM head) always gets Q8_0, as
+# llama.cpp's own Q4 files do.
 HF_SCHEMES = {"int8": Q8_0, "int4": Q4_1}
-QUANTIZATION_CHOICES = ("auto", "none", *HF_SCHEMES)
 
 
 def can_quantize(in_features: int) -> bool:

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from octavo.config import ModelConfig
+from octavo.engine_args import QUANTIZATION_CHOICES
 from octavo.models.llama import LlamaForCausalLM, QuantEmbedding, QuantLinear
 from octavo.models.registry import load_model_config
 from octavo.quantization import (
@@ -29,7 +30,6 @@ from octavo.quantization import (
     FORMATS,
     HF_SCHEMES,
     Q8_0,
-    QUANTIZATION_CHOICES,
     QuantFormat,
     can_quantize,
     dequantize,

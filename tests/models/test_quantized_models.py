@@ -208,3 +208,10 @@ def test_without_the_cpp_kernels_the_reference_path_computes_the_same(smol_dir, 
         outs.append(run(runner, [entry("a", ids, 0, [1, 3, 0])])["a"])
     torch.testing.assert_close(outs[0], outs[1], atol=2e-3, rtol=0)
     assert bool((outs[0].argmax(-1) == outs[1].argmax(-1)).float().mean() > 0.9)
+
+
+def test_every_quantization_choice_has_a_meaning():
+    from octavo.engine_args import QUANTIZATION_CHOICES
+    from octavo.quantization import HF_SCHEMES
+
+    assert set(QUANTIZATION_CHOICES) == {"auto", "none", *HF_SCHEMES}
