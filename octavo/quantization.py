@@ -35,7 +35,6 @@ Q4_0 = QuantFormat("Q4_0", 0, 18, 2)
 Q4_1 = QuantFormat("Q4_1", 1, 20, 3)
 Q8_0 = QuantFormat("Q8_0", 2, 34, 8)
 FORMATS = {f.name: f for f in (Q4_0, Q4_1, Q8_0)}
-BY_CODE = {f.code: f for f in FORMATS.values()}
 BY_GGUF_TYPE = {f.gguf_type: f for f in FORMATS.values()}
 
 # --quantization int8 / int4 (engine_args.QUANTIZATION_CHOICES owns the list of choices): the

@@ -305,10 +305,13 @@ def load_gguf_weights(model: LlamaForCausalLM, gguf_path: Path, model_dir: Path 
         raise ValueError(f"GGUF {gguf_path.name} lacks: {', '.join(missing[:8])}")
 
 
-def _gguf_tensors(gguf_path: Path, model_dir: Path | None) -> list[tuple[str, torch.Tensor, QuantFormat | None]]:
+def _gguf_tensors(
+    gguf_path: Path, model_dir: Path | None, reader=None
+) -> list[tuple[str, torch.Tensor, QuantFormat | None]]:
     """(HF name, data, format) of every tensor: blocks uint8 [rows, row_bytes] for Q4_0/Q4_1/Q8_0
     (format set), else float32 in the HF shape (format None); q/k rows un-interleaved as in
-    `convert_gguf` (whole rows move, so this applies to blocks as well)."""
+    `convert_gguf` (whole rows move, so this applies to blocks as well). `reader`: an open
+    GGUFReader of the file, so that the conversion does not parse it twice."""
     cache = None if model_dir is None else model_dir / GGUF_BLOCKS_FILE
     if cache is not None and cache.is_file():
         with safe_open(str(cache), framework="pt") as f:
@@ -317,7 +320,7 @@ def _gguf_tensors(gguf_path: Path, model_dir: Path | None) -> list[tuple[str, to
     from gguf import GGUFReader
     from gguf.quants import dequantize as gguf_dequantize
 
-    reader = GGUFReader(str(gguf_path))
+    reader = reader or GGUFReader(str(gguf_path))
     hf_config = _gguf_hf_config(reader)
     out = []
     for t in reader.tensors:
@@ -463,6 +466,7 @@ def convert_gguf(gguf_path: Path, name: str) -> Path:
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
         _save_gguf_tokenizer(gguf_path, tmp)
         _record_gguf_source(tmp, gguf_path)
+        _gguf_tensors(gguf_path, tmp, reader)  # the blocks cache, from the reader already open
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
