@@ -95,6 +95,8 @@ class ModelRunner:
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
             num_decode_tokens=sum(1 for n in query_lens if n == 1),
             backend=self.attention_backend,
+            max_query_len=max(query_lens),
+            max_context_len=max(context_lens),
         )
         if self.attention_backend == "reference":
             nd = meta.num_decode_tokens

@@ -10,6 +10,19 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 
+def _interpret_triton_without_cuda() -> None:
+    """Triton kernels run on CPU tensors only in its interpreter, which must be chosen before triton
+    is first imported: set it here, for the whole session, unless a GPU is present."""
+    if "TRITON_INTERPRET" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+
+
+_interpret_triton_without_cuda()
+
+
 @pytest.fixture(scope="session")
 def smol_dir():
     from octavo.models.loader import resolve_model

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-BACKENDS = ("reference", "cpu")
+BACKENDS = ("reference", "cpu", "triton")
 
 
 @dataclass(slots=True)
@@ -53,7 +53,11 @@ class AttentionMetadata:
     query_lens: torch.Tensor  # [num_seqs] int32
     context_lens: torch.Tensor  # [num_seqs] int32
     num_decode_tokens: int
-    backend: str = "reference"  # which paged-attention kernel runs this step (see kernels/dispatch.py)
+    backend: str = "reference"  # which kernels run this step (see kernels/dispatch.py)
+    # Host copies of the longest query and context, for launch grids (None: read from the tensors,
+    # a device sync); the runner fills them from its Python lists.
+    max_query_len: int | None = None
+    max_context_len: int | None = None
     gathered: GatheredContexts | None = None  # the reference kernel's slots, when it runs
 
 
