@@ -67,8 +67,8 @@ class CacheConfig:
 
     block_size: int = DEFAULT_BLOCK_SIZE
     enable_prefix_caching: bool = True
-    kv_cache_memory: int | None = None  # bytes; wins over memory_fraction
-    memory_fraction: float | None = None  # share of device memory for weights + activations + KV
+    kv_cache_memory: int | None = None  # bytes; wins over gpu_memory_utilization
+    gpu_memory_utilization: float | None = None  # share of device memory for weights + activations + KV
     num_blocks: int | None = None
 
     def __post_init__(self) -> None:
@@ -76,8 +76,8 @@ class CacheConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
-        if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 1.0:
-            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
 
@@ -120,4 +120,5 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     attention_backend: str = "auto"
+    enforce_eager: bool = True  # False: CUDA graphs for decode-only steps (CUDA + triton only)
     seed: int = 0

@@ -13,10 +13,10 @@ import torch
 
 from octavo.config import EngineConfig
 from octavo.detokenizer import IncrementalDetokenizer
-from octavo.engine_args import EngineArgs
+from octavo.engine_args import EngineArgs, resolve_device
 from octavo.kv_cache.manager import KVCacheManager
-from octavo.memory import KVSizing, size_kv_cache
-from octavo.model_runner import ModelRunner
+from octavo.memory import CUDA_GRAPH_RESERVE_BYTES, KVSizing, size_kv_cache
+from octavo.model_runner import ModelRunner, profile_activation_peak
 from octavo.models.loader import auto_dtype, describe_weights, load_model, resolve_model, weight_bytes
 from octavo.request import (
     CompletionOutput,
@@ -79,9 +79,19 @@ class _RequestState:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, tokenizer: Any, weight_bytes: int) -> None:
+        kv_dtype = _DTYPES[config.dtype]
+        on_cuda = config.device.startswith("cuda")
+        peak = None
+        if on_cuda and config.cache.num_blocks is None and config.cache.kv_cache_memory is None:
+            peak = profile_activation_peak(
+                model, config.model_config, config.scheduler, config.cache.block_size, config.device, kv_dtype,
+                config.attention_backend,
+            )
+            logger.info("profiling step (%d tokens): activation peak %.2f GiB",
+                        config.scheduler.max_num_batched_tokens, peak / 2**30)
         sizing = size_kv_cache(
-            config.cache, config.scheduler, config.model_config, weight_bytes,
-            _DTYPES[config.dtype].itemsize, config.device,
+            config.cache, config.scheduler, config.model_config, weight_bytes, kv_dtype.itemsize, config.device,
+            activation_peak=peak, graph_bytes=CUDA_GRAPH_RESERVE_BYTES if on_cuda and not config.enforce_eager else 0,
         )
         self.config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, num_blocks=sizing.num_blocks))
         self.kv_sizing: KVSizing = sizing
@@ -97,8 +107,11 @@ class LLMEngine:
             self.config.cache,
             self.eos_token_ids,
             config.device,
-            _DTYPES[config.dtype],
+            kv_dtype,
             config.attention_backend,
+            enforce_eager=config.enforce_eager,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_model_len=config.scheduler.max_model_len,
         )
         self._states: dict[str, _RequestState] = {}
         self._num_prompt_tokens = 0
@@ -112,12 +125,16 @@ class LLMEngine:
         args = args or EngineArgs(**kwargs)
         torch.manual_seed(args.seed)
         model_dir = resolve_model(args.model)
-        dtype = "float32" if args.dtype == "auto" else args.dtype
-        model, model_config = load_model(model_dir, dtype=_DTYPES[dtype], device=args.device, quantization=args.quantization)
+        device = resolve_device(args.device)
+        quantization = args.quantization
+        if device.startswith("cuda") and quantization == "auto":
+            quantization = "none"  # no GPU kernels for GGUF blocks: they are dequantized to the dtype
+        dtype = ("bfloat16" if device.startswith("cuda") else "float32") if args.dtype == "auto" else args.dtype
+        model, model_config = load_model(model_dir, dtype=_DTYPES[dtype], device=device, quantization=quantization)
         if args.dtype == "auto":
-            dtype = auto_dtype(model, args.device)
+            dtype = auto_dtype(model, device)
             model = model.to(_DTYPES[dtype])
-        config = dataclasses.replace(args, dtype=dtype).to_config(model_config)
+        config = dataclasses.replace(args, dtype=dtype, device=device).to_config(model_config)
         logger.info(describe_weights(model))
         return cls(config, model, load_tokenizer(model_dir), weight_bytes(model))
 

@@ -15,6 +15,9 @@ from octavo.config import (
 )
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "cpu", "triton", "reference")
+GPU_DEFAULT_UTILIZATION = 0.9
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")  # int8 / int4: octavo.quantization.HF_SCHEMES
 
 
@@ -36,8 +39,10 @@ class EngineArgs:
         "help": "split long prompts into chunks that share a step with decodes"})
     kv_cache_memory: int | None = field(default=None, metadata={
         "help": "bytes for the KV cache, e.g. 512MiB (default on CPU: 4 GiB, at most a quarter of RAM)", "bytes": True})
-    memory_fraction: float | None = field(default=None, metadata={
-        "help": "share of device memory for weights, activations and KV cache"})
+    gpu_memory_utilization: float | None = field(default=None, metadata={
+        "help": "share of device memory for weights, activations and KV cache (vLLM's flag; on CUDA "
+                f"default {GPU_DEFAULT_UTILIZATION}: the KV cache gets what a profiling step leaves; on the CPU "
+                "unset means a fixed KV budget, see kv_cache_memory)"})
     num_kv_blocks: int | None = field(default=None, metadata={
         "help": "exactly this many KV blocks (overrides the memory-based sizing)"})
     scheduling_policy: str = field(default="fcfs", metadata={
@@ -52,10 +57,14 @@ class EngineArgs:
                 "none: dequantize everything to the dtype; int8 / int4: quantize every linear layer at load "
                 "(Q8_0 symmetric / Q4_1 with a zero point, groups of 32; the embedding to Q8_0)",
         "choices": QUANTIZATION_CHOICES})
-    device: str = field(default="cpu", metadata={"help": "cpu or cuda"})
+    device: str = field(default="auto", metadata={
+        "help": "auto (CUDA when torch sees a GPU, else the CPU), cpu or cuda", "choices": DEVICES})
     attention_backend: str = field(default="auto", metadata={
-        "help": "paged-attention kernel: the C++ CPU kernel (auto on float32 CPU; compiled once per machine) "
-                "or the torch reference", "choices": ("auto", "cpu", "reference")})
+        "help": "kernels of a step: triton (auto on CUDA), cpu (the C++ kernels; auto on a float32 CPU, "
+                "compiled once per machine) or the torch reference", "choices": ATTENTION_BACKENDS})
+    enforce_eager: bool = field(default=True, metadata={
+        "help": "run every step eagerly; --no-enforce-eager captures CUDA graphs of decode-only steps at "
+                "padded batch sizes (CUDA with the triton backend; off by default until verified on a GPU)"})
     seed: int = field(default=0, metadata={"help": "random seed (engine sampling, and the workload's)"})
 
     def __post_init__(self) -> None:
@@ -63,8 +72,12 @@ class EngineArgs:
             raise ValueError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
-        if self.attention_backend not in ("auto", "cpu", "reference"):
-            raise ValueError(f"attention_backend must be auto, cpu or reference, got {self.attention_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
@@ -85,7 +98,7 @@ class EngineArgs:
                 block_size=self.block_size,
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_memory=self.kv_cache_memory,
-                memory_fraction=self.memory_fraction,
+                gpu_memory_utilization=self.gpu_memory_utilization,
                 num_blocks=self.num_kv_blocks,
             ),
             scheduler=SchedulerConfig(
@@ -96,7 +109,17 @@ class EngineArgs:
                 policy=self.scheduling_policy,
             ),
             dtype=self.dtype,
-            device=self.device,
+            device=resolve_device(self.device),
             attention_backend=self.attention_backend,
+            enforce_eager=self.enforce_eager,
             seed=self.seed,
         )
+
+
+def resolve_device(device: str) -> str:
+    """"auto" -> "cuda" when torch sees a GPU, else "cpu"; anything else as given."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -6,13 +6,13 @@ import os
 from dataclasses import dataclass
 
 from octavo.config import CacheConfig, ModelConfig, SchedulerConfig
+from octavo.engine_args import GPU_DEFAULT_UTILIZATION
 
 GiB = 1 << 30
 # On the CPU the default is a fixed budget, as vLLM's CPU backend does (its KV-cache space
 # setting): "a fraction of RAM" would take most of a shared machine's memory.
 CPU_DEFAULT_KV_BYTES = 4 * GiB
 CPU_DEFAULT_MAX_SHARE = 0.25
-GPU_DEFAULT_FRACTION = 0.9
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,28 +83,52 @@ def activation_bytes(model: ModelConfig, sched: SchedulerConfig, dtype_bytes: in
     return 2 * sched.max_num_batched_tokens * per_token * dtype_bytes + 3 * sched.max_num_seqs * model.vocab_size * 4
 
 
+# Memory CUDA graphs of decode steps may take, reserved before the KV cache is sized (vLLM
+# measures it; we reserve a bound and log what the capture really took).
+CUDA_GRAPH_RESERVE_BYTES = 512 << 20
+
+
 def size_kv_cache(
-    cache: CacheConfig, sched: SchedulerConfig, model: ModelConfig, weight_bytes: int, kv_dtype_bytes: int, device: str
+    cache: CacheConfig,
+    sched: SchedulerConfig,
+    model: ModelConfig,
+    weight_bytes: int,
+    kv_dtype_bytes: int,
+    device: str,
+    activation_peak: int | None = None,
+    graph_bytes: int = 0,
 ) -> KVSizing:
-    """Blocks from, in order of precedence: an explicit block count, kv_cache_memory bytes, a
-    memory fraction of the device (minus weights and activations), or the device default."""
+    """Blocks from, in order of precedence: an explicit block count, kv_cache_memory bytes, a share
+    of the device (gpu_memory_utilization; on CUDA 0.9 by default) minus the weights, the step's
+    activation peak (`activation_peak` as measured by a profiling step, else an estimate) and
+    `graph_bytes`, or the CPU's fixed default. On the share-of-device path it is an error (naming
+    the flags to change) when not even one sequence of max_model_len tokens fits."""
     bytes_per_block = cache.block_size * model.kv_bytes_per_token(kv_dtype_bytes)
+    blocks_per_seq = -(-sched.max_model_len // cache.block_size)
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
-    else:
-        if cache.kv_cache_memory is not None:
-            budget = cache.kv_cache_memory
-        else:
-            fraction = cache.memory_fraction
-            if fraction is None and not device.startswith("cuda"):
-                budget = min(CPU_DEFAULT_KV_BYTES, int(CPU_DEFAULT_MAX_SHARE * total_device_memory(device)))
-            else:
-                fraction = GPU_DEFAULT_FRACTION if fraction is None else fraction
-                budget = int(fraction * total_device_memory(device)) - weight_bytes - activation_bytes(model, sched, kv_dtype_bytes)
+    elif cache.kv_cache_memory is not None:
+        num_blocks = cache.kv_cache_memory // bytes_per_block
+    elif cache.gpu_memory_utilization is None and not device.startswith("cuda"):
+        budget = min(CPU_DEFAULT_KV_BYTES, int(CPU_DEFAULT_MAX_SHARE * total_device_memory(device)))
         num_blocks = budget // bytes_per_block
+    else:
+        utilization = GPU_DEFAULT_UTILIZATION if cache.gpu_memory_utilization is None else cache.gpu_memory_utilization
+        total = total_device_memory(device)
+        peak = activation_bytes(model, sched, kv_dtype_bytes) if activation_peak is None else activation_peak
+        budget = int(utilization * total) - weight_bytes - peak - graph_bytes
+        num_blocks = max(0, budget) // bytes_per_block
+        if num_blocks < blocks_per_seq:
+            raise ValueError(
+                f"not even one sequence of max_model_len {sched.max_model_len} tokens fits in the KV cache: "
+                f"{utilization:.2f} x {total / GiB:.1f} GiB of {device} memory, minus {weight_bytes / GiB:.2f} GiB "
+                f"of weights, {peak / GiB:.2f} GiB of activation peak and {graph_bytes / GiB:.2f} GiB for CUDA "
+                f"graphs, leaves {num_blocks} blocks of {cache.block_size} tokens where {blocks_per_seq} are needed; "
+                "raise --gpu-memory-utilization, or lower --max-model-len (or --max-num-batched-tokens)"
+            )
     if num_blocks < 1:
         raise ValueError(
             f"no room for the KV cache: one block of {cache.block_size} tokens needs {bytes_per_block} bytes; "
-            "raise kv_cache_memory or memory_fraction"
+            "raise kv_cache_memory or gpu_memory_utilization"
         )
     return KVSizing(num_blocks, cache.block_size, bytes_per_block, sched.max_model_len)

@@ -6,15 +6,20 @@ It holds the weights, the KV-cache tensors (per layer K and V of shape
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from octavo.config import CacheConfig, ModelConfig
+from octavo.config import CacheConfig, ModelConfig, SchedulerConfig
+from octavo.cuda_graphs import CudaGraphRunner, graph_batch_sizes
 from octavo.kernels import dispatch
 from octavo.kernels.metadata import AttentionMetadata, gather_contexts
 from octavo.memory import keep_freed_memory_mapped
 from octavo.models.llama import LlamaForCausalLM
 from octavo.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from octavo.sampling.sampler import SamplingRow, sample
+
+logger = logging.getLogger("octavo")
 
 
 class ModelRunner:
@@ -27,7 +32,12 @@ class ModelRunner:
         device: str = "cpu",
         kv_dtype: torch.dtype = torch.float32,
         attention_backend: str = "auto",
+        enforce_eager: bool = True,
+        max_num_seqs: int = 1,
+        max_model_len: int = 1,
     ) -> None:
+        """Allocates the KV cache; with enforce_eager False on CUDA with the Triton kernels, also
+        captures CUDA graphs of decode steps of up to `max_num_seqs` requests of `max_model_len`."""
         if cache_config.num_blocks is None:
             raise ValueError("the cache must be sized (cache_config.num_blocks) before the runner starts")
         self.model = model
@@ -46,6 +56,13 @@ class ModelRunner:
         self.attention_backend = dispatch.select_attention_backend(attention_backend, self.device, kv_dtype)
         if self.device.type == "cpu":
             keep_freed_memory_mapped()
+        self.graphs: CudaGraphRunner | None = None
+        if not enforce_eager and self.device.type == "cuda" and self.attention_backend == "triton":
+            max_blocks = -(-max_model_len // self.block_size)
+            self.graphs = CudaGraphRunner(model, self.kv_caches, graph_batch_sizes(max_num_seqs), max_blocks, self.device)
+        elif not enforce_eager:
+            logger.warning("CUDA graphs need CUDA and the triton backend (here %s, %s): running eagerly",
+                           self.device.type, self.attention_backend)
 
     def _decode_workspace(self, num_elements: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Scratch for the decode gathers, grown (by half again) when a step needs more."""
@@ -127,7 +144,10 @@ class ModelRunner:
             return ModelRunnerOutput(sampled={})
         entries = sorted(sched.scheduled, key=lambda e: e.num_tokens != 1)  # stable: decodes first
         input_ids, positions, meta = self.prepare(entries)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
+        if self.graphs is not None and self.graphs.can_run(input_ids.shape[0], meta):
+            hidden = self.graphs.run(input_ids, positions, meta)  # [num_tokens, hidden]
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
 
         last_rows: list[int] = []
         rows: list[SamplingRow] = []
@@ -157,3 +177,68 @@ class ModelRunner:
             sampled=dict(zip(seq_ids, tokens)),
             logprobs={sid: lp for sid, lp in zip(seq_ids, logprobs) if lp is not None},
         )
+
+
+@torch.inference_mode()
+def profile_activation_peak(
+    model: LlamaForCausalLM,
+    model_config: ModelConfig,
+    sched: SchedulerConfig,
+    block_size: int,
+    device: str,
+    kv_dtype: torch.dtype,
+    attention_backend: str,
+) -> int | None:
+    """Run one worst-case step (max_num_batched_tokens prompt tokens in requests of at most
+    max_model_len, and logits for max_num_seqs rows) on a scratch KV cache just big enough, and
+    return the activation peak in bytes beyond the weights and that scratch (CUDA; on the CPU the
+    step runs and None is returned: there is no allocator peak to read)."""
+    dev = torch.device(device)
+    attention_backend = dispatch.select_attention_backend(attention_backend, dev, kv_dtype)
+    num_tokens = sched.max_num_batched_tokens
+    lens = [min(sched.max_model_len, num_tokens - start) for start in range(0, num_tokens, sched.max_model_len)]
+    num_blocks = sum(-(-n // block_size) for n in lens)
+    shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+    kv = [(torch.zeros(shape, dtype=kv_dtype, device=dev), torch.zeros(shape, dtype=kv_dtype, device=dev))
+          for _ in range(model_config.num_layers)]
+    kv_bytes = 2 * model_config.num_layers * kv[0][0].numel() * kv[0][0].element_size()
+    tables, starts, next_block, offset = [], [], 0, 0
+    width = max(-(-n // block_size) for n in lens)
+    for n in lens:
+        nb = -(-n // block_size)
+        tables.append(list(range(next_block, next_block + nb)) + [0] * (width - nb))
+        starts.append(offset)
+        next_block, offset = next_block + nb, offset + n
+    slots = torch.cat([torch.arange(n, device=dev) + tables[i][0] * block_size for i, n in enumerate(lens)])
+    as_int = dict(dtype=torch.int32, device=dev)
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        block_tables=torch.tensor(tables, **as_int),
+        query_starts=torch.tensor(starts, **as_int),
+        query_lens=torch.tensor(lens, **as_int),
+        context_lens=torch.tensor(lens, **as_int),
+        num_decode_tokens=sum(1 for n in lens if n == 1),
+        backend=attention_backend,
+        max_query_len=max(lens),
+        max_context_len=max(lens),
+    )
+    if attention_backend == "reference":
+        meta.gathered = gather_contexts(meta, block_size)
+    ids = torch.randint(0, model_config.vocab_size, (num_tokens,), device=dev)
+    positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+    hidden = model(ids, positions, kv, meta)
+    rows = torch.arange(sched.max_num_seqs, device=dev) % num_tokens
+    logits = model.compute_logits(hidden[rows])  # [max_num_seqs, vocab] float32
+    torch.sort(logits, dim=-1, descending=True)  # the top-p sort's copies, as a sampling step makes
+    if dev.type != "cuda":
+        return None
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - base - kv_bytes
+    del kv, hidden, logits
+    torch.cuda.empty_cache()
+    return max(0, peak)

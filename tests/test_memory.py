@@ -25,11 +25,11 @@ def test_blocks_from_bytes_round_down_and_concurrency():
     assert "1456 blocks x 16 tokens" in sizing.describe() and "max concurrency" in sizing.describe()
 
 
-def test_memory_fraction_subtracts_weights_and_activations(monkeypatch):
+def test_gpu_memory_utilization_subtracts_weights_and_activations(monkeypatch):
     monkeypatch.setattr("octavo.memory.total_device_memory", lambda device: 10 * GiB)
     sched = SchedulerConfig()
     weights = 600 << 20
-    sizing = size_kv_cache(CacheConfig(memory_fraction=0.5), sched, SMOL, weights, 4, "cpu")
+    sizing = size_kv_cache(CacheConfig(gpu_memory_utilization=0.5), sched, SMOL, weights, 4, "cpu")
     expected = (5 * GiB - weights - activation_bytes(SMOL, sched, 4)) // (16 * 46080)
     assert sizing.num_blocks == expected
 
@@ -39,3 +39,23 @@ def test_explicit_block_count_wins_and_too_little_memory_is_an_error():
     assert size_kv_cache(CacheConfig(num_blocks=7, kv_cache_memory=GiB), sched, SMOL, 0, 4, "cpu").num_blocks == 7
     with pytest.raises(ValueError, match="no room for the KV cache"):
         size_kv_cache(CacheConfig(kv_cache_memory=1000), sched, SMOL, 0, 4, "cpu")
+
+
+def test_cuda_budget_uses_the_profiled_peak_and_graph_reserve(monkeypatch):
+    monkeypatch.setattr("octavo.memory.total_device_memory", lambda device: 80 * GiB)
+    sched = SchedulerConfig(max_model_len=4096)
+    weights, peak, graphs = 16 * GiB, 3 * GiB, 512 << 20
+    sizing = size_kv_cache(CacheConfig(), sched, SMOL, weights, 2, "cuda", activation_peak=peak, graph_bytes=graphs)
+    assert sizing.num_blocks == (int(0.9 * 80 * GiB) - weights - peak - graphs) // (16 * SMOL.kv_bytes_per_token(2))
+    lower = size_kv_cache(CacheConfig(gpu_memory_utilization=0.5), sched, SMOL, weights, 2, "cuda", activation_peak=peak)
+    assert lower.num_blocks == (40 * GiB - weights - peak) // (16 * SMOL.kv_bytes_per_token(2))
+
+
+def test_not_even_one_sequence_names_the_flags(monkeypatch):
+    monkeypatch.setattr("octavo.memory.total_device_memory", lambda device: 20 * GiB)
+    sched = SchedulerConfig(max_model_len=8192)
+    # 0.9 x 20 GiB - 17.8 GiB of weights leave 0.2 GiB = 291 blocks; 8192 tokens need 512, 2048 need 128
+    with pytest.raises(ValueError, match="not even one sequence of max_model_len 8192.*--gpu-memory-utilization.*--max-model-len"):
+        size_kv_cache(CacheConfig(), sched, SMOL, int(17.8 * GiB), 4, "cuda", activation_peak=0)
+    ok = size_kv_cache(CacheConfig(), SchedulerConfig(max_model_len=2048), SMOL, int(17.8 * GiB), 4, "cuda", activation_peak=0)
+    assert ok.max_concurrency >= 1

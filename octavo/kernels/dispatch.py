@@ -1,4 +1,9 @@
-"""The one place that picks a kernel implementation: torch reference or C++ on the CPU, Triton on GPU (later)."""
+"""The one place that picks a kernel implementation: torch reference or C++ on the CPU, Triton on GPUs.
+
+The step's kernel family (`AttentionMetadata.backend`: "reference", "cpu" or "triton") is passed
+to every op; "triton" runs the Triton kernels (octavo.kernels.triton), the others the C++ CPU op
+where one applies (float32 on the CPU) and the torch reference elsewhere.
+"""
 
 from __future__ import annotations
 
@@ -7,37 +12,61 @@ import functools
 import torch
 
 from octavo.kernels import cpu, reference
+from octavo.kernels import triton as triton_kernels
 from octavo.kernels.metadata import BACKENDS, AttentionMetadata
 from octavo.quantization import QuantFormat, dequantize
 
 apply_rotary = reference.apply_rotary
-write_kv = reference.write_kv
 copy_blocks = reference.copy_blocks
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+    backend: str = "reference",
+) -> None:
+    """Keys and values into their cache slots (reference.write_kv)."""
+    if backend == "triton":
+        from octavo.kernels.triton import kv_write
+
+        return kv_write.write_kv(k_cache, v_cache, k, v, slot_mapping)
+    return reference.write_kv(k_cache, v_cache, k, v, slot_mapping)
 
 
 def _cpu_f32(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and _cpu_kernels()
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, backend: str = "reference") -> torch.Tensor:
     """silu(gate) * up (reference.silu_and_mul): the fused C++ op for float32 rows on the CPU."""
+    if backend == "triton":
+        from octavo.kernels.triton import silu_and_mul as triton_silu
+
+        return triton_silu.silu_and_mul(gate_up)
     if _cpu_f32(gate_up):
         return cpu.silu_and_mul(gate_up)
     return reference.silu_and_mul(gate_up)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "reference") -> torch.Tensor:
     """RMSNorm (reference.rms_norm): the fused C++ op for float32 rows on the CPU."""
+    if backend == "triton":
+        from octavo.kernels.triton import rms_norm as triton_rms
+
+        return triton_rms.rms_norm(x, weight, eps)
     if _cpu_f32(x) and weight.dtype == torch.float32:
         return cpu.rms_norm(x, weight, eps)
     return reference.rms_norm(x, weight, eps)
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "reference"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual). The C++ op works in place on x and residual (both
-    fresh activations the caller owns); the reference allocates."""
+    fresh activations the caller owns); the reference and Triton allocate."""
+    if backend == "triton":
+        from octavo.kernels.triton import rms_norm as triton_rms
+
+        return triton_rms.add_rms_norm(x, residual, weight, eps)
     if _cpu_f32(x) and x.is_contiguous() and residual.is_contiguous() and weight.dtype == torch.float32:
         return cpu.add_rms_norm(x, residual, weight, eps)
     return reference.add_rms_norm(x, residual, weight, eps)
@@ -52,8 +81,13 @@ def rotary_write_kv(
     slot_mapping: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
+    backend: str = "reference",
 ) -> None:
     """RoPE on qkv's q and k heads in place, then k and v into the cache (reference.rotary_write_kv)."""
+    if backend == "triton":
+        from octavo.kernels.triton import kv_write
+
+        return kv_write.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
     if _cpu_f32(qkv) and qkv.is_contiguous() and k_cache.dtype == torch.float32:
         return cpu.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
     return reference.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
@@ -136,13 +170,24 @@ def quant_kernel_name(dtype: torch.dtype, device: torch.device) -> str:
 
 
 def select_attention_backend(requested: str, device: torch.device, kv_dtype: torch.dtype) -> str:
-    """"auto" -> the C++ CPU kernel where it applies and builds (float32 on the CPU), else the
-    torch reference; "cpu" and "reference" force one (ValueError if "cpu" can't run here).
-    The first call on a machine may compile the CPU kernel (~1 min, cached)."""
+    """The step's kernel family. "auto": Triton on CUDA (the torch reference if triton is missing),
+    on the CPU the C++ kernel where it applies and builds (float32), else the reference. "cpu",
+    "triton" and "reference" force one (ValueError where it can't run here; "triton" runs on the CPU
+    only in Triton's interpreter, TRITON_INTERPRET=1, for tests). The first call on a CPU machine
+    may compile the CPU kernel (~1 min, cached)."""
     if requested not in ("auto", *BACKENDS):
         raise ValueError(f"attention backend must be one of auto, {', '.join(BACKENDS)}; got {requested!r}")
     if requested == "reference":
         return "reference"
+    if requested == "triton" or (requested == "auto" and device.type == "cuda"):
+        if triton_kernels.can_run_on(device.type):
+            return "triton"
+        if requested == "auto":
+            return "reference"
+        raise ValueError(
+            f"the triton backend cannot run on {device.type} here: it needs triton installed and a CUDA "
+            "device (or TRITON_INTERPRET=1 set before start, on the CPU: slow, for tests)"
+        )
     applies = device.type == "cpu" and kv_dtype == torch.float32
     if requested == "cpu":
         if not applies:
@@ -153,10 +198,42 @@ def select_attention_backend(requested: str, device: torch.device, kv_dtype: tor
     return "cpu" if applies and cpu.load() is not None else "reference"
 
 
+# Split-KV (flash-decoding) pays when a decode step has too few (request, KV head) pairs to fill
+# the GPU and long contexts to walk: each pair's keys are cut into slices of >= SPLIT_MIN_KEYS.
+SPLIT_MIN_CONTEXT = 1024
+SPLIT_MIN_KEYS = 256
+MAX_SPLITS = 16
+
+
+def num_kv_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
+    """How many slices to cut each decode request's keys into (1: the unified kernel)."""
+    pairs = num_seqs * num_kv_heads
+    if max_context_len < SPLIT_MIN_CONTEXT or pairs >= num_sms:
+        return 1
+    splits = 1
+    while splits < MAX_SPLITS and pairs * splits < num_sms and max_context_len // (2 * splits) >= SPLIT_MIN_KEYS:
+        splits *= 2
+    return splits
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """Causal attention over the paged cache by the kernel the step's metadata names."""
+    if meta.backend == "triton":
+        from octavo.kernels.triton import paged_attention as triton_attention
+
+        if meta.allow_split_kv and meta.num_decode_tokens == q.shape[0] and q.is_cuda:
+            max_context = meta.max_context_len if meta.max_context_len is not None else int(meta.context_lens.max())
+            splits = num_kv_splits(q.shape[0], k_cache.shape[2], max_context, _num_sms(q.device.index or 0))
+            if splits > 1:
+                return triton_attention.paged_attention_split_kv(q, k_cache, v_cache, meta, scale, splits)
+        return triton_attention.paged_attention(q, k_cache, v_cache, meta, scale)
     if meta.backend == "cpu":
         return cpu.paged_attention(q, k_cache, v_cache, meta, scale)
     return reference.paged_attention(q, k_cache, v_cache, meta, scale)

@@ -58,6 +58,7 @@ class AttentionMetadata:
     # a device sync); the runner fills them from its Python lists.
     max_query_len: int | None = None
     max_context_len: int | None = None
+    allow_split_kv: bool = True  # False inside a captured CUDA graph (one kernel choice per graph)
     gathered: GatheredContexts | None = None  # the reference kernel's slots, when it runs
 
 

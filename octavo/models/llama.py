@@ -67,12 +67,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, backend: str = "reference"):
         """rms_norm(x); with a residual, (rms_norm(x + residual), x + residual) (may reuse x's and
-        residual's storage)."""
+        residual's storage). `backend`: the step's kernel family (kernels/dispatch.py)."""
         if residual is None:
-            return dispatch.rms_norm(x, self.weight, self.eps)
-        return dispatch.add_rms_norm(x, residual, self.weight, self.eps)
+            return dispatch.rms_norm(x, self.weight, self.eps, backend)
+        return dispatch.add_rms_norm(x, residual, self.weight, self.eps, backend)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -129,15 +129,18 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         if self.q_norm is None:
             # one fused op: RoPE on q and k in place, k and v into the cache
-            dispatch.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads)
+            dispatch.rotary_write_kv(
+                qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads, meta.backend
+            )
             q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim))
-            k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim))
+            q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim), backend=meta.backend)
+            k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim), backend=meta.backend)
             q = dispatch.apply_rotary(q, cos, sin)
             k = dispatch.apply_rotary(k, cos, sin)
-            dispatch.write_kv(k_cache, v_cache, k, v.view(n, self.num_kv_heads, self.head_dim), meta.slot_mapping)
+            v = v.view(n, self.num_kv_heads, self.head_dim)
+            dispatch.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.backend)
         out = dispatch.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [n, H, d]
         return self.o_proj(out.reshape(n, self.q_size))
 
@@ -148,8 +151,8 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(dispatch.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, backend: str = "reference") -> torch.Tensor:
+        return self.down_proj(dispatch.silu_and_mul(self.gate_up_proj(x), backend))
 
 
 class DecoderLayer(nn.Module):
@@ -166,12 +169,12 @@ class DecoderLayer(nn.Module):
         """(this layer's output, the residual stream before it): the residual add happens inside the
         next norm (fused), so the stream is x + residual, as in the unfused form."""
         if residual is None:
-            h, residual = self.input_layernorm(x), x
+            h, residual = self.input_layernorm(x, backend=meta.backend), x
         else:
-            h, residual = self.input_layernorm(x, residual)
+            h, residual = self.input_layernorm(x, residual, meta.backend)
         h = self.self_attn(h, cos, sin, kv_cache, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        h, residual = self.post_attention_layernorm(h, residual, meta.backend)
+        return self.mlp(h, meta.backend), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -198,7 +201,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
-        return self.norm(x, residual)[0]
+        return self.norm(x, residual, meta.backend)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> float32 logits [num_rows, vocab]."""

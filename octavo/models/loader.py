@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 from importlib import metadata
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,7 @@ from safetensors.torch import save_file
 from octavo.config import ModelConfig
 from octavo.engine_args import QUANTIZATION_CHOICES
 from octavo.models.llama import LlamaForCausalLM, QuantEmbedding, QuantLinear
-from octavo.models.registry import load_model_config
+from octavo.models.registry import load_model_config, model_config_from_hf
 from octavo.quantization import (
     BY_GGUF_TYPE,
     FORMATS,
@@ -118,6 +119,19 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
 
     Raises ValueError naming parameters the checkpoint did not provide.
     """
+
+    def tensors():
+        for file in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                for hf_name in f.keys():
+                    yield hf_name, f.get_tensor(hf_name)
+
+    load_hf_tensors(model, tensors(), str(model_dir))
+
+
+def load_hf_tensors(model: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Tensor]], source: str = "the checkpoint") -> None:
+    """Copy (Hugging Face name, tensor) pairs into `model` (a safetensors directory's, or an HF
+    model's `state_dict().items()`), fusing q/k/v and gate/up. ValueError names what is missing."""
     cfg = model.config
     params = dict(model.named_parameters())
     offsets = {
@@ -129,30 +143,47 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
     }
     loaded: set[str] = set()
     expected_parts: dict[str, int] = {}
-    for file in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for hf_name in f.keys():
-                if "rotary_emb" in hf_name:
-                    continue
-                if hf_name == "lm_head.weight" and model.lm_head is None:
-                    continue  # tied: the embedding is the head
-                name, part = _target(hf_name)
-                if name not in params:
-                    raise ValueError(f"checkpoint tensor {hf_name} has no place in {cfg.architecture}")
-                tensor = f.get_tensor(hf_name)
-                with torch.no_grad():
-                    if part is None:
-                        params[name].copy_(tensor)
-                        loaded.add(name)
-                    else:
-                        start, size = offsets[part]
-                        params[name][start : start + size].copy_(tensor)
-                        expected_parts[name] = expected_parts.get(name, 0) + 1
-                        if expected_parts[name] == (3 if "qkv" in name else 2):
-                            loaded.add(name)
+    for hf_name, tensor in tensors:
+        if "rotary_emb" in hf_name:
+            continue
+        if hf_name == "lm_head.weight" and model.lm_head is None:
+            continue  # tied: the embedding is the head
+        name, part = _target(hf_name)
+        if name not in params:
+            raise ValueError(f"checkpoint tensor {hf_name} has no place in {cfg.architecture}")
+        with torch.no_grad():
+            if part is None:
+                params[name].copy_(tensor)
+                loaded.add(name)
+            else:
+                start, size = offsets[part]
+                params[name][start : start + size].copy_(tensor)
+                expected_parts[name] = expected_parts.get(name, 0) + 1
+                if expected_parts[name] == (3 if "qkv" in name else 2):
+                    loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
-        raise ValueError(f"checkpoint in {model_dir} lacks: {', '.join(missing[:8])}")
+        raise ValueError(f"checkpoint in {source} lacks: {', '.join(missing[:8])}")
+
+
+def _empty_model(cfg: ModelConfig, device: str) -> LlamaForCausalLM:
+    """The model with uninitialised weights on `device` (no time spent on a random init)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device=device)
+    model.rotary = model.rotary.__class__(cfg.rope, cfg.head_dim, cfg.max_position).to(device)
+    return model
+
+
+def model_from_hf(hf_model: torch.nn.Module, dtype: torch.dtype, device: str) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Octavo's model with the weights of a loaded transformers model (no files: random-weight
+    models built in memory, e.g. on a GPU box with no checkpoint)."""
+    hf_config = hf_model.config.to_dict()
+    hf_config["architectures"] = hf_config.get("architectures") or [type(hf_model).__name__]
+    cfg = model_config_from_hf(hf_config)
+    model = _empty_model(cfg, device)
+    load_hf_tensors(model, hf_model.state_dict().items(), "the transformers model")
+    return model.to(dtype=dtype).eval(), cfg
 
 
 def load_model(
@@ -168,10 +199,7 @@ def load_model(
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}")
     cfg = load_model_config(model_dir)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device=device)
-    model.rotary = model.rotary.__class__(cfg.rope, cfg.head_dim, cfg.max_position).to(device)
+    model = _empty_model(cfg, device)
     source = gguf_source(model_dir) if quantization == "auto" else None
     if source is not None:
         load_gguf_weights(model, source, model_dir)

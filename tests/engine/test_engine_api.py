@@ -123,7 +123,7 @@ def test_stats_report_usage_and_tokens(make_llm):
 def test_unknown_attention_backend_is_refused_with_the_choices():
     from octavo.engine_args import EngineArgs
 
-    with pytest.raises(ValueError, match="auto, cpu or reference"):
+    with pytest.raises(ValueError, match="auto, cpu, triton, reference"):
         EngineArgs(attention_backend="flash")
 
 
