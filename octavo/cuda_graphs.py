@@ -47,6 +47,7 @@ class CudaGraphRunner:
         self.query_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.num_replays = 0
         before = torch.cuda.mem_get_info(device)[0]
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.batch_sizes):  # largest first: the pool is sized once
@@ -97,4 +98,5 @@ class CudaGraphRunner:
         self.context_lens[n:size].zero_()
         graph, hidden = self._graphs[size]
         graph.replay()
+        self.num_replays += 1
         return hidden[:n]

@@ -23,3 +23,15 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]], add_gene
         raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def synthetic_tokenizer(vocab_size: int) -> Any:
+    """A word-level tokenizer whose token i is the word "t<i>": for random-weight models that come
+    with no tokenizer files (tests, scripts/gpu_check.py). Prompts are given as token ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)

@@ -74,13 +74,17 @@ def _check(backend: str, asked: list[int], got: list[int]) -> None:
         raise OutputCountError(f"{backend}: output token counts differ from those asked, first (request, asked, got): {bad[:3]}")
 
 
-def run_octavo(workload: list[SimRequest], engine_args: dict[str, Any], progress: bool = True) -> ThroughputResult:
+def run_octavo(
+    workload: list[SimRequest], engine_args: dict[str, Any], progress: bool = True, engine: Any = None
+) -> ThroughputResult:
+    """Octavo on the workload; `engine` (an LLMEngine already built, e.g. over an in-memory model)
+    replaces building one from `engine_args`."""
     from octavo.engine import LLMEngine
     from octavo.engine_args import EngineArgs
     from octavo.sampling.params import RequestOutputKind, SamplingParams
     from octavo.simulator.simulator import used_slots
 
-    engine = LLMEngine.from_args(EngineArgs(**engine_args))
+    engine = engine or LLMEngine.from_args(EngineArgs(**engine_args))
     _reset_peak_rss()
     start = time.perf_counter()
     for i, w in enumerate(workload):
@@ -130,13 +134,16 @@ def _load_hf(model_dir: Path):
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
 
 
-def run_hf(workload: list[SimRequest], model_dir: Path, batch_size: int = 16, progress: bool = True) -> ThroughputResult:
+def run_hf(
+    workload: list[SimRequest], model_dir: Path | None, batch_size: int = 16, progress: bool = True, model: Any = None
+) -> ThroughputResult:
     """transformers `generate` in static batches of `batch_size`, left-padded, in arrival order. A batch
     decodes until its longest request is done (that is static batching); each request keeps its own
-    forced length."""
+    forced length. `model`: a loaded transformers model instead of `model_dir`'s (on its device)."""
     import torch
 
-    model = _load_hf(model_dir)
+    model = model if model is not None else _load_hf(model_dir)
+    device = next(model.parameters()).device
     pad = 0
     _reset_peak_rss()
     start = time.perf_counter()
@@ -145,8 +152,8 @@ def run_hf(workload: list[SimRequest], model_dir: Path, batch_size: int = 16, pr
         for b in range(0, len(workload), batch_size):
             batch = workload[b : b + batch_size]
             width = max(len(w.prompt_token_ids) for w in batch)
-            ids = torch.tensor([[pad] * (width - len(w.prompt_token_ids)) + list(w.prompt_token_ids) for w in batch])
-            mask = torch.tensor([[0] * (width - len(w.prompt_token_ids)) + [1] * len(w.prompt_token_ids) for w in batch])
+            ids = torch.tensor([[pad] * (width - len(w.prompt_token_ids)) + list(w.prompt_token_ids) for w in batch], device=device)
+            mask = torch.tensor([[0] * (width - len(w.prompt_token_ids)) + [1] * len(w.prompt_token_ids) for w in batch], device=device)
             longest = max(w.output_len for w in batch)
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
                                  do_sample=False, pad_token_id=pad)
@@ -160,11 +167,11 @@ def run_hf(workload: list[SimRequest], model_dir: Path, batch_size: int = 16, pr
                             _peak_rss(), extra={"batch_size": batch_size})
 
 
-def run_hf_cb(workload: list[SimRequest], model_dir: Path, progress: bool = True) -> ThroughputResult:
+def run_hf_cb(workload: list[SimRequest], model_dir: Path | None, progress: bool = True, model: Any = None) -> ThroughputResult:
     """transformers' own continuous batching (the manager behind `generate_batch`), per-request lengths."""
     from transformers import GenerationConfig
 
-    model = _load_hf(model_dir)
+    model = model if model is not None else _load_hf(model_dir)
     config = GenerationConfig(do_sample=False, max_new_tokens=max(w.output_len for w in workload), eos_token_id=-1)
     results: dict[str, Any] = {}
     with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5) as manager, \

@@ -58,51 +58,119 @@ def truncate(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def _flat_ids(lists: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) of every entry of per-row token lists, as two long tensors."""
+    rows = [r for r, ids in enumerate(lists) for _ in ids]
+    ids = [t for ids in lists for t in ids]
+    return torch.tensor(rows, dtype=torch.long, device=device), torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def apply_penalties_batched(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """apply_penalties on every row at once: logits [n, vocab] (rows without penalties unchanged)
+    -> a new tensor. Token lists become index tensors; no per-row kernel launches."""
+    n, vocab = logits.shape
+    device = logits.device
+    params = [r.params for r in rows]
+    out = logits
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = torch.zeros((n, vocab), dtype=torch.bool, device=device)
+        r_idx, t_idx = _flat_ids([r.prompt_token_ids + r.output_token_ids for r in rows], device)
+        seen[r_idx, t_idx] = True
+        rp = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype, device=device)[:, None]
+        out = torch.where(seen, torch.where(out > 0, out / rp, out * rp), out)
+    if any(p.frequency_penalty or p.presence_penalty for p in params):
+        counts = torch.zeros((n, vocab), dtype=logits.dtype, device=device)
+        r_idx, t_idx = _flat_ids([r.output_token_ids for r in rows], device)
+        counts.index_put_((r_idx, t_idx), torch.ones_like(r_idx, dtype=logits.dtype), accumulate=True)
+        freq = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=device)[:, None]
+        pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=device)[:, None]
+        out = out - (freq * counts + pres * (counts > 0).to(logits.dtype))
+    return out
+
+
+def truncate_batched(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """truncate on every row at once: per-row temperature, top-k, top-p and min-p -> a new tensor
+    [n, vocab] with masked entries -inf. Rows that do not ask for a filter are left alone by it."""
+    n, vocab = logits.shape
+    device = logits.device
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+    logits = logits / temps[:, None]
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(top_k):
+        k = torch.tensor(top_k, dtype=torch.long, device=device)
+        values = torch.topk(logits, max(top_k), dim=-1).values  # [n, max_k], descending
+        kth = values.gather(1, (k - 1).clamp(min=0)[:, None])
+        kth = torch.where(k[:, None] > 0, kth, torch.full_like(kth, float("-inf")))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], dtype=logits.dtype, device=device)
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the tokens before it already reach top_p (the top token always stays)
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p[:, None]
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=device)
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, float("-inf"))
+    return logits
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits: [num_rows, vocab] float32 -> a token per row and, where asked, its logprobs.
 
-    Logprobs are those of the model's raw distribution (before penalties and temperature).
-    Random rows draw with their own generator when seeded, so a seeded request samples the same
-    tokens whatever else is in the batch.
+    Every transformation runs on all rows at once (penalties, min_tokens bans, temperature,
+    top-k/top-p/min-p, the draw), so a GPU step launches the same few kernels whatever the batch;
+    the only per-row work is a seeded row's own noise draw. Logprobs are those of the model's raw
+    distribution (before penalties and temperature). Random rows draw with their own generator
+    when seeded, so a seeded request samples the same tokens whatever else is in the batch.
     """
     num_rows = logits.shape[0]
+    device = logits.device
     raw_logprobs = (
         torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in rows) else None
     )
-    needs_edit = any(
-        r.params.has_penalties or len(r.output_token_ids) < r.params.min_tokens for r in rows
-    )
-    if needs_edit:
-        logits = logits.clone()
-    for i, row in enumerate(rows):
-        if row.params.has_penalties:
-            apply_penalties(logits[i], row)
-        if len(row.output_token_ids) < row.params.min_tokens:
-            banned = list(row.params.stop_token_ids)
-            if not row.params.ignore_eos:
-                banned += list(row.eos_token_ids)
-            if banned:
-                logits[i, banned] = float("-inf")
+    edited = any(r.params.has_penalties for r in rows)
+    if edited:
+        logits = apply_penalties_batched(logits, rows)  # a new tensor: the caller's stays as it was
+    bans = [
+        list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else list(r.eos_token_ids))
+        if len(r.output_token_ids) < r.params.min_tokens else []
+        for r in rows
+    ]
+    if any(bans):
+        logits = logits if edited else logits.clone()
+        logits[_flat_ids(bans, device)] = float("-inf")
 
-    tokens = logits.argmax(dim=-1).tolist()  # greedy rows are done; random rows are redrawn below
-    for i, row in enumerate(rows):
-        if row.params.is_greedy:
-            continue
-        probs = torch.softmax(truncate(logits[i], row.params), dim=-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one generator call per row.
-        noise = torch.empty_like(probs).exponential_(generator=row.generator)
-        tokens[i] = int(torch.argmax(probs / noise))
+    tokens = logits.argmax(dim=-1)  # greedy rows are done; random rows are redrawn below
+    random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+    if random_rows:
+        index = torch.tensor(random_rows, dtype=torch.long, device=device)
+        probs = torch.softmax(truncate_batched(logits[index], [rows[i].params for i in random_rows]), dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. Unseeded rows share one
+        # draw; a seeded row redraws its own row from its generator.
+        noise = torch.empty_like(probs).exponential_()
+        for j, i in enumerate(random_rows):
+            if rows[i].generator is not None:
+                noise[j].exponential_(generator=rows[i].generator)
+        tokens[index] = torch.argmax(probs / noise, dim=-1)
+    token_list = tokens.tolist()
 
     logprobs: list[TokenLogprob | None] = [None] * num_rows
     if raw_logprobs is not None:
-        for i, row in enumerate(rows):
-            k = row.params.logprobs
-            if k is None:
-                continue
-            top = torch.topk(raw_logprobs[i], k) if k > 0 else None
+        asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        index = torch.tensor(asked, dtype=torch.long, device=device)
+        chosen = raw_logprobs[index, tokens[index]].tolist()
+        k_max = max(rows[i].params.logprobs for i in asked)
+        top = torch.topk(raw_logprobs[index], k_max, dim=-1) if k_max > 0 else None
+        top_ids = top.indices.tolist() if top is not None else None
+        top_values = top.values.tolist() if top is not None else None
+        for j, i in enumerate(asked):
+            k = rows[i].params.logprobs
             logprobs[i] = TokenLogprob(
-                token_id=tokens[i],
-                logprob=float(raw_logprobs[i, tokens[i]]),
-                top=dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {},
+                token_id=token_list[i],
+                logprob=chosen[j],
+                top=dict(zip(top_ids[j][:k], top_values[j][:k])) if k > 0 else {},
             )
-    return tokens, logprobs
+    return token_list, logprobs

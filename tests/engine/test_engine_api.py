@@ -1,9 +1,7 @@
 """LLMEngine / LLM behaviour on the embedded model: stops, aborts, refusals, seeds, n, logprobs, chat."""
 
 import pytest
-import torch
 
-from octavo.request import FinishReason
 from octavo.sampling.params import SamplingParams
 
 PROMPT = "The history of the printing press begins"

@@ -13,6 +13,7 @@ from octavo.kernels import triton as octavo_triton
 from octavo.llm import LLM
 from octavo.models.loader import model_from_hf
 from octavo.sampling.params import SamplingParams
+from octavo.tokenizer import synthetic_tokenizer
 
 pytestmark = pytest.mark.skipif(
     not (octavo_triton.can_run_on("cuda") or octavo_triton.can_run_on("cpu")), reason="triton cannot run here"
@@ -47,21 +48,22 @@ def generate(hf, tokenizer, backend: str, prompts, **engine_kwargs):
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, block_size, preempt", [(4, 2, 8, True), (6, 2, 16, False)])
-def test_triton_backend_tokens_equal_reference(smol_tokenizer, num_heads, num_kv_heads, block_size, preempt):
+def test_triton_backend_tokens_equal_reference(num_heads, num_kv_heads, block_size, preempt):
     hf = tiny_llama(num_heads, num_kv_heads)
+    tokenizer = synthetic_tokenizer(97)
     g = torch.Generator().manual_seed(1)
     shared = torch.randint(0, 97, (block_size + 3,), generator=g).tolist()
     prompts = [
         torch.randint(0, 97, (n,), generator=g).tolist() for n in (1, 7, 26)
     ] + [shared + [5, 6], shared + [7]]  # the second shares full blocks with the first
     kwargs = dict(block_size=block_size, max_num_batched_tokens=24, num_kv_blocks=64)
-    expected, _ = generate(hf, smol_tokenizer, "reference", prompts, **kwargs)
-    assert generate(hf, smol_tokenizer, "triton", prompts, **kwargs)[0] == expected
+    expected, _ = generate(hf, tokenizer, "reference", prompts, **kwargs)
+    assert generate(hf, tokenizer, "triton", prompts, **kwargs)[0] == expected
     if not preempt:
         return
     # a pool too small for all at once: requests are preempted and recomputed
     tight = dict(block_size=block_size, max_num_batched_tokens=24, num_kv_blocks=(50 // block_size) + 2)
-    tokens, num_preemptions = generate(hf, smol_tokenizer, "triton", prompts, **tight)
+    tokens, num_preemptions = generate(hf, tokenizer, "triton", prompts, **tight)
     assert tokens == expected and num_preemptions > 0
 
 

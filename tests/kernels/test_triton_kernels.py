@@ -11,7 +11,7 @@ import torch
 
 from octavo.kernels import reference
 from octavo.kernels import triton as octavo_triton
-from tests.kernels.test_paged_attention import build_step
+from tests.kernels.paged_steps import build_step
 
 pytestmark = pytest.mark.skipif(
     not (octavo_triton.can_run_on("cuda") or octavo_triton.can_run_on("cpu")), reason="triton cannot run here"

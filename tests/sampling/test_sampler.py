@@ -81,3 +81,43 @@ def test_logprobs_are_raw_log_softmax_with_top_k():
     assert abs(lp.logprob - float(ref[tokens[0]])) < 1e-6
     assert list(lp.top) == torch.topk(ref, 3).indices.tolist()
     assert sample(logits, [row(SamplingParams(temperature=0))])[1] == [None]
+
+
+def test_batched_filters_equal_the_per_row_reference():
+    """truncate_batched / apply_penalties_batched (what sample runs, one op for all rows) keep and
+    mask exactly what the per-row functions do, over a mix of rows asking for different filters."""
+    from octavo.sampling.sampler import apply_penalties_batched, truncate_batched
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 40, generator=g) * 3
+    params = [
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.3, top_p=0.6),
+        SamplingParams(temperature=1.0, min_p=0.1, top_k=12),
+        SamplingParams(temperature=0.5),
+        SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05, repetition_penalty=1.3),
+        SamplingParams(temperature=2.0, frequency_penalty=0.4, presence_penalty=0.3, top_k=39),
+    ]
+    rows = [row(p, out=torch.randint(0, 40, (7,), generator=g).tolist(), prompt=[1, 2, 3]) for p in params]
+    penalized = apply_penalties_batched(logits, rows)
+    for i, r in enumerate(rows):
+        expected = logits[i].clone()
+        if r.params.has_penalties:
+            apply_penalties(expected, r)
+        torch.testing.assert_close(penalized[i], expected)
+    batched = truncate_batched(penalized, params)
+    for i, p in enumerate(params):
+        expected = truncate(penalized[i], p)
+        assert torch.equal(torch.isfinite(batched[i]), torch.isfinite(expected)), p
+        torch.testing.assert_close(batched[i][torch.isfinite(expected)], expected[torch.isfinite(expected)])
+
+
+def test_logprobs_of_rows_asking_different_k():
+    torch.manual_seed(3)
+    logits = torch.randn(3, 30)
+    rows = [row(SamplingParams(temperature=0, logprobs=k)) for k in (0, 4)] + [row(SamplingParams(temperature=0))]
+    tokens, lps = sample(logits, rows)
+    ref = torch.log_softmax(logits, -1)
+    assert lps[0].top == {} and lps[2] is None
+    assert list(lps[1].top) == torch.topk(ref[1], 4).indices.tolist()
+    assert abs(lps[0].logprob - float(ref[0, tokens[0]])) < 1e-6

@@ -1,0 +1,61 @@
+"""Paged-attention steps for kernel tests and scripts/gpu_check.py: a KV pool with each request's
+prefix at scattered blocks, the step's metadata, and the dense attention it must equal (no pytest
+import, so the GPU check can use it on a box without pytest)."""
+
+from __future__ import annotations
+
+import torch
+
+from octavo.kernels.metadata import AttentionMetadata
+from octavo.kernels.reference import write_kv
+
+
+def dense_attention(q, k, v, past: int, scale: float):
+    """q: [n, H, d] at positions past..past+n-1; k, v: [past+n, kvh, d]."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q, k) * scale
+    n, length = q.shape[0], k.shape[0]
+    mask = torch.arange(length)[None, :] <= (torch.arange(n)[:, None] + past)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
+
+
+def build_step(block_size, heads, kv_heads, d, lengths, seed=0):
+    """A KV pool holding each request's cached prefix at scattered blocks, this step's keys
+    written, and the step's metadata. `lengths` lists (tokens already cached, tokens now)."""
+    torch.manual_seed(seed)
+    num_blocks = 256
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, d)
+    v_cache = torch.zeros_like(k_cache)
+    perm = torch.randperm(num_blocks).tolist()
+    reqs = []
+    for past, new in lengths:
+        total = past + new
+        nb = -(-total // block_size)
+        table, perm = perm[:nb], perm[nb:]
+        k, v, q = torch.randn(total, kv_heads, d), torch.randn(total, kv_heads, d), torch.randn(new, heads, d)
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(total)])
+        write_kv(k_cache, v_cache, k[:past], v[:past], slots[:past])  # the cached prefix
+        reqs.append((past, new, k, v, q, slots, table))
+    order = sorted(range(len(reqs)), key=lambda i: reqs[i][1] != 1)  # decodes first
+    max_blocks = max(len(reqs[i][6]) for i in order)
+    starts, offset = [], 0
+    for i in order:
+        starts.append(offset)
+        offset += reqs[i][1]
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat([reqs[i][5][reqs[i][0] :] for i in order]),
+        block_tables=torch.tensor([reqs[i][6] + [0] * (max_blocks - len(reqs[i][6])) for i in order], dtype=torch.int32),
+        query_starts=torch.tensor(starts, dtype=torch.int32),
+        query_lens=torch.tensor([reqs[i][1] for i in order], dtype=torch.int32),
+        context_lens=torch.tensor([reqs[i][0] + reqs[i][1] for i in order], dtype=torch.int32),
+        num_decode_tokens=sum(1 for i in order if reqs[i][1] == 1),
+    )
+    k_new = torch.cat([reqs[i][2][reqs[i][0] :] for i in order])
+    v_new = torch.cat([reqs[i][3][reqs[i][0] :] for i in order])
+    write_kv(k_cache, v_cache, k_new, v_new, meta.slot_mapping)
+    q = torch.cat([reqs[i][4] for i in order])
+    expected = torch.cat([dense_attention(reqs[i][4], reqs[i][2], reqs[i][3], reqs[i][0], d**-0.5) for i in order])
+    return q, k_cache, v_cache, meta, expected
