@@ -117,9 +117,16 @@ class EngineArgs:
 
 
 def resolve_device(device: str) -> str:
-    """"auto" -> "cuda" when torch sees a GPU, else "cpu"; anything else as given."""
-    if device != "auto":
+    """"auto" -> "cuda" when torch sees a GPU, else "cpu"; "cuda" without a GPU is a ValueError."""
+    if device == "cpu":
         return device
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"--device {device}: torch {torch.__version__} sees no CUDA device "
+            f"({'a CPU-only build' if torch.version.cuda is None else 'no GPU visible'}); use --device cpu or auto"
+        )
+    return device

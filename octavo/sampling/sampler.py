@@ -73,11 +73,14 @@ def apply_penalties_batched(logits: torch.Tensor, rows: list[SamplingRow]) -> to
     params = [r.params for r in rows]
     out = logits
     if any(p.repetition_penalty != 1.0 for p in params):
-        seen = torch.zeros((n, vocab), dtype=torch.bool, device=device)
-        r_idx, t_idx = _flat_ids([r.prompt_token_ids + r.output_token_ids for r in rows], device)
-        seen[r_idx, t_idx] = True
-        rp = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype, device=device)[:, None]
-        out = torch.where(seen, torch.where(out > 0, out / rp, out * rp), out)
+        # only the seen entries change: gather them, penalise, scatter back (no [n, vocab] passes)
+        seen = [sorted(set(r.prompt_token_ids) | set(r.output_token_ids)) if r.params.repetition_penalty != 1.0 else []
+                for r in rows]
+        r_idx, t_idx = _flat_ids(seen, device)
+        rp = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype, device=device)[r_idx]
+        vals = out[r_idx, t_idx]
+        out = out.clone()
+        out[r_idx, t_idx] = torch.where(vals > 0, vals / rp, vals * rp)
     if any(p.frequency_penalty or p.presence_penalty for p in params):
         counts = torch.zeros((n, vocab), dtype=logits.dtype, device=device)
         r_idx, t_idx = _flat_ids([r.output_token_ids for r in rows], device)

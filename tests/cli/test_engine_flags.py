@@ -20,3 +20,23 @@ def test_scheduling_policy_num_kv_blocks_and_sizes_reach_engine_args():
     got = EngineArgs(**engine_kwargs(args))
     assert (got.scheduling_policy, got.num_kv_blocks, got.kv_cache_memory) == ("priority", 64, 512 << 20)
     assert got.enable_prefix_caching is False and got.model == "some/dir"
+
+
+def test_gpu_flags_reach_engine_args_and_the_config():
+    import pytest
+    import torch
+
+    from octavo.engine_args import resolve_device
+
+    args = build_parser().parse_args(["serve", "--device", "cpu", "--gpu-memory-utilization", "0.8",
+                                      "--no-enforce-eager", "--attention-backend", "triton", "--dtype", "bfloat16"])
+    got = EngineArgs(**engine_kwargs(args))
+    assert (got.device, got.gpu_memory_utilization, got.enforce_eager, got.attention_backend, got.dtype) == (
+        "cpu", 0.8, False, "triton", "bfloat16")
+    assert EngineArgs().enforce_eager is True and EngineArgs().device == "auto"  # graphs stay off by default
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
+        EngineArgs(gpu_memory_utilization=1.5)
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="sees no CUDA device.*--device cpu or auto"):
+            resolve_device("cuda")

@@ -76,3 +76,40 @@ def test_triton_backend_refused_where_it_cannot_run(monkeypatch):
             dispatch.select_attention_backend("triton", torch.device("cpu"), torch.float32)
     # auto never picks triton on the CPU
     assert dispatch.select_attention_backend("auto", torch.device("cpu"), torch.bfloat16) == "reference"
+
+
+def test_padded_decode_buffers_equal_the_plain_forward():
+    """What a CUDA graph replays: the step copied into static buffers, padded to a captured size
+    with rows of context 0 and slot -1. The real rows' hidden states equal the plain forward's, and
+    the padding writes nothing into the KV cache."""
+    from octavo.cuda_graphs import DecodeBuffers, graph_batch_sizes
+    from octavo.outputs import ScheduledRequest
+
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20] and graph_batch_sizes(3) == [1, 2, 3]
+    hf = tiny_llama(4, 2)
+    model, model_config = model_from_hf(hf, torch.float32, DEVICE)
+    args = EngineArgs(dtype="float32", device=DEVICE, attention_backend="triton", num_kv_blocks=32, block_size=8)
+    runner = LLMEngine(args.to_config(model_config), model, synthetic_tokenizer(97), 0).runner
+    for layer in runner.kv_caches:  # a cache full of earlier keys: padding must not touch it
+        layer[0].normal_()
+        layer[1].normal_()
+    entries = [
+        ScheduledRequest(f"r{i}", [7 + i], start, blocks, SamplingParams(temperature=0), [f"r{i}"], [], [])
+        for i, (start, blocks) in enumerate([(5, [3]), (17, [4, 9, 2]), (0, [11])])
+    ]
+    ids, pos, meta = runner.prepare(entries)
+    buffers = DecodeBuffers(graph_batch_sizes(8), max_blocks_per_seq=6, device=torch.device(DEVICE))
+    assert buffers.fits(3, meta)
+    size = buffers.fill(ids, pos, meta)
+    assert size == 4
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    with torch.inference_mode():
+        padded = model(buffers.input_ids[:size], buffers.positions[:size], runner.kv_caches, buffers.meta(size))
+        after_padded = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+        for (k, v), (k0, v0) in zip(runner.kv_caches, before):
+            k.copy_(k0)
+            v.copy_(v0)
+        plain = model(ids, pos, runner.kv_caches, meta)
+    torch.testing.assert_close(padded[:3], plain, atol=1e-6, rtol=1e-6)
+    for (k, v), (k1, v1) in zip(runner.kv_caches, after_padded):
+        assert torch.equal(k, k1) and torch.equal(v, v1)  # same writes, none from the padding row
