@@ -159,10 +159,19 @@ def timed(fn: Callable[[], Any], repeats: int, device: str) -> float:
 # ---- stages -----------------------------------------------------------------------------------
 
 
+def step_on(device: str, dtype: torch.dtype, heads: int, kv_heads: int, d: int, lengths: list[tuple[int, int]]):
+    """A paged-attention step (tests/kernels/paged_steps.py, block size 16) moved to `device`."""
+    from tests.kernels.paged_steps import build_step
+
+    q, k_cache, v_cache, meta, _ = build_step(16, heads, kv_heads, d, lengths)
+    for f in ("slot_mapping", "block_tables", "query_starts", "query_lens", "context_lens"):
+        setattr(meta, f, getattr(meta, f).to(device))
+    return q.to(device, dtype), k_cache.to(device, dtype), v_cache.to(device, dtype), meta
+
+
 def stage_kernels(c: Check, device: str, smoke: bool) -> None:
     """Triton vs reference on 8B-shaped tensors (tiny on --smoke): max error and time per op."""
     from octavo.kernels import dispatch, reference
-    from tests.kernels.paged_steps import build_step
 
     backend = "triton" if device == "cuda" else "reference"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -186,10 +195,7 @@ def stage_kernels(c: Check, device: str, smoke: bool) -> None:
     if smoke:
         cases = {k: [(min(p, 40), min(n, 9)) for p, n in v] for k, v in cases.items()}
     for name, lengths in cases.items():
-        q, k_cache, v_cache, meta, _ = build_step(16, heads, kv_heads, d, lengths)
-        q, k_cache, v_cache = (t.to(device, dtype) for t in (q, k_cache, v_cache))
-        for f in ("slot_mapping", "block_tables", "query_starts", "query_lens", "context_lens"):
-            setattr(meta, f, getattr(meta, f).to(device))
+        q, k_cache, v_cache, meta = step_on(device, dtype, heads, kv_heads, d, lengths)
         ref = lambda: reference.paged_attention(q, k_cache, v_cache, meta, d**-0.5)  # noqa: E731
         meta.backend = backend
         fast = lambda: dispatch.paged_attention(q, k_cache, v_cache, meta, d**-0.5)  # noqa: E731
@@ -199,10 +205,7 @@ def stage_kernels(c: Check, device: str, smoke: bool) -> None:
     if device == "cuda":
         from octavo.kernels.triton import paged_attention as tpa
 
-        q, k_cache, v_cache, meta, _ = build_step(16, heads, kv_heads, d, [(8191, 1)])
-        q, k_cache, v_cache = (t.to(device, dtype) for t in (q, k_cache, v_cache))
-        for f in ("slot_mapping", "block_tables", "query_starts", "query_lens", "context_lens"):
-            setattr(meta, f, getattr(meta, f).to(device))
+        q, k_cache, v_cache, meta = step_on(device, dtype, heads, kv_heads, d, [(8191, 1)])
         unified = timed(lambda: tpa.paged_attention(q, k_cache, v_cache, meta, d**-0.5), 10, device)
         split = timed(lambda: tpa.paged_attention_split_kv(q, k_cache, v_cache, meta, d**-0.5, 16), 10, device)
         err = (tpa.paged_attention_split_kv(q, k_cache, v_cache, meta, d**-0.5, 16).float()

@@ -26,7 +26,7 @@ def build_step(block_size, heads, kv_heads, d, lengths, seed=0):
     """A KV pool holding each request's cached prefix at scattered blocks, this step's keys
     written, and the step's metadata. `lengths` lists (tokens already cached, tokens now)."""
     torch.manual_seed(seed)
-    num_blocks = 256
+    num_blocks = max(256, sum(-(-(past + new) // block_size) for past, new in lengths) + 8)
     k_cache = torch.zeros(num_blocks, block_size, kv_heads, d)
     v_cache = torch.zeros_like(k_cache)
     perm = torch.randperm(num_blocks).tolist()
