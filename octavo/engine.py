@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from octavo.beam_search import BeamGroup
 from octavo.config import EngineConfig
 from octavo.detokenizer import IncrementalDetokenizer
 from octavo.engine_args import EngineArgs, resolve_device
@@ -27,7 +28,7 @@ from octavo.request import (
     TokenLogprob,
     child_request_id,
 )
-from octavo.sampling.params import RequestOutputKind, SamplingParams
+from octavo.sampling.params import BeamSearchParams, RequestOutputKind, SamplingParams
 from octavo.scheduler import Scheduler, SchedulerStats
 from octavo.tokenizer import encode_prompt, load_tokenizer
 
@@ -51,6 +52,7 @@ class _Completion:
     detokenizer: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None  # beam search
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_sent_tokens: int = 0  # DELTA outputs: tokens (and logprobs) already handed out
@@ -71,6 +73,7 @@ class _RequestState:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
+    beam: BeamGroup | None = None
 
     @property
     def finished(self) -> bool:
@@ -144,13 +147,21 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams | BeamSearchParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> None:
-        """Queue a request. Raises ValueError (RequestRefused) if it can never run; nothing is kept."""
+        """Queue a request. Raises ValueError (RequestRefused) if it can never run; nothing is kept.
+
+        With BeamSearchParams the request is a beam search run inside the engine (its beams batch
+        with everything else); it yields one final output whose completions are the best beams.
+        """
         params = params or SamplingParams()
+        beam = None
+        if isinstance(params, BeamSearchParams):
+            beam = BeamGroup(params, self.eos_token_ids)
+            params = params.sequence_params()
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
@@ -180,6 +191,7 @@ class LLMEngine:
             cache_salt=cache_salt,
             parent_id=None if params.n == 1 else request_id,
             num_samples_pending=params.n,
+            beam=beam,
         )
         self.scheduler.add_request(request)
         self._states[request_id] = _RequestState(
@@ -196,8 +208,9 @@ class LLMEngine:
                     ),
                     logprobs=[] if params.logprobs is not None else None,
                 )
-                for _ in range(params.n)
+                for _ in range(params.n if beam is None else beam.width)
             ],
+            beam=beam,
         )
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -247,6 +260,11 @@ class LLMEngine:
             state = self._states.get(seq.user_request_id)
             if state is None:
                 continue
+            if state.beam is not None:
+                if state.beam.done and not state.finished:
+                    self._finish_search(state, seq)
+                    touched[state.request_id] = state
+                continue
             comp = state.completions[seq.sample_index]
             token = seq.output_token_ids[-1]
             comp.token_ids.append(token)
@@ -276,6 +294,22 @@ class LLMEngine:
                 outputs.append(self._output(state, finished))
         return outputs
 
+    @staticmethod
+    def _finish_search(state: _RequestState, seq: Request) -> None:
+        """A beam search is over: its completions become the best hypotheses, best first."""
+        results = state.beam.results()
+        state.completions = state.completions[: len(results)]
+        for comp, hyp in zip(state.completions, results):
+            for token in hyp.token_ids:
+                comp.token_ids.append(token)
+                comp.detokenizer.add_token(token)
+            comp.cumulative_logprob = hyp.cum_logprob
+            comp.finish_reason = (FinishReason.STOP if hyp.ended_on_eos else FinishReason.LENGTH).value
+        state.first_token_time = seq.first_token_time
+        state.first_scheduled_time = seq.first_scheduled_time
+        state.num_cached_tokens = seq.num_cached_tokens or 0
+        state.num_preemptions = max(state.num_preemptions, seq.num_preemptions)
+
     def _output(self, state: _RequestState, finished: bool) -> RequestOutput:
         """Cumulative (and final-only) outputs copy everything so far; DELTA outputs carry only
         what is new since the last output, so a long stream costs O(its length) in all."""
@@ -290,6 +324,7 @@ class LLMEngine:
                     finish_reason=c.finish_reason,
                     logprobs=list(c.logprobs) if c.logprobs is not None else None,
                     stop_reason=c.stop_reason,
+                    cumulative_logprob=c.cumulative_logprob,
                 )
                 for i, c in enumerate(state.completions)
             ]

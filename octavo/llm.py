@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from octavo.engine import LLMEngine
 from octavo.engine_args import EngineArgs
 from octavo.request import RequestOutput
-from octavo.sampling.params import RequestOutputKind, SamplingParams
+from octavo.sampling.params import BeamSearchParams, RequestOutputKind, SamplingParams
 from octavo.tokenizer import apply_chat_template
 
 Prompt = str | list[int]
@@ -67,6 +67,20 @@ class LLM:
         salts = _broadcast(cache_salt, len(batch), "cache_salt") if not isinstance(cache_salt, list) else cache_salt
         if len(priorities) != len(batch) or len(salts) != len(batch):
             raise ValueError("priority and cache_salt must have one entry per prompt")
+        return self._run(self._add_all(batch, params, priorities, salts), use_tqdm)
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = True
+    ) -> list[RequestOutput]:
+        """Beam search on every prompt (vLLM's `LLM.beam_search`), inside the engine: the beams of
+        all prompts batch together and share KV blocks copy-on-write. Each output's completions are
+        the best `params.beam_width` hypotheses, best first, with `cumulative_logprob`; a refused
+        prompt raises ValueError as in `generate`."""
+        batch = _as_prompt_list(prompts)
+        return self._run(self._add_all(batch, [params] * len(batch), [0] * len(batch), [None] * len(batch)), use_tqdm)
+
+    def _add_all(self, batch: list, params: list, priorities: list[int], salts: list[str | None]) -> list[str]:
+        """Add every prompt, or none: a refused one aborts those already added and raises."""
         ids: list[str] = []
         try:
             for i, prompt in enumerate(batch):
@@ -79,7 +93,7 @@ class LLM:
         except ValueError:
             self.engine.abort_request(ids)
             raise
-        return self._run(ids, use_tqdm)
+        return ids
 
     def chat(
         self,

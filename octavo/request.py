@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from octavo.beam_search import BeamGroup
 from octavo.sampling.params import SamplingParams
 
 
@@ -60,6 +61,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    beam: BeamGroup | None = None  # the beam search this sequence is a beam of (shared by its beams)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -107,6 +109,7 @@ class CompletionOutput:
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
+    cumulative_logprob: float | None = None  # beam search: the hypothesis' summed logprob
 
     @property
     def finished(self) -> bool:

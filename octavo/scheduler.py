@@ -14,6 +14,7 @@ import itertools
 import time
 from dataclasses import dataclass
 
+from octavo.beam_search import BeamGroup, Continuation
 from octavo.config import SchedulerConfig
 from octavo.kv_cache.manager import Allocation, KVCacheManager
 from octavo.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -65,6 +66,8 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self._sequences.setdefault(request.user_request_id, set()).add(request.request_id)
+        if request.beam is not None:
+            request.beam.start(request.request_id)
         self.waiting.add(request)
 
     def check_fits(self, request: Request) -> None:
@@ -73,7 +76,7 @@ class Scheduler:
         num_prompt = request.num_prompt_tokens
         if num_prompt == 0:
             raise RequestRefused("the prompt is empty: at least one token is needed")
-        num_samples = request.num_samples_pending
+        num_samples = request.beam.width if request.beam is not None else request.num_samples_pending
         if num_samples > self.config.max_num_seqs:
             raise RequestRefused(
                 f"n ({num_samples}) exceeds max_num_seqs ({self.config.max_num_seqs}): "
@@ -92,6 +95,10 @@ class Scheduler:
             )
         total = num_prompt + max_tokens if max_tokens is not None else max_len
         num_blocks = self.kv_cache.num_blocks_for(total)
+        if request.beam is not None:
+            # beams share blocks while running, but a preempted search recomputes each beam on its
+            # own (without prefix caching, sharing nothing): it must fit with no sharing at all
+            num_blocks *= request.beam.width
         if num_blocks > self.kv_cache.num_blocks:
             block_size = self.kv_cache.block_size
             raise RequestRefused(
@@ -119,25 +126,32 @@ class Scheduler:
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:  # a beam waiting for the other beams of its search
+                idx += 1
+                continue
             allocation = self.kv_cache.allocate_slots(request, num_new)
             while allocation is None:
-                victim = self._choose_victim()
-                victim_idx = self.running.index(victim)
-                budget += self._preempt(victim, scheduled)
-                preempted.append(victim.request_id)
-                if victim is request:
+                for victim in self._victims():
+                    budget += self._preempt(victim, scheduled)
+                    preempted.append(victim.request_id)
+                if request.status is not RequestStatus.RUNNING:
                     break
-                if victim_idx < idx:
-                    idx -= 1
+                idx = self.running.index(request)
                 allocation = self.kv_cache.allocate_slots(request, num_new)
             if allocation is None:
-                continue  # `request` was the victim; the next one now sits at `idx`
+                continue  # `request` was a victim; the next one now sits at `idx`
             scheduled[request.request_id] = self._schedule_one(request, num_new, allocation)
             budget -= num_new
             idx += 1
 
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
+        if not scheduled and len(self.waiting) and self.running:
+            # Only beams waiting for siblings that cannot get in hold blocks: requeue them all, so
+            # the queue's front search can be admitted whole (no step may leave everyone stuck).
+            for victim in reversed(list(self.running)):
+                self._preempt(victim, scheduled)
+                preempted.append(victim.request_id)
 
         finished, self._finished_ids = self._finished_ids, []
         entries = [entry for entry, _ in scheduled.values()]
@@ -155,10 +169,18 @@ class Scheduler:
     ) -> int:
         # A request asked with n > 1 forks into n running sequences once its prompt is computed,
         # so it is admitted only when all n fit under max_num_seqs.
-        num_seqs = sum(r.num_samples_pending for r in self.running)
+        groups = {id(r.beam): r.beam for r in self.running if r.beam is not None}
+        num_seqs = sum(r.num_samples_pending for r in self.running if r.beam is None)
+        num_seqs += sum(g.width for g in groups.values())
         while len(self.waiting) and budget > 0:
             request = self.waiting.peek()
-            if num_seqs + request.num_samples_pending > self.config.max_num_seqs:
+            if request.beam is not None:  # a search holds beam_width sequences once it forks
+                need = 0 if id(request.beam) in groups else request.beam.width
+            else:
+                need = request.num_samples_pending
+            if num_seqs + need > self.config.max_num_seqs:
+                break
+            if request.beam is not None and not self._group_fits(request):
                 break
             computed = self.kv_cache.get_computed_blocks(request)
             if self.kv_cache.is_prefix_in_flight(request, computed):
@@ -179,10 +201,22 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.admit_seq = next(self._admit_counter)
             self.running.append(request)
-            num_seqs += request.num_samples_pending
+            num_seqs += need
+            if request.beam is not None:
+                groups[id(request.beam)] = request.beam
             scheduled[request.request_id] = self._schedule_one(request, num_new, allocation)
             budget -= num_new
         return budget
+
+    def _group_fits(self, request: Request) -> bool:
+        """A beam search is admitted only when all its waiting beams fit in the free blocks, so
+        admitted beams never sit idle, holding blocks, waiting for siblings that cannot get in."""
+        waiting = [
+            self.requests[rid] for rid in self._sequences.get(request.user_request_id, ())
+            if self.requests[rid].status is not RequestStatus.RUNNING
+        ]
+        needed = sum(self.kv_cache.num_blocks_for(r.num_tokens) for r in waiting)
+        return len(waiting) <= 1 or needed <= self.kv_cache.num_free_blocks
 
     def _schedule_one(
         self, request: Request, num_new: int, allocation: Allocation
@@ -216,6 +250,14 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time, r.admit_seq))
         return self.running[-1]
 
+    def _victims(self) -> list[Request]:
+        """The victim, with every running beam of its search when it is a beam: a search advances
+        only when all its beams have their candidates, so its beams are preempted together."""
+        victim = self._choose_victim()
+        if victim.beam is None:
+            return [victim]
+        return [r for r in self.running if r.beam is victim.beam]
+
     def _preempt(
         self, victim: Request, scheduled: dict[str, tuple[ScheduledRequest, list[tuple[int, int]]]]
     ) -> int:
@@ -225,6 +267,8 @@ class Scheduler:
             refund = scheduled.pop(victim.request_id)[0].num_tokens
         self.running.remove(victim)
         self.kv_cache.free(victim)
+        if victim.beam is not None:
+            victim.beam.forget(victim.request_id)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -240,6 +284,7 @@ class Scheduler:
         """
         now = time.time()
         changed: list[Request] = []
+        searches: dict[int, BeamGroup] = {}
         for entry in output.scheduled:
             request = self.requests.get(entry.request_id)
             if request is None:
@@ -248,6 +293,10 @@ class Scheduler:
             # full blocks be shared (before it, a preemption could leave hashes on unwritten KV).
             self.kv_cache.cache_blocks(request, entry.start_pos + entry.num_tokens)
             if not entry.sample_ids:
+                continue
+            if request.beam is not None:
+                request.beam.add_candidates(request.request_id, result.logprobs[request.request_id].top)
+                searches[id(request.beam)] = request.beam
                 continue
             if len(entry.sample_ids) > 1:
                 sequences = [request] + [
@@ -260,12 +309,45 @@ class Scheduler:
                 logprob = result.logprobs.get(sequence.request_id)
                 self._append_token(sequence, token, logprob, now)
                 changed.append(sequence)
+        for search in searches.values():
+            if search.is_ready:
+                changed.extend(self._advance_search(search, now))
         return changed
 
+    def _advance_search(self, search: BeamGroup, now: float) -> list[Request]:
+        """Apply one beam-search round: fork the beams chosen more than once (they share every
+        block; the first diverging write copies the partial one), append each continuation's
+        token, drop the beams not chosen (their blocks are freed now). Returns the beams touched."""
+        beams = {rid: self.requests[rid] for rid in search.running}
+        decision = search.advance({rid: r.output_token_ids for rid, r in beams.items()})
+        touched: list[Request] = []
+        by_parent: dict[str, list[Continuation]] = {}
+        for c in decision.continuations:
+            by_parent.setdefault(c.parent_id, []).append(c)
+        for parent_id, continuations in by_parent.items():
+            parent = beams[parent_id]
+            children = [(self._fork(parent, search.new_beam_id(parent.user_request_id), 0), c) for c in continuations[1:]]
+            for beam, c in [(parent, continuations[0]), *children]:
+                beam.output_token_ids.append(c.token_id)
+                beam.all_token_ids.append(c.token_id)
+                if beam.first_token_time is None:
+                    beam.first_token_time = now
+                search.running[beam.request_id] = c.cum_logprob
+                touched.append(beam)
+        for rid in decision.dropped:
+            self._finish(beams[rid], FinishReason.STOP if decision.done else FinishReason.ABORT)
+            touched.append(beams[rid])
+        return touched
+
     def _fork(self, leader: Request, child_id: str, index: int) -> Request:
+        """A new running sequence that shares all of `leader`'s blocks and tokens so far (an n > 1
+        completion forked after the prompt, or a beam forked mid-generation)."""
         child = Request(
             request_id=child_id,
             prompt_token_ids=leader.prompt_token_ids,
+            output_token_ids=list(leader.output_token_ids),
+            beam=leader.beam,
+            first_token_time=leader.first_token_time,
             sampling_params=leader.sampling_params,
             arrival_time=leader.arrival_time,
             eos_token_ids=leader.eos_token_ids,
@@ -309,9 +391,18 @@ class Scheduler:
     # ---- ending requests ---------------------------------------------------------------------
 
     def finish_requests(self, request_ids: list[str], reason: FinishReason) -> list[Request]:
-        """End the given sequences wherever they are (a stop string, an abort); frees their blocks."""
+        """End the given sequences wherever they are (a stop string, an abort); frees their blocks.
+        Ending one beam of a beam search ends the whole search (its other beams would wait for it)."""
         ended = []
+        expanded: list[str] = []
         for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is not None and request.beam is not None:
+                request.beam.done = True
+                expanded.extend(self.sequences_of(request.user_request_id))
+            else:
+                expanded.append(rid)
+        for rid in dict.fromkeys(expanded):
             request = self.requests.get(rid)
             if request is None:
                 continue

@@ -123,3 +123,41 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # each beam hands the search its 2 x beam_width best next tokens
+
+
+@dataclass(frozen=True, slots=True)
+class BeamSearchParams:
+    """Beam search settings (vLLM's names). The best `beam_width` hypotheses are returned, scored
+    by cumulative logprob / generated_length ** length_penalty as transformers scores them.
+
+    early_stopping (transformers' meaning): True stops once beam_width hypotheses are finished;
+    False stops when the best running beam, at its current length, cannot beat the worst finished
+    one; "never" only when no running beam could at any length up to max_tokens.
+    """
+
+    beam_width: int
+    max_tokens: int = 16
+    length_penalty: float = 1.0
+    ignore_eos: bool = False
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}], got {self.beam_width!r}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.length_penalty, (int, float)) or not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be true, false or 'never', got {self.early_stopping!r}")
+
+    def sequence_params(self) -> SamplingParams:
+        """What each beam's sequence is run with: its 2 x beam_width most likely next tokens with
+        their logprobs (the search decides stops itself, so EOS never ends a beam by itself)."""
+        return SamplingParams(
+            temperature=0.0, max_tokens=self.max_tokens, ignore_eos=True, logprobs=2 * self.beam_width,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )

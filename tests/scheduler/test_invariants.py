@@ -8,6 +8,7 @@ request attends to must hold exactly its own tokens, so a prefix hit on a block 
 written (a stale hash) fails here.
 """
 
+import random
 from collections import Counter
 
 from hypothesis import given, settings
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from octavo.config import SchedulerConfig
 from octavo.kv_cache.manager import KVCacheManager
 from octavo.outputs import ModelRunnerOutput
-from octavo.request import FinishReason, RequestStatus
+from octavo.request import FinishReason, RequestStatus, TokenLogprob
 from octavo.scheduler import RequestRefused, Scheduler
 from tests.helpers import make_request
 
@@ -30,6 +31,13 @@ ops = st.lists(
             st.integers(1, 12),  # max tokens
             st.integers(0, 3),  # which of 4 shared prefixes
             st.integers(1, 3),  # n
+        ),
+        st.tuples(
+            st.just("beam"),
+            st.integers(1, 30),  # prompt length
+            st.integers(1, 10),  # max tokens
+            st.integers(0, 3),  # which of 4 shared prefixes
+            st.integers(1, 4),  # beam width
         ),
         st.tuples(st.just("step"), st.integers(0, 1000)),
         st.tuples(st.just("abort"), st.integers(0, 1000)),
@@ -61,6 +69,22 @@ class ShadowKV:
                 self.slots[(e.block_ids[pos // BS], pos % BS)] = token
 
 
+def fake_model(s: Scheduler, out, seed: int) -> ModelRunnerOutput:
+    """Token `seed` for every sampled sequence; for a beam, 2 x width candidates with logprobs
+    that vary with the seed and the beam, so beams fork, drop and (token 3 is EOS) finish."""
+    sampled, logprobs = {}, {}
+    for e in out.scheduled:
+        for sid in e.sample_ids:
+            sampled[sid] = seed % 50
+            beam = s.requests[e.request_id].beam
+            if beam is not None:
+                k = 2 * beam.width
+                rng = random.Random(hash((seed, sid, len(s.requests[sid].all_token_ids))))
+                top = {t: -rng.random() * 3 for t in rng.sample(range(8), min(k, 8))}
+                logprobs[sid] = TokenLogprob(max(top, key=top.get), max(top.values()), top)
+    return ModelRunnerOutput(sampled=sampled, logprobs=logprobs)
+
+
 def check_invariants(s: Scheduler) -> None:
     kv = s.kv_cache
     assert kv.check_invariants() == []
@@ -86,10 +110,11 @@ def test_random_operations_keep_invariants(ops, num_blocks, budget, caching, pol
     shadow = ShadowKV()
     ids = []
     for i, op in enumerate(ops):
-        if op[0] == "add":
+        if op[0] in ("add", "beam"):
             _, length, max_tokens, prefix, n = op
             prompt = (prefixes[prefix] + list(range(100 + i, 100 + i + length)))[:length + 4]
-            req = make_request(f"r{i}", prompt, max_tokens=max_tokens, n=n, priority=i % 3, arrival=float(i))
+            req = make_request(f"r{i}", prompt, max_tokens=max_tokens, priority=i % 3, arrival=float(i),
+                               **(dict(n=n) if op[0] == "add" else dict(beam_width=n, eos=(3,))))
             try:
                 s.add_request(req)
                 ids.append(req.request_id)
@@ -98,8 +123,7 @@ def test_random_operations_keep_invariants(ops, num_blocks, budget, caching, pol
         elif op[0] == "step":
             out = s.schedule()
             shadow.run(s, out)
-            tok = op[1]
-            s.update(out, ModelRunnerOutput(sampled={sid: tok for e in out.scheduled for sid in e.sample_ids}))
+            s.update(out, fake_model(s, out, op[1]))
         else:
             live = sorted(s.requests)
             if live:
@@ -110,9 +134,9 @@ def test_random_operations_keep_invariants(ops, num_blocks, budget, caching, pol
         if not s.has_unfinished_requests():
             break
         out = s.schedule()
-        assert out.scheduled, "nothing scheduled while requests wait: livelock"
+        assert out.scheduled, f"nothing scheduled while requests wait: livelock; running {[(r.request_id, r.num_computed_tokens, r.num_tokens, r.beam and sorted(r.beam.running), r.beam and sorted(r.beam.candidates)) for r in s.running]}, waiting {[r.request_id for r in s.waiting]}, {ops}"
         shadow.run(s, out)
-        s.update(out, ModelRunnerOutput(sampled={sid: 1 for e in out.scheduled for sid in e.sample_ids}))
+        s.update(out, fake_model(s, out, 1))
         check_invariants(s)
     assert not s.has_unfinished_requests()
     assert s.kv_cache.num_free_blocks == num_blocks
