@@ -154,6 +154,16 @@ class BeamSearchParams:
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be true, false or 'never', got {self.early_stopping!r}")
 
+    @property
+    def n(self) -> int:
+        """Completions returned per prompt (the beams), as SamplingParams.n counts them."""
+        return self.beam_width
+
+    @property
+    def logprobs(self) -> None:
+        """Per-token logprobs are not returned for beams (their cumulative logprob is)."""
+        return None
+
     def sequence_params(self) -> SamplingParams:
         """What each beam's sequence is run with: its 2 x beam_width most likely next tokens with
         their logprobs (the search decides stops itself, so EOS never ends a beam by itself)."""

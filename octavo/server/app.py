@@ -52,7 +52,7 @@ class APIError(Exception):
 
 _PARAM_NAMES = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "presence_penalty",
                 "frequency_penalty", "repetition_penalty", "logprobs", "stop_token_ids", "stop", "seed", "n",
-                "cache_salt")
+                "cache_salt", "stream", "length_penalty", "early_stopping")
 
 
 def _param_of(message: str) -> str | None:
@@ -314,7 +314,13 @@ def build_app(server: OpenAIServer) -> FastAPI:
         prompts = await server.encode(raw)
         for ids in prompts:
             server.check_prompt_len(ids)
-        params = _params(req, 16, req.logprobs)
+        if req.use_beam_search:
+            try:
+                params = req.to_beam_search_params(16)
+            except ValueError as exc:
+                raise APIError(400, str(exc), "BadRequestError", _param_of(str(exc))) from exc
+        else:
+            params = _params(req, 16, req.logprobs)
         return await _respond(server, request, req, prompts, params, chat=False)
 
     @app.post("/v1/chat/completions")

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from octavo.sampling.params import (
+    MAX_BEAM_WIDTH,
     MAX_LOGPROBS,
     MAX_N,
     MAX_STOP_STRING_CHARS,
@@ -22,6 +23,7 @@ from octavo.sampling.params import (
     MAX_STOP_TOKEN_IDS,
     SEED_MAX,
     SEED_MIN,
+    BeamSearchParams,
     RequestOutputKind,
     SamplingParams,
 )
@@ -134,6 +136,30 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM's beam-search fields: `n` is the beam width and the number of choices returned
+    use_beam_search: bool = False
+    length_penalty: float = Field(1.0, ge=-100, le=100)
+    early_stopping: bool | Literal["never"] = False
+
+    def to_beam_search_params(self, default_max_tokens: int) -> BeamSearchParams:
+        """Raises ValueError naming the field when beam search cannot take this request as it is."""
+        if self.n > MAX_BEAM_WIDTH:
+            raise ValueError(f"n: with use_beam_search n is the beam width, at most {MAX_BEAM_WIDTH}; got {self.n}")
+        if self.stream:
+            raise ValueError("stream: beam search returns its beams when the search ends; use stream=false")
+        if self.logprobs is not None:
+            raise ValueError("logprobs: not returned with beam search (each choice's beams are scored as a whole)")
+        if self.temperature not in (None, 0, 0.0):
+            raise ValueError("temperature: beam search here is deterministic; leave temperature unset or 0")
+        if self.stop or self.stop_token_ids:
+            raise ValueError("stop: stop strings and stop_token_ids are not applied to beams; EOS ends a beam")
+        return BeamSearchParams(
+            beam_width=self.n,
+            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+            length_penalty=self.length_penalty,
+            ignore_eos=self.ignore_eos,
+            early_stopping=self.early_stopping,
+        )
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.echo:

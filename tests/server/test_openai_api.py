@@ -237,3 +237,25 @@ def test_sigterm_lets_an_in_flight_stream_finish_then_exits_0(smol_dir):
     assert len([c for c in rest if c.choices and c.choices[0].text]) > 0  # and tokens still came after it
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{url}/health", timeout=2)  # and it no longer accepts connections
+
+
+def test_beam_search_completion_equals_offline_beam_search(client, make_llm):
+    """vLLM's fields: use_beam_search with n = the beam width returns the n best beams, best first."""
+    from octavo.sampling.params import BeamSearchParams
+
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, n=3,
+                                     extra_body={"use_beam_search": True, "length_penalty": 0.5})
+    offline = make_llm().beam_search(PROMPT, BeamSearchParams(3, max_tokens=12, length_penalty=0.5), use_tqdm=False)[0]
+    assert [c.text for c in resp.choices] == [c.text for c in offline.outputs]
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert resp.usage.completion_tokens == sum(len(c.token_ids) for c in offline.outputs)
+
+
+@pytest.mark.parametrize("extra, param", [
+    (dict(stream=True), "stream"), (dict(n=11), "n"), (dict(temperature=0.7), "temperature"), (dict(logprobs=2), "logprobs"),
+])
+def test_beam_search_refusals_name_the_field(client, extra, param):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body={"use_beam_search": True}) | extra
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(**kwargs)
+    assert err.value.body["param"] == param
