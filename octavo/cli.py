@@ -37,6 +37,8 @@ def add_engine_flags(parser: argparse.ArgumentParser, model_positional: bool = T
             continue
         if base == "bool":
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif meta.get("nargs"):
+            kwargs.update(nargs="*", type=str)
         else:
             kwargs["type"] = parse_bytes if meta.get("bytes") else _FLAG_TYPES[base]
             if "choices" in meta:

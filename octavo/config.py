@@ -91,6 +91,7 @@ class SchedulerConfig:
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
+    max_loras: int | None = None  # distinct LoRA adapters per step (None: LoRA is off)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -121,4 +122,5 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "auto"
     enforce_eager: bool = True  # False: CUDA graphs for decode-only steps (CUDA + triton only)
+    max_lora_rank: int = 16  # LoRA is on when scheduler.max_loras is set
     seed: int = 0

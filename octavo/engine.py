@@ -16,6 +16,7 @@ from octavo.config import EngineConfig
 from octavo.detokenizer import IncrementalDetokenizer
 from octavo.engine_args import EngineArgs, resolve_device
 from octavo.kv_cache.manager import KVCacheManager
+from octavo.lora.request import LoRARequest
 from octavo.memory import CUDA_GRAPH_RESERVE_BYTES, KVSizing, size_kv_cache
 from octavo.model_runner import ModelRunner, profile_activation_peak
 from octavo.models.loader import auto_dtype, describe_weights, load_model, resolve_model, weight_bytes
@@ -115,6 +116,8 @@ class LLMEngine:
             enforce_eager=config.enforce_eager,
             max_num_seqs=config.scheduler.max_num_seqs,
             max_model_len=config.scheduler.max_model_len,
+            max_loras=config.scheduler.max_loras,
+            max_lora_rank=config.max_lora_rank,
         )
         self._states: dict[str, _RequestState] = {}
         self._num_prompt_tokens = 0
@@ -139,7 +142,36 @@ class LLMEngine:
             model = model.to(_DTYPES[dtype])
         config = dataclasses.replace(args, dtype=dtype, device=device).to_config(model_config)
         logger.info(describe_weights(model))
-        return cls(config, model, load_tokenizer(model_dir), weight_bytes(model))
+        engine = cls(config, model, load_tokenizer(model_dir), weight_bytes(model))
+        for lora_id, module in enumerate(args.lora_modules, start=1):
+            name, path = module.split("=", 1)
+            engine.add_lora(LoRARequest(name, lora_id, path))
+        return engine
+
+    # ---- LoRA adapters -----------------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter now (ValueError if LoRA is off or the adapter cannot be used)."""
+        if self.runner.lora is None:
+            raise ValueError("LoRA adapters need the engine started with enable_lora (--enable-lora)")
+        adapter = self.runner.lora.add(lora_request)
+        logger.info("LoRA adapter %r (id %d, rank %d, %.1f MiB) loaded from %s", adapter.name, adapter.lora_id,
+                    adapter.rank, adapter.num_bytes / 2**20, lora_request.lora_path)
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Unload an adapter; refused (ValueError) while a request still runs with it."""
+        if self.runner.lora is None:
+            raise ValueError("LoRA is off (start with --enable-lora)")
+        if any(r.lora_id == lora_id for r in self.scheduler.requests.values()):
+            raise ValueError(f"LoRA adapter {lora_id} is in use by unfinished requests")
+        self.runner.lora.remove(lora_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters loaded, in id order."""
+        if self.runner.lora is None:
+            return []
+        slots = self.runner.lora
+        return [LoRARequest(a.name, i, slots.paths[i]) for i, a in sorted(slots.adapters.items())]
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -151,8 +183,10 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request. Raises ValueError (RequestRefused) if it can never run; nothing is kept.
+        `lora_request` runs it with that adapter (loaded on first use).
 
         With BeamSearchParams the request is a beam search run inside the engine (its beams batch
         with everything else); it yields one final output whose completions are the best beams.
@@ -180,6 +214,8 @@ class LLMEngine:
             bad = [t for t in token_ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        if lora_request is not None:
+            self.add_lora(lora_request)
         arrival = time.time() if arrival_time is None else arrival_time
         request = Request(
             request_id=request_id if params.n == 1 else child_request_id(request_id, 0),
@@ -192,6 +228,7 @@ class LLMEngine:
             parent_id=None if params.n == 1 else request_id,
             num_samples_pending=params.n,
             beam=beam,
+            lora_id=None if lora_request is None else lora_request.lora_int_id,
         )
         self.scheduler.add_request(request)
         self._states[request_id] = _RequestState(

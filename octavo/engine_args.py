@@ -65,6 +65,13 @@ class EngineArgs:
     enforce_eager: bool = field(default=True, metadata={
         "help": "run every step eagerly; --no-enforce-eager captures CUDA graphs of decode-only steps at "
                 "padded batch sizes (CUDA with the triton backend; off by default until verified on a GPU)"})
+    enable_lora: bool = field(default=False, metadata={
+        "help": "serve LoRA adapters (PEFT directories) beside the base model, many in one step"})
+    lora_modules: tuple[str, ...] = field(default=(), metadata={
+        "help": "adapters loaded at start, as name=path (ids 1, 2, ... in order); needs --enable-lora",
+        "nargs": True})
+    max_loras: int = field(default=1, metadata={"help": "most distinct LoRA adapters in one step (their slots)"})
+    max_lora_rank: int = field(default=16, metadata={"help": "highest LoRA rank an adapter may have"})
     seed: int = field(default=0, metadata={"help": "random seed (engine sampling, and the workload's)"})
 
     def __post_init__(self) -> None:
@@ -78,6 +85,14 @@ class EngineArgs:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+        bad = [m for m in self.lora_modules if "=" not in m or not m.split("=", 1)[0] or not m.split("=", 1)[1]]
+        if bad:
+            raise ValueError(f"lora_modules entries must be name=path, got {bad[0]!r}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules need enable_lora (--enable-lora)")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and {self.max_lora_rank}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
@@ -107,11 +122,13 @@ class EngineArgs:
                 max_model_len=max_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy,
+                max_loras=self.max_loras if self.enable_lora else None,
             ),
             dtype=self.dtype,
             device=resolve_device(self.device),
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
+            max_lora_rank=self.max_lora_rank,
             seed=self.seed,
         )
 

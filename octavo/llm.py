@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from octavo.engine import LLMEngine
 from octavo.engine_args import EngineArgs
 from octavo.request import RequestOutput
+from octavo.lora.request import LoRARequest
 from octavo.sampling.params import BeamSearchParams, RequestOutputKind, SamplingParams
 from octavo.tokenizer import apply_chat_template
 
@@ -50,8 +51,10 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
         cache_salt: str | Sequence[str | None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order.
+        """Run every prompt to completion; outputs come back in prompt order. `lora_request`: one
+        adapter for all prompts or one (or None, the base model) per prompt.
 
         A prompt is a string or a list of token ids. If any prompt is refused (too long, invalid
         token ids) a ValueError names it and no prompt is left running.
@@ -67,7 +70,10 @@ class LLM:
         salts = _broadcast(cache_salt, len(batch), "cache_salt") if not isinstance(cache_salt, list) else cache_salt
         if len(priorities) != len(batch) or len(salts) != len(batch):
             raise ValueError("priority and cache_salt must have one entry per prompt")
-        return self._run(self._add_all(batch, params, priorities, salts), use_tqdm)
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(batch)
+        if len(loras) != len(batch):
+            raise ValueError("lora_request must be one adapter or one entry per prompt")
+        return self._run(self._add_all(batch, params, priorities, salts, loras), use_tqdm)
 
     def beam_search(
         self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = True
@@ -79,14 +85,17 @@ class LLM:
         batch = _as_prompt_list(prompts)
         return self._run(self._add_all(batch, [params] * len(batch), [0] * len(batch), [None] * len(batch)), use_tqdm)
 
-    def _add_all(self, batch: list, params: list, priorities: list[int], salts: list[str | None]) -> list[str]:
+    def _add_all(self, batch: list, params: list, priorities: list[int], salts: list[str | None],
+                 loras: list[LoRARequest | None] | None = None) -> list[str]:
         """Add every prompt, or none: a refused one aborts those already added and raises."""
         ids: list[str] = []
+        loras = loras or [None] * len(batch)
         try:
             for i, prompt in enumerate(batch):
                 rid = str(next(self._ids))
                 try:
-                    self.engine.add_request(rid, prompt, params[i], priority=priorities[i], cache_salt=salts[i])
+                    self.engine.add_request(rid, prompt, params[i], priority=priorities[i], cache_salt=salts[i],
+                                            lora_request=loras[i])
                 except ValueError as exc:
                     raise ValueError(f"prompt {i}: {exc}") from exc
                 ids.append(rid)

@@ -13,7 +13,9 @@ import torch
 from octavo.config import CacheConfig, ModelConfig, SchedulerConfig
 from octavo.cuda_graphs import CudaGraphRunner, graph_batch_sizes
 from octavo.kernels import dispatch
-from octavo.kernels.metadata import AttentionMetadata, gather_contexts
+from octavo.kernels.metadata import AttentionMetadata, LoRAMapping, gather_contexts
+from octavo.lora.layers import apply_lora
+from octavo.lora.slots import LoRASlots
 from octavo.memory import keep_freed_memory_mapped
 from octavo.models.llama import LlamaForCausalLM
 from octavo.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -35,6 +37,8 @@ class ModelRunner:
         enforce_eager: bool = True,
         max_num_seqs: int = 1,
         max_model_len: int = 1,
+        max_loras: int | None = None,
+        max_lora_rank: int = 16,
     ) -> None:
         """Allocates the KV cache; with enforce_eager False on CUDA with the Triton kernels, also
         captures CUDA graphs of decode steps of up to `max_num_seqs` requests of `max_model_len`."""
@@ -56,8 +60,14 @@ class ModelRunner:
         self.attention_backend = dispatch.select_attention_backend(attention_backend, self.device, kv_dtype)
         if self.device.type == "cpu":
             keep_freed_memory_mapped()
+        self.lora: LoRASlots | None = None
+        if max_loras is not None:  # wraps the model's projections in place (see octavo.lora.layers)
+            layers = apply_lora(model, model_config, max_loras, max_lora_rank)
+            self.lora = LoRASlots(layers, model_config, max_loras, max_lora_rank)
         self.graphs: CudaGraphRunner | None = None
-        if not enforce_eager and self.device.type == "cuda" and self.attention_backend == "triton":
+        if not enforce_eager and self.lora is not None:
+            logger.warning("CUDA graphs are not captured with LoRA on: running eagerly")
+        elif not enforce_eager and self.device.type == "cuda" and self.attention_backend == "triton":
             max_blocks = -(-max_model_len // self.block_size)
             self.graphs = CudaGraphRunner(model, self.kv_caches, graph_batch_sizes(max_num_seqs), max_blocks, self.device)
         elif not enforce_eager:
@@ -115,6 +125,8 @@ class ModelRunner:
             max_query_len=max(query_lens),
             max_context_len=max(context_lens),
         )
+        if self.lora is not None:
+            meta.lora = self._lora_mapping(entries, query_starts)
         if self.attention_backend == "reference":
             nd = meta.num_decode_tokens
             size = nd * max(context_lens[:nd], default=0) * self.model_config.num_kv_heads * self.model_config.head_dim
@@ -122,6 +134,18 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos, meta
+
+    def _lora_mapping(self, entries: list[ScheduledRequest], query_starts: list[int]) -> LoRAMapping | None:
+        """The step's rows grouped by adapter slot (swapping adapters into slots as needed)."""
+        ids = {e.lora_id for e in entries if e.lora_id is not None}
+        if not ids:
+            return None
+        slot_of = self.lora.activate(ids)
+        rows: dict[int, list[int]] = {}
+        for e, start in zip(entries, query_starts):
+            if e.lora_id is not None:
+                rows.setdefault(slot_of[e.lora_id], []).extend(range(start, start + e.num_tokens))
+        return LoRAMapping([(slot, torch.tensor(r, dtype=torch.long, device=self.device)) for slot, r in rows.items()])
 
     # ---- one step ----------------------------------------------------------------------------
 

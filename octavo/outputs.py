@@ -27,6 +27,7 @@ class ScheduledRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sample_index: int = 0  # which of the user's n completions this sequence is (seeds differ by it)
+    lora_id: int | None = None  # the LoRA adapter its tokens run with
 
     @property
     def num_tokens(self) -> int:

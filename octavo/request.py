@@ -62,6 +62,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     beam: BeamGroup | None = None  # the beam search this sequence is a beam of (shared by its beams)
+    lora_id: int | None = None  # the LoRA adapter it runs with (None: the base model)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -76,6 +76,8 @@ class Scheduler:
         num_prompt = request.num_prompt_tokens
         if num_prompt == 0:
             raise RequestRefused("the prompt is empty: at least one token is needed")
+        if request.lora_id is not None and self.config.max_loras is None:
+            raise RequestRefused("a LoRA adapter was asked for but LoRA is off: start with --enable-lora")
         num_samples = request.beam.width if request.beam is not None else request.num_samples_pending
         if num_samples > self.config.max_num_seqs:
             raise RequestRefused(
@@ -170,6 +172,7 @@ class Scheduler:
         # A request asked with n > 1 forks into n running sequences once its prompt is computed,
         # so it is admitted only when all n fit under max_num_seqs.
         groups = {id(r.beam): r.beam for r in self.running if r.beam is not None}
+        loras = {r.lora_id for r in self.running if r.lora_id is not None}
         num_seqs = sum(r.num_samples_pending for r in self.running if r.beam is None)
         num_seqs += sum(g.width for g in groups.values())
         while len(self.waiting) and budget > 0:
@@ -182,6 +185,8 @@ class Scheduler:
                 break
             if request.beam is not None and not self._group_fits(request):
                 break
+            if request.lora_id is not None and request.lora_id not in loras and len(loras) >= (self.config.max_loras or 0):
+                break  # a step holds at most max_loras adapters: wait until one leaves
             computed = self.kv_cache.get_computed_blocks(request)
             if self.kv_cache.is_prefix_in_flight(request, computed):
                 break  # its next block is being computed now: admitted next step, it will hit it
@@ -204,6 +209,8 @@ class Scheduler:
             num_seqs += need
             if request.beam is not None:
                 groups[id(request.beam)] = request.beam
+            if request.lora_id is not None:
+                loras.add(request.lora_id)
             scheduled[request.request_id] = self._schedule_one(request, num_new, allocation)
             budget -= num_new
         return budget
@@ -242,6 +249,7 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             sample_index=request.sample_index,
+            lora_id=request.lora_id,
         )
         return entry, allocation.copies
 
@@ -347,6 +355,7 @@ class Scheduler:
             prompt_token_ids=leader.prompt_token_ids,
             output_token_ids=list(leader.output_token_ids),
             beam=leader.beam,
+            lora_id=leader.lora_id,
             first_token_time=leader.first_token_time,
             sampling_params=leader.sampling_params,
             arrival_time=leader.arrival_time,

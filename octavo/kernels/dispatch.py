@@ -18,6 +18,7 @@ from octavo.quantization import QuantFormat, dequantize
 
 apply_rotary = reference.apply_rotary
 copy_blocks = reference.copy_blocks
+add_lora = reference.add_lora  # grouped shrink/expand in torch everywhere (matmuls dominate it)
 
 
 def write_kv(

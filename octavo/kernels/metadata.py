@@ -38,6 +38,14 @@ class GatheredContexts:
 
 
 @dataclass(slots=True)
+class LoRAMapping:
+    """The step's tokens grouped by adapter slot: `groups[k] = (slot, token rows)`; rows of the
+    base model appear in no group."""
+
+    groups: list[tuple[int, torch.Tensor]]  # (slot, [num_rows] long)
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """One step's requests as the kernels see them, in batch order: the single-token (decode-like)
     requests first, then the multi-token spans.
@@ -59,6 +67,7 @@ class AttentionMetadata:
     max_query_len: int | None = None
     max_context_len: int | None = None
     allow_split_kv: bool = True  # False inside a captured CUDA graph (one kernel choice per graph)
+    lora: LoRAMapping | None = None  # which tokens run with which adapter (None: the base model only)
     gathered: GatheredContexts | None = None  # the reference kernel's slots, when it runs
 
 

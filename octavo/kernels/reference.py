@@ -152,3 +152,12 @@ def quant_linear(
     """x @ W.T + bias with W in GGML blocks (octavo.quantization): rebuild W, then a plain linear.
     x: [num_tokens, in_features]; qweight: [out, row_bytes] uint8 -> [num_tokens, out]."""
     return F.linear(x, dequantize(qweight, fmt, in_features).to(x.dtype), bias)
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, mapping) -> None:
+    """y[rows] += (x[rows] @ A[slot].T) @ B[slot].T for each (slot, rows) of `mapping.groups`,
+    in place: one shrink and one expand per adapter of the step (the Punica/S-LoRA grouping), not
+    one forward per adapter. x: [n, in]; y: [n, out]; lora_a: [slots, R, in]; lora_b: [slots, out, R]."""
+    for slot, rows in mapping.groups:
+        xs = x.index_select(0, rows)  # [rows, in]
+        y.index_add_(0, rows, (xs @ lora_a[slot].T) @ lora_b[slot].T)

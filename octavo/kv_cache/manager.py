@@ -82,7 +82,10 @@ class KVCacheManager:
     def _block_hashes(self, request: Request) -> list[bytes]:
         hashes = self._hashes.setdefault(request.request_id, [])
         if len(hashes) < request.num_tokens // self.block_size:
-            extend_block_hashes(hashes, request.all_token_ids, self.block_size, request.cache_salt)
+            extend_block_hashes(
+                hashes, request.all_token_ids, self.block_size, request.cache_salt,
+                None if request.lora_id is None else str(request.lora_id),
+            )
         return hashes
 
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:

@@ -22,7 +22,8 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 class Linear(nn.Linear):
     """nn.Linear whose product goes through the kernel dispatch (oneDNN on float32 CPUs)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        """x @ W.T + b. `meta` (the step's metadata) is for wrappers that need it (LoRA)."""
         return dispatch.linear(x, self.weight, self.bias)
 
 
@@ -37,7 +38,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("qweight", data)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
         return dispatch.quant_linear(x, self.qweight, self.layout, self.fmt, self.in_features, self.out_features, self.bias)
 
     def extra_repr(self) -> str:
@@ -125,7 +126,7 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         n = x.shape[0]
-        qkv = self.qkv_proj(x)  # [n, q_size + 2 * kv_size]
+        qkv = self.qkv_proj(x, meta)  # [n, q_size + 2 * kv_size]
         k_cache, v_cache = kv_cache
         if self.q_norm is None:
             # one fused op: RoPE on q and k in place, k and v into the cache
@@ -142,7 +143,7 @@ class Attention(nn.Module):
             v = v.view(n, self.num_kv_heads, self.head_dim)
             dispatch.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.backend)
         out = dispatch.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [n, H, d]
-        return self.o_proj(out.reshape(n, self.q_size))
+        return self.o_proj(out.reshape(n, self.q_size), meta)
 
 
 class MLP(nn.Module):
@@ -151,8 +152,8 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, backend: str = "reference") -> torch.Tensor:
-        return self.down_proj(dispatch.silu_and_mul(self.gate_up_proj(x), backend))
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.down_proj(dispatch.silu_and_mul(self.gate_up_proj(x, meta), meta.backend), meta)
 
 
 class DecoderLayer(nn.Module):
@@ -174,7 +175,7 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x, residual, meta.backend)
         h = self.self_attn(h, cos, sin, kv_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual, meta.backend)
-        return self.mlp(h, meta.backend), residual
+        return self.mlp(h, meta), residual
 
 
 class LlamaForCausalLM(nn.Module):

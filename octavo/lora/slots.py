@@ -1,0 +1,69 @@
+"""LoRASlots: the adapters a runner knows (their weights on the host) and which of them sit in the
+`max_loras` slots of the wrapped projections, swapped least-recently-used first."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from octavo.config import ModelConfig
+from octavo.lora.adapter import LoRAAdapter, load_peft_adapter
+from octavo.lora.layers import LoRALinear
+from octavo.lora.request import LoRARequest
+
+
+class LoRASlots:
+    def __init__(self, layers: list[LoRALinear], cfg: ModelConfig, max_loras: int, max_rank: int) -> None:
+        self.layers, self.cfg, self.max_loras, self.max_rank = layers, cfg, max_loras, max_rank
+        self.adapters: dict[int, LoRAAdapter] = {}
+        self.paths: dict[int, str] = {}
+        self._slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recent first
+        self.num_loads = 0
+
+    def add(self, request: LoRARequest) -> LoRAAdapter:
+        """Load the adapter on first sight (ValueError when it cannot be used); later requests with
+        the same id reuse it. An id or a name already taken by another adapter is refused."""
+        known = self.adapters.get(request.lora_int_id)
+        if known is not None:
+            if known.name != request.lora_name or self.paths[request.lora_int_id] != request.lora_path:
+                raise ValueError(f"LoRA id {request.lora_int_id} is already {known.name!r} at "
+                                 f"{self.paths[request.lora_int_id]}; one id names one adapter")
+            return known
+        if any(a.name == request.lora_name for a in self.adapters.values()):
+            raise ValueError(f"a LoRA adapter named {request.lora_name!r} is already loaded with another id")
+        adapter = load_peft_adapter(request.lora_path, request.lora_int_id, request.lora_name, self.cfg, self.max_rank)
+        self.adapters[adapter.lora_id] = adapter
+        self.paths[adapter.lora_id] = request.lora_path
+        return adapter
+
+    def remove(self, lora_id: int) -> None:
+        """Forget an adapter (the caller makes sure no request still runs with it)."""
+        if lora_id not in self.adapters:
+            raise ValueError(f"no LoRA adapter with id {lora_id} is loaded")
+        del self.adapters[lora_id]
+        del self.paths[lora_id]
+        slot = self._slot_of.pop(lora_id, None)
+        if slot is not None:
+            for layer in self.layers:
+                layer.set_slot(slot, None)
+
+    def activate(self, lora_ids: set[int]) -> dict[int, int]:
+        """Put every adapter of this step in a slot (evicting the least recently used ones not in
+        the step) -> adapter id -> slot. At most max_loras ids (the scheduler keeps it so)."""
+        if len(lora_ids) > self.max_loras:
+            raise ValueError(f"a step uses {len(lora_ids)} adapters but there are {self.max_loras} slots")
+        for lora_id in lora_ids:
+            if lora_id in self._slot_of:
+                self._slot_of.move_to_end(lora_id)
+                continue
+            used = set(self._slot_of.values())
+            free = [s for s in range(self.max_loras) if s not in used]
+            if free:
+                slot = free[0]
+            else:
+                victim = next(i for i in self._slot_of if i not in lora_ids)
+                slot = self._slot_of.pop(victim)
+            for layer in self.layers:
+                layer.set_slot(slot, self.adapters[lora_id])
+            self._slot_of[lora_id] = slot
+            self.num_loads += 1
+        return {i: self._slot_of[i] for i in lora_ids}
