@@ -110,6 +110,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         enable_debug_endpoints=args.enable_debug_endpoints,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
     died: list[BaseException] = []
 
@@ -350,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-prompt-tokens-details", action="store_true", help="report usage.prompt_tokens_details.cached_tokens (off: it tells a tenant whether another's prefix is cached)")
     serve.add_argument("--keep-alive-on-engine-death", action="store_true", help="if the engine fails, keep serving /health (503) instead of exiting with status 1")
     serve.add_argument("--enable-debug-endpoints", action="store_true", help="serve GET /debug/kv_cache (pool counts and an invariant check)")
+    serve.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora)")
     serve.set_defaults(func=cmd_serve)
 
     plan = sub.add_parser("plan", help="KV-cache capacity from a model's config.json: bytes per token, sequences that fit")

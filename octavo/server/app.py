@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import octavo
+from octavo.lora.request import LoRARequest
 from octavo.request import RequestOutput, TokenLogprob
 from octavo.server.async_engine import (
     AsyncEngine,
@@ -34,7 +35,9 @@ from octavo.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     new_id,
     now,
 )
@@ -67,6 +70,7 @@ class ServerLimits:
     retry_after_s: int = 1
     enable_prompt_tokens_details: bool = False
     enable_debug_endpoints: bool = False
+    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 
 
 class OpenAIServer:
@@ -85,6 +89,8 @@ class OpenAIServer:
         self.vocab_size = config.model_config.vocab_size
         self.priority_enabled = config.scheduler.policy == "priority"
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="octavo-tokenize")
+        # adapters by the name a request's `model` field selects (kept in step with the engine)
+        self.loras: dict[str, LoRARequest] = {r.lora_name: r for r in engine.engine.list_loras()}
         self._token_text: dict[int, str] = {}
         # No token decodes to more characters than its vocabulary entry has (byte-level entries
         # spell each byte with one character), so a prompt longer than max_model_len times the
@@ -97,19 +103,27 @@ class OpenAIServer:
 
     # ---- checks ------------------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model); 404 for an unknown name."""
+        if model is None or model == self.model_name:
+            return None
+        lora = self.loras.get(model)
+        if lora is None:
+            served = ", ".join(f"`{n}`" for n in [self.model_name, *self.loras])
+            raise APIError(404, f"The model `{model}` does not exist; this server serves {served}.",
                            "NotFoundError", "model")
+        return lora
 
-    def check_request(self, req: Any) -> None:
-        self.check_model(req.model)
+    def check_request(self, req: Any) -> LoRARequest | None:
+        """Checks a request's fields; returns the LoRA adapter its `model` selects, if any."""
+        lora = self.check_model(req.model)
         bad = req.unsupported()
         if bad is not None:
             raise APIError(400, bad[1], "BadRequestError", bad[0])
         if req.priority != 0 and not self.priority_enabled:
             raise APIError(400, "priority needs a server started with --scheduling-policy priority",
                            "BadRequestError", "priority")
+        return lora
 
     def check_prompt_len(self, ids: list[int]) -> None:
         if len(ids) >= self.max_model_len:
@@ -283,8 +297,37 @@ def build_app(server: OpenAIServer) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": now(),
-                                            "owned_by": "octavo", "max_model_len": server.max_model_len}]}
+        base = {"id": server.model_name, "object": "model", "created": now(), "owned_by": "octavo",
+                "root": server.model_name, "parent": None, "max_model_len": server.max_model_len}
+        adapters = [{**base, "id": name, "root": lora.lora_path, "parent": server.model_name}
+                    for name, lora in server.loras.items()]
+        return {"object": "list", "data": [base, *adapters]}
+
+    if server.limits.allow_runtime_lora_updating:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
+            if body.lora_name in server.loras or body.lora_name == server.model_name:
+                raise APIError(400, f"a model named `{body.lora_name}` is already served", "BadRequestError", "lora_name")
+            known = await server.engine.call(lambda e: e.list_loras())
+            lora = LoRARequest(body.lora_name, max((r.lora_int_id for r in known), default=0) + 1, body.lora_path)
+            try:
+                await server.engine.call(lambda e: e.add_lora(lora))
+            except ValueError as exc:
+                raise APIError(400, str(exc), "BadRequestError", "lora_path") from exc
+            server.loras[lora.lora_name] = lora
+            return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+            lora = server.loras.get(body.lora_name)
+            if lora is None:
+                raise APIError(404, f"no LoRA adapter named `{body.lora_name}` is loaded", "NotFoundError", "lora_name")
+            try:
+                await server.engine.call(lambda e: e.remove_lora(lora.lora_int_id))
+            except ValueError as exc:
+                raise APIError(400, str(exc), "BadRequestError", "lora_name") from exc
+            del server.loras[body.lora_name]
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -304,7 +347,7 @@ def build_app(server: OpenAIServer) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
-        server.check_request(req)
+        lora = server.check_request(req)
         raw = req.prompt_list()
         if not raw:
             raise APIError(400, "prompt must not be empty", "BadRequestError", "prompt")
@@ -321,18 +364,18 @@ def build_app(server: OpenAIServer) -> FastAPI:
                 raise APIError(400, str(exc), "BadRequestError", _param_of(str(exc))) from exc
         else:
             params = _params(req, 16, req.logprobs)
-        return await _respond(server, request, req, prompts, params, chat=False)
+        return await _respond(server, request, req, prompts, params, chat=False, lora=lora)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Any:
-        server.check_request(req)
+        lora = server.check_request(req)
         ids = await server.render_chat(req.plain_messages(), req.add_generation_prompt)
         server.check_prompt_len(ids)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         req = req.model_copy(update={"max_tokens": max_tokens})
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = _params(req, server.max_model_len - len(ids), logprobs)
-        return await _respond(server, request, req, [ids], params, chat=True)
+        return await _respond(server, request, req, [ids], params, chat=True, lora=lora)
 
     add_debug_routes(app, server)
     return app
@@ -345,12 +388,13 @@ def _params(req, default_max_tokens: int, logprobs: int | None):
         raise APIError(400, str(exc), "BadRequestError", _param_of(str(exc))) from exc
 
 
-async def _respond(server: OpenAIServer, request: Request, req, prompts: list[list[int]], params, chat: bool) -> Any:
+async def _respond(server: OpenAIServer, request: Request, req, prompts: list[list[int]], params, chat: bool,
+                   lora: LoRARequest | None = None) -> Any:
     rid = new_id("chatcmpl" if chat else "cmpl")
     request_ids = [f"{rid}-{i}" for i in range(len(prompts))]
     async with DisconnectWatch(request, lambda: server.engine.abort(request_ids)) as watch:
         try:
-            collector = await server.engine.add(request_ids, prompts, params, req.priority, req.cache_salt)
+            collector = await server.engine.add(request_ids, prompts, params, req.priority, req.cache_salt, lora)
         except (ValueError, EngineOverloadedError, EngineStopped, EngineDeadError) as exc:
             raise _engine_error(exc, server.limits) from exc
         if req.stream:

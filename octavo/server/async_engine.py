@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from octavo.engine import LLMEngine
+from octavo.lora.request import LoRARequest
 from octavo.metrics import EngineMetrics
 from octavo.request import CompletionOutput, RequestOutput
 from octavo.sampling.params import SamplingParams
@@ -136,6 +137,7 @@ class _Add:
     collector: OutputCollector
     loop: asyncio.AbstractEventLoop
     done: asyncio.Future
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)
@@ -226,6 +228,7 @@ class AsyncEngine:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> OutputCollector:
         """Queue the prompts as one unit and wait until the engine has taken all of them or none.
 
@@ -233,7 +236,8 @@ class AsyncEngine:
         EngineDeadError. If the caller is cancelled meanwhile, the requests are aborted."""
         loop = asyncio.get_running_loop()
         collector = OutputCollector(len(prompts))
-        cmd = _Add(list(request_ids), prompts, params, priority, cache_salt, collector, loop, loop.create_future())
+        cmd = _Add(list(request_ids), prompts, params, priority, cache_salt, collector, loop, loop.create_future(),
+                   lora_request)
         self._submit(cmd)
         try:
             await cmd.done
@@ -284,7 +288,8 @@ class AsyncEngine:
         try:
             for i, (rid, ids) in enumerate(zip(cmd.request_ids, cmd.prompts)):
                 try:
-                    self.engine.add_request(rid, ids, cmd.params, priority=cmd.priority, cache_salt=cmd.cache_salt)
+                    self.engine.add_request(rid, ids, cmd.params, priority=cmd.priority, cache_salt=cmd.cache_salt,
+                                            lora_request=cmd.lora_request)
                 except ValueError as exc:
                     raise ValueError(f"prompt {i}: {exc}" if len(cmd.prompts) > 1 else str(exc)) from exc
                 added.append(rid)
