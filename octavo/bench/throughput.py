@@ -75,10 +75,11 @@ def _check(backend: str, asked: list[int], got: list[int]) -> None:
 
 
 def run_octavo(
-    workload: list[SimRequest], engine_args: dict[str, Any], progress: bool = True, engine: Any = None
+    workload: list[SimRequest], engine_args: dict[str, Any], progress: bool = True, engine: Any = None,
+    loras: list[Any] | None = None,
 ) -> ThroughputResult:
     """Octavo on the workload; `engine` (an LLMEngine already built, e.g. over an in-memory model)
-    replaces building one from `engine_args`."""
+    replaces building one from `engine_args`; `loras[i]` is request i's LoRARequest (or None)."""
     from octavo.engine import LLMEngine
     from octavo.engine_args import EngineArgs
     from octavo.sampling.params import RequestOutputKind, SamplingParams
@@ -91,7 +92,8 @@ def run_octavo(
         # final outputs only, as LLM.generate asks: nothing is copied out per step
         params = SamplingParams(temperature=0.0, max_tokens=w.output_len, ignore_eos=True,
                                 output_kind=RequestOutputKind.FINAL_ONLY)
-        engine.add_request(str(i), list(w.prompt_token_ids), params, arrival_time=time.time())
+        engine.add_request(str(i), list(w.prompt_token_ids), params, arrival_time=time.time(),
+                           lora_request=loras[i] if loras else None)
     outputs: dict[str, Any] = {}
     batch_sizes, kv_util = [], []
     sched = engine.scheduler
