@@ -93,6 +93,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from octavo.router.app import build_router_app
+    from octavo.router.policy import Router
+
+    router = Router(args.worker, args.policy, args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold)
+    logging.getLogger("octavo.router").info("routing %s over %s", args.policy, ", ".join(args.worker))
+    uvicorn.run(build_router_app(router, args.health_interval), host=args.host, port=args.port, log_level="info",
+                access_log=False)
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -354,6 +367,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allow-runtime-lora-updating", action="store_true",
                        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora)")
     serve.set_defaults(func=cmd_serve)
+
+    rt = sub.add_parser("router", help="one OpenAI endpoint in front of several `octavo serve` replicas")
+    rt.add_argument("--worker", action="append", required=True, metavar="URL",
+                    help="a replica's base URL, e.g. http://10.0.0.2:8000 (repeat for each)")
+    rt.add_argument("--policy", choices=["cache-aware", "round-robin", "least-load"], default="cache-aware",
+                    help="cache-aware: the replica already sent the longest prefix of the prompt, unless loads are uneven")
+    rt.add_argument("--host", default="127.0.0.1")
+    rt.add_argument("--port", type=int, default=8080)
+    rt.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks of each replica")
+    rt.add_argument("--cache-threshold", type=float, default=0.5, help="share of the prompt that must match to follow the cache")
+    rt.add_argument("--balance-abs-threshold", type=int, default=32, help="loads are uneven past this many requests apart...")
+    rt.add_argument("--balance-rel-threshold", type=float, default=1.0001, help="...and this ratio: then the least loaded replica is used")
+    rt.set_defaults(func=cmd_router)
 
     plan = sub.add_parser("plan", help="KV-cache capacity from a model's config.json: bytes per token, sequences that fit")
     plan.add_argument("config", nargs="?", default=None, help="config.json or a model directory (default: the embedded model)")

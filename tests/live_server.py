@@ -51,10 +51,11 @@ def wait_healthy(url: str, proc: subprocess.Popen, read_log, timeout_s: float = 
     raise RuntimeError(f"server did not become healthy:\n{read_log()}")
 
 
-def start_server(log: Path, flags: list[str], entry: list[str] | None = None) -> LiveServer:
-    """`octavo serve` (or `entry`, a script taking the same flags) on a free port; healthy on return."""
+def start_server(log: Path, flags: list[str], entry: list[str] | None = None, threads: int = 2) -> LiveServer:
+    """`octavo serve` (or `entry`, a script taking the same flags) on a free port; healthy on return.
+    `threads`: its torch threads (one each when several servers share the two cores)."""
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     cmd = (entry or [sys.executable, "-m", "octavo.cli", "serve"]) + ["--port", str(port), *flags]
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)

@@ -1,0 +1,112 @@
+"""Routing policies over replicas, in pure Python: round-robin, least-load, and cache-aware.
+
+Cache-aware follows the SGLang router's idea: per replica, an approximate tree of the prompts sent
+to it; a request goes to the replica whose tree shares the longest prefix with its prompt, unless
+the replicas' loads are too uneven, in which case the least-loaded one takes it. The tree here is a
+chain of hashes of fixed-size text chunks (a path in a tree of chunks, as block hashes are for the
+KV cache), bounded per replica with least-recently-used eviction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+CHUNK_CHARS = 64  # text per tree node: about 16 tokens, one KV block of the replicas
+POLICIES = ("cache-aware", "round-robin", "least-load")
+
+
+def chunk_hashes(text: str) -> list[bytes]:
+    """Chained hashes of the full CHUNK_CHARS-character chunks of `text` (a path from the root)."""
+    out: list[bytes] = []
+    parent = b""
+    for start in range(0, len(text) - CHUNK_CHARS + 1, CHUNK_CHARS):
+        parent = hashlib.blake2b(parent + text[start : start + CHUNK_CHARS].encode(), digest_size=16).digest()
+        out.append(parent)
+    return out
+
+
+@dataclass(slots=True)
+class PrefixTree:
+    """The chunk paths a replica was sent, at most `max_nodes` of them (LRU)."""
+
+    max_nodes: int = 200_000
+    nodes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+
+    def match(self, path: list[bytes]) -> int:
+        """How many leading chunks of `path` the tree holds."""
+        n = 0
+        for h in path:
+            if h not in self.nodes:
+                break
+            n += 1
+        return n
+
+    def insert(self, path: list[bytes]) -> None:
+        for h in path:
+            self.nodes[h] = None
+            self.nodes.move_to_end(h)
+        while len(self.nodes) > self.max_nodes:
+            self.nodes.popitem(last=False)
+
+
+@dataclass(slots=True)
+class Replica:
+    url: str
+    healthy: bool = True
+    in_flight: int = 0
+    tree: PrefixTree = field(default_factory=PrefixTree)
+
+
+@dataclass(slots=True)
+class Choice:
+    replica: Replica
+    matched_chars: int  # prefix the chosen replica was already sent (cache-aware; else 0)
+
+
+class Router:
+    """Chooses a replica for each request. `cache_threshold`: the share of the prompt that must
+    match for the match to decide; `balance_abs` / `balance_rel`: loads are uneven when
+    max - min > balance_abs and max > balance_rel * min (SGLang's defaults: 32 and 1.0001)."""
+
+    def __init__(self, urls: list[str], policy: str = "cache-aware", cache_threshold: float = 0.5,
+                 balance_abs: int = 32, balance_rel: float = 1.0001) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if not urls:
+            raise ValueError("at least one replica (--worker URL) is needed")
+        self.replicas = [Replica(u.rstrip("/")) for u in urls]
+        self.policy = policy
+        self.cache_threshold, self.balance_abs, self.balance_rel = cache_threshold, balance_abs, balance_rel
+        self._turn = itertools.count()
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self.replicas if r.healthy]
+
+    def choose(self, text: str, exclude: set[str] = frozenset()) -> Choice | None:
+        """A replica for a prompt whose text is `text` (None when no healthy one is left). Inserts
+        the prompt into the chosen replica's tree (cache-aware)."""
+        live = [r for r in self.healthy() if r.url not in exclude]
+        if not live:
+            return None
+        if self.policy == "round-robin":
+            return Choice(live[next(self._turn) % len(live)], 0)
+        least = min(live, key=lambda r: r.in_flight)
+        if self.policy == "least-load":
+            return Choice(least, 0)
+        path = chunk_hashes(text)
+        loads = [r.in_flight for r in live]
+        uneven = max(loads) - min(loads) > self.balance_abs and max(loads) > self.balance_rel * min(loads)
+        best = max(live, key=lambda r: (r.tree.match(path), -r.in_flight))
+        matched = best.tree.match(path)
+        if uneven:
+            chosen = least
+        elif path and matched / len(path) >= self.cache_threshold:
+            chosen = best
+        else:  # little to reuse anywhere: the replica holding the least, to spread prefixes out
+            chosen = min(live, key=lambda r: (len(r.tree.nodes), r.in_flight))
+        hit = chosen.tree.match(path)
+        chosen.tree.insert(path)
+        return Choice(chosen, hit * CHUNK_CHARS)

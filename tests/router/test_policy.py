@@ -1,0 +1,52 @@
+"""Routing policies, without servers: cache-aware follows the longest prefix a replica was sent
+unless loads are uneven; round-robin alternates; least-load takes the idlest; unhealthy replicas
+are skipped."""
+
+import pytest
+
+from octavo.router.policy import CHUNK_CHARS, Router, chunk_hashes
+
+A = "You are a helpful assistant for the lighthouse museum. " * 8
+B = "Translate the following paragraph into French, keeping names. " * 8
+
+
+def test_chunk_hashes_are_a_path_shared_by_common_prefixes():
+    a1, a2 = chunk_hashes(A + "question one"), chunk_hashes(A + "another question")
+    common = len(A) // CHUNK_CHARS
+    assert a1[:common] == a2[:common] and len(chunk_hashes("short")) == 0
+
+
+def test_cache_aware_keeps_each_prefix_on_one_replica():
+    r = Router(["http://a", "http://b"], "cache-aware")
+    first_a = r.choose(A + "q0").replica.url
+    first_b = r.choose(B + "q0").replica.url
+    assert first_a != first_b  # a new prefix goes to the replica holding the least
+    for i in range(1, 10):
+        ca, cb = r.choose(A + f"q{i}"), r.choose(B + f"q{i}")
+        assert (ca.replica.url, cb.replica.url) == (first_a, first_b)
+        assert ca.matched_chars >= (len(A) // CHUNK_CHARS) * CHUNK_CHARS
+
+
+def test_uneven_load_overrides_the_cache():
+    r = Router(["http://a", "http://b"], "cache-aware", balance_abs=2)
+    home = r.choose(A).replica
+    home.in_flight = 10
+    assert r.choose(A + "more").replica is not home
+
+
+def test_round_robin_and_least_load():
+    rr = Router(["http://a", "http://b"], "round-robin")
+    assert [rr.choose(A).replica.url for _ in range(4)] == ["http://a", "http://b", "http://a", "http://b"]
+    ll = Router(["http://a", "http://b", "http://c"], "least-load")
+    ll.replicas[0].in_flight, ll.replicas[1].in_flight, ll.replicas[2].in_flight = 3, 1, 2
+    assert ll.choose(A).replica.url == "http://b"
+
+
+def test_unhealthy_and_excluded_replicas_are_skipped():
+    r = Router(["http://a", "http://b"], "cache-aware")
+    home = r.choose(A).replica
+    home.healthy = False
+    assert r.choose(A).replica is not home
+    assert r.choose(A, exclude={"http://a", "http://b"}) is None
+    with pytest.raises(ValueError, match="policy must be one of"):
+        Router(["http://a"], "random")

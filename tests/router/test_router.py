@@ -1,0 +1,124 @@
+"""`octavo router` in front of two live `octavo serve` replicas (one thread each), through the real
+openai client: cache-aware routing keeps every request of a prefix on one replica and round-robin
+does not; streams pass through; a killed replica's traffic moves to the other."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.live_server import API_KEY, MODEL, free_port, start_server, stop_server, wait_healthy
+
+A = "You are a helpful assistant for the lighthouse museum; answer briefly and kindly. " * 6
+B = "Translate the following paragraph into French, keeping every proper name as it is. " * 6
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory, smol_dir):
+    servers = [
+        start_server(tmp_path_factory.mktemp(f"replica{i}") / "server.log",
+                     ["--api-key", API_KEY, "--kv-cache-memory", str(96 << 20), "--max-model-len", "512",
+                      "--shutdown-timeout", "2"], threads=1)
+        for i in range(2)
+    ]
+    yield servers
+    for s in servers:
+        stop_server(s)
+
+
+def start_router(replicas, policy: str, log_path):
+    port = free_port()
+    cmd = [sys.executable, "-m", "octavo.cli", "router", "--policy", policy, "--port", str(port),
+           "--health-interval", "0.5", *[a for r in replicas for a in ("--worker", r.url)]]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc, lambda: log_path.read_text())
+    return proc, url
+
+
+def counts(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r'octavo_router_requests_total\{worker="([^"]+)"\} (\S+)', text)}
+
+
+def ask(client, prompt: str, stream: bool = False) -> str:
+    if stream:
+        chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, stream=True)
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0).choices[0].text
+
+
+@pytest.mark.parametrize("policy", ["cache-aware", "round-robin"])
+def test_prefixes_stay_together_only_with_cache_aware(replicas, tmp_path, policy):
+    proc, url = start_router(replicas, policy, tmp_path / "router.log")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        per_prefix = {}
+        for name, prefix in (("A", A), ("B", B)):
+            before = counts(url)
+            for i in range(4):
+                assert ask(client, prefix + f"Question {i}?", stream=i % 2 == 1)
+            after = counts(url)
+            per_prefix[name] = sorted(after.get(r.url, 0) - before.get(r.url, 0) for r in replicas)
+        if policy == "cache-aware":
+            assert per_prefix == {"A": [0, 4], "B": [0, 4]}
+        else:
+            assert per_prefix == {"A": [2, 2], "B": [2, 2]}
+        assert {m.id for m in client.models.list().data} == {MODEL}
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_a_killed_replica_is_routed_around(tmp_path, smol_dir):
+    servers = [start_server(tmp_path / f"r{i}.log", ["--max-model-len", "256", "--kv-cache-memory", str(64 << 20)],
+                            threads=1) for i in range(2)]
+    proc, url = start_router(servers, "cache-aware", tmp_path / "router.log")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        ask(client, A + "first")
+        home = max(servers, key=lambda s: counts(url).get(s.url, 0))
+        home.process.kill()
+        home.process.wait(10)
+        for i in range(3):  # the prefix's replica is gone: the other one answers
+            assert ask(client, A + f"after {i}")
+        other = next(s for s in servers if s is not home)
+        assert counts(url).get(other.url, 0) >= 3
+        deadline = time.time() + 10
+        while time.time() < deadline and httpx.get(f"{url}/workers", timeout=5).json()["workers"][servers.index(home)]["healthy"]:
+            time.sleep(0.2)
+        assert not httpx.get(f"{url}/workers", timeout=5).json()["workers"][servers.index(home)]["healthy"]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        for s in servers:
+            stop_server(s)
+
+
+def test_a_client_disconnect_aborts_the_request_at_the_replica(replicas, tmp_path):
+    proc, url = start_router(replicas, "round-robin", tmp_path / "router.log")
+    try:
+        body = {"model": MODEL, "prompt": B, "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+            next(r.iter_lines())  # the stream has started; now the client goes away
+        closed = time.time()
+        while sum(running_requests(s.url) for s in replicas) and time.time() < closed + 10:
+            time.sleep(0.1)
+        # aborted: 400 tokens take over 4 s here (>= 10 ms a token), the abort well under 2.5 s
+        assert sum(running_requests(s.url) for s in replicas) == 0 and time.time() - closed < 2.5
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def running_requests(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(m.group(1)) for m in re.finditer(r'^octavo:num_requests_running\{[^}]*\} (\S+)', text, re.M))
