@@ -14,6 +14,8 @@ import torch
 from octavo.beam_search import BeamGroup
 from octavo.config import EngineConfig
 from octavo.detokenizer import IncrementalDetokenizer
+from octavo.distributed.executor import TensorParallelGroup, WorkerSpec
+from octavo.distributed.layers import check_divisible, local_config, shard_model
 from octavo.engine_args import EngineArgs, resolve_device
 from octavo.kv_cache.manager import KVCacheManager
 from octavo.lora.request import LoRARequest
@@ -82,7 +84,10 @@ class _RequestState:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, tokenizer: Any, weight_bytes: int) -> None:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, tokenizer: Any, weight_bytes: int,
+                 tensor_parallel: TensorParallelGroup | None = None) -> None:
+        """`model` is this process's (for tensor parallelism, rank 0's shard, with `config` holding
+        one rank's share of the heads); `tensor_parallel` the group of the other ranks."""
         kv_dtype = _DTYPES[config.dtype]
         on_cuda = config.device.startswith("cuda")
         peak = None
@@ -100,6 +105,10 @@ class LLMEngine:
         self.config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, num_blocks=sizing.num_blocks))
         self.kv_sizing: KVSizing = sizing
         logger.info(sizing.describe())
+        if tensor_parallel is not None:
+            logger.info("tensor parallel %d: each rank holds %d of the model's KV heads in a cache of this size, "
+                        "so the cache holds %d x the tokens one rank's memory would", tensor_parallel.world,
+                        config.model_config.num_kv_heads, tensor_parallel.world)
         self.tokenizer = tokenizer
         eos = config.model_config.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
@@ -118,6 +127,7 @@ class LLMEngine:
             max_model_len=config.scheduler.max_model_len,
             max_loras=config.scheduler.max_loras,
             max_lora_rank=config.max_lora_rank,
+            tensor_parallel=tensor_parallel,
         )
         self._states: dict[str, _RequestState] = {}
         self._num_prompt_tokens = 0
@@ -135,18 +145,38 @@ class LLMEngine:
         quantization = args.quantization
         if device.startswith("cuda") and quantization == "auto":
             quantization = "none"  # no GPU kernels for GGUF blocks: they are dequantized to the dtype
+        world = args.tensor_parallel_size
+        if world > 1:
+            if device != "cpu":
+                raise ValueError("tensor parallelism runs on the CPU (gloo) in this version; use --device cpu")
+            if quantization != "none":
+                logger.info("tensor parallel: weights are sharded dense (--quantization none)")
+            quantization = "none"
         dtype = ("bfloat16" if device.startswith("cuda") else "float32") if args.dtype == "auto" else args.dtype
         model, model_config = load_model(model_dir, dtype=_DTYPES[dtype], device=device, quantization=quantization)
-        if args.dtype == "auto":
+        if args.dtype == "auto" and world == 1:
             dtype = auto_dtype(model, device)
             model = model.to(_DTYPES[dtype])
+        group = None
+        if world > 1:
+            check_divisible(model_config, world)
+            threads = max(1, torch.get_num_threads() // world)  # the ranks share the cores
+            group = TensorParallelGroup(world, WorkerSpec(str(model_dir), dtype, threads))
+            torch.set_num_threads(threads)
+            model = shard_model(model, 0, world)
+            model_config = local_config(model_config, world)
         config = dataclasses.replace(args, dtype=dtype, device=device).to_config(model_config)
         logger.info(describe_weights(model))
-        engine = cls(config, model, load_tokenizer(model_dir), weight_bytes(model))
+        engine = cls(config, model, load_tokenizer(model_dir), weight_bytes(model), group)
         for lora_id, module in enumerate(args.lora_modules, start=1):
             name, path = module.split("=", 1)
             engine.add_lora(LoRARequest(name, lora_id, path))
         return engine
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (a no-op otherwise)."""
+        if self.runner.tp is not None:
+            self.runner.tp.close()
 
     # ---- LoRA adapters -----------------------------------------------------------------------
 

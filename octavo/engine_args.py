@@ -65,6 +65,9 @@ class EngineArgs:
     enforce_eager: bool = field(default=True, metadata={
         "help": "run every step eagerly; --no-enforce-eager captures CUDA graphs of decode-only steps at "
                 "padded batch sizes (CUDA with the triton backend; off by default until verified on a GPU)"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "shard the model over this many processes (gloo on the CPU; each holds its share of the heads "
+                "and its own KV cache, so the cache holds that many times the tokens); dense weights"})
     enable_lora: bool = field(default=False, metadata={
         "help": "serve LoRA adapters (PEFT directories) beside the base model, many in one step"})
     lora_modules: tuple[str, ...] = field(default=(), metadata={
@@ -91,6 +94,10 @@ class EngineArgs:
             raise ValueError(f"lora_modules entries must be name=path, got {bad[0]!r}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules need enable_lora (--enable-lora)")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.enable_lora:
+            raise ValueError("LoRA with tensor parallelism is not supported yet: use one of them")
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and {self.max_lora_rank}")
         if self.max_model_len is not None and self.max_model_len < 2:

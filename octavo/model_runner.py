@@ -6,12 +6,14 @@ It holds the weights, the KV-cache tensors (per layer K and V of shape
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 
 from octavo.config import CacheConfig, ModelConfig, SchedulerConfig
 from octavo.cuda_graphs import CudaGraphRunner, graph_batch_sizes
+from octavo.distributed.executor import TensorParallelGroup
 from octavo.kernels import dispatch
 from octavo.kernels.metadata import AttentionMetadata, LoRAMapping, gather_contexts
 from octavo.lora.layers import apply_lora
@@ -39,6 +41,7 @@ class ModelRunner:
         max_model_len: int = 1,
         max_loras: int | None = None,
         max_lora_rank: int = 16,
+        tensor_parallel: TensorParallelGroup | None = None,
     ) -> None:
         """Allocates the KV cache; with enforce_eager False on CUDA with the Triton kernels, also
         captures CUDA graphs of decode steps of up to `max_num_seqs` requests of `max_model_len`."""
@@ -60,6 +63,9 @@ class ModelRunner:
         self.attention_backend = dispatch.select_attention_backend(attention_backend, self.device, kv_dtype)
         if self.device.type == "cpu":
             keep_freed_memory_mapped()
+        self.tp = tensor_parallel  # ranks 1..N-1 mirror every step (octavo.distributed.executor)
+        if self.tp is not None:
+            self.tp.send(("init", cache_config.num_blocks, self.block_size))
         self.lora: LoRASlots | None = None
         if max_loras is not None:  # wraps the model's projections in place (see octavo.lora.layers)
             layers = apply_lora(model, model_config, max_loras, max_lora_rank)
@@ -165,13 +171,11 @@ class ModelRunner:
             self._generators.pop(rid, None)
         dispatch.copy_blocks(self.kv_caches, sched.copies)
         if not sched.scheduled:
+            if self.tp is not None and sched.copies:
+                self.tp.send(("step", sched.copies, None))
             return ModelRunnerOutput(sampled={})
         entries = sorted(sched.scheduled, key=lambda e: e.num_tokens != 1)  # stable: decodes first
         input_ids, positions, meta = self.prepare(entries)
-        if self.graphs is not None and self.graphs.can_run(input_ids.shape[0], meta):
-            hidden = self.graphs.run(input_ids, positions, meta)  # [num_tokens, hidden]
-        else:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
 
         last_rows: list[int] = []
         rows: list[SamplingRow] = []
@@ -192,9 +196,16 @@ class ModelRunner:
                         generator=self._generator(sid, e.sampling_params.seed, sample_index),
                     )
                 )
+        row_index = torch.tensor(last_rows, dtype=torch.long, device=self.device) if rows else None
+        if self.tp is not None:  # the other ranks run the same forward on their shards
+            worker_meta = dataclasses.replace(meta, gathered=None)
+            self.tp.send(("step", sched.copies, (input_ids, positions, worker_meta, row_index)))
+        if self.graphs is not None and self.graphs.can_run(input_ids.shape[0], meta):
+            hidden = self.graphs.run(input_ids, positions, meta)  # [num_tokens, hidden]
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
         if not rows:
             return ModelRunnerOutput(sampled={})
-        row_index = torch.tensor(last_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden[row_index])  # [num_rows, vocab] float32
         tokens, logprobs = sample(logits, rows)
         return ModelRunnerOutput(

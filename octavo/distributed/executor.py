@@ -1,0 +1,128 @@
+"""TensorParallelGroup: the worker processes that hold ranks 1..N-1 of a tensor-parallel model,
+and the one message per step that keeps them in lock-step with the engine (rank 0).
+
+torch.distributed with gloo on the CPU (a torchrun-style TCP rendezvous). The scheduler and the
+KV-cache manager stay single, in the engine; rank 0's ModelRunner broadcasts each step's inputs
+(token ids, positions, the attention metadata, block copies, which rows to sample), then every
+rank runs the same forward on its shard; the all-reduces inside the row-parallel layers and the
+logits gather keep them together. A worker that dies makes the next step raise, never hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+logger = logging.getLogger("octavo")
+TIMEOUT = datetime.timedelta(seconds=120)  # a collective that waits longer than this fails the engine
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """What a worker needs to build its shard exactly as rank 0 built its own."""
+
+    model_dir: str
+    dtype: str
+    threads: int = 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TensorParallelGroup:
+    def __init__(self, world: int, spec: WorkerSpec, init_method: str | None = None, rank: int = 0,
+                 spawn: bool = True) -> None:
+        """Rank 0: start ranks 1..world-1 as processes here (spawn), or join ranks started elsewhere
+        (torchrun: spawn False, init_method from MASTER_ADDR / MASTER_PORT); then join the group."""
+        self.world, self.rank = world, rank
+        self.threads_before = torch.get_num_threads()  # restored on close (the engine lowers it per rank)
+        init_method = init_method or f"tcp://127.0.0.1:{_free_port()}"
+        self.procs: list[Any] = []
+        if spawn:
+            ctx = mp.get_context("spawn")
+            for r in range(1, world):
+                p = ctx.Process(target=worker_main, args=(r, world, init_method, spec), daemon=True,
+                                name=f"octavo-tp-worker-{r}")
+                p.start()
+                self.procs.append(p)
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=TIMEOUT)
+        logger.info("tensor parallel: %d ranks joined (gloo%s)", world, ", workers spawned here" if spawn else "")
+
+    def check_workers(self) -> None:
+        dead = [(p.name, p.exitcode) for p in self.procs if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"tensor-parallel worker {dead[0][0]} died (exit code {dead[0][1]}): the engine cannot continue")
+
+    def send(self, message: tuple) -> None:
+        """Every worker receives `message` (the same broadcast they wait in)."""
+        self.check_workers()
+        dist.broadcast_object_list([message], src=0)
+
+    def close(self) -> None:
+        """Stop the workers and leave the group (a later engine in this process may form another)."""
+        if not dist.is_initialized():
+            return
+        try:
+            if all(p.is_alive() for p in self.procs):
+                dist.broadcast_object_list([None], src=0)
+        finally:
+            for p in self.procs:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+            dist.destroy_process_group()
+            torch.set_num_threads(self.threads_before)
+
+
+def worker_main(rank: int, world: int, init_method: str, spec: WorkerSpec) -> None:
+    """A worker's whole life: join, build its shard, then mirror rank 0's steps until told to stop."""
+    from octavo.distributed.layers import local_config, shard_model
+    from octavo.kernels import dispatch
+    from octavo.kernels.metadata import gather_contexts
+    from octavo.models.loader import load_model
+
+    torch.set_num_threads(spec.threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=TIMEOUT)
+    dtype = getattr(torch, spec.dtype)
+    model, cfg = load_model(Path(spec.model_dir), dtype=dtype, quantization="none")
+    shard_model(model, rank, world)
+    local = local_config(cfg, world)
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0)
+            message = box[0]
+            if message is None:
+                break
+            if message[0] == "init":
+                num_blocks, block_size = message[1], message[2]
+                shape = (num_blocks, block_size, local.num_kv_heads, local.head_dim)
+                kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(local.num_layers)]
+                continue
+            _, copies, step = message
+            dispatch.copy_blocks(kv_caches, copies)
+            if step is None:
+                continue
+            ids, positions, meta, rows = step
+            if meta.backend == "reference":
+                meta.gathered = gather_contexts(meta, kv_caches[0][0].shape[1])
+            with torch.inference_mode():
+                hidden = model(ids, positions, kv_caches, meta)
+                if rows is not None:
+                    model.compute_logits(hidden[rows])
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,90 @@
+"""Tensor parallelism with gloo on the CPU (one thread per rank): greedy tokens equal TP=1 on a tiny
+random Llama (TP=2 over 4 KV heads) and on the embedded model (TP=3 over its 3 KV heads), through
+chunked prefill and preemption; head counts that do not divide are refused; a worker that dies
+fails the next step with an error instead of hanging."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from octavo.engine import LLMEngine
+from octavo.engine_args import EngineArgs
+from octavo.llm import LLM
+from octavo.sampling.params import SamplingParams
+from octavo.tokenizer import synthetic_tokenizer
+from tests.oracle.reference import TIE_TOLERANCE
+
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    synthetic_tokenizer(101).save_pretrained(path)
+    return path
+
+
+def run(model: str | None, tp: int, prompts, **kwargs):
+    engine = LLMEngine.from_args(EngineArgs(model=model, tensor_parallel_size=tp, dtype="float32", quantization="none",
+                                            **kwargs))
+    try:
+        outs = LLM.from_engine(engine).generate(prompts, PARAMS, use_tqdm=False)
+        stats = engine.get_stats().scheduler
+        return [o.outputs[0] for o in outs], stats
+    finally:
+        engine.close()
+
+
+def assert_same_or_near_tie(got, expected):
+    """Token-exact, except a divergence where TP=1's two best logprobs were within the oracle's
+    tie tolerance (a different summation order may flip a near-tie)."""
+    for g, e in zip(got, expected):
+        if g.token_ids == e.token_ids:
+            continue
+        i = next(i for i, (a, b) in enumerate(zip(g.token_ids, e.token_ids)) if a != b)
+        top = sorted(e.logprobs[i].top.values(), reverse=True)
+        assert top[0] - top[1] < TIE_TOLERANCE, f"diverged at {i} without a near-tie: {g.token_ids} vs {e.token_ids}"
+
+
+def test_tp2_equals_tp1_on_a_tiny_llama_with_chunks_and_preemption(tiny_dir):
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 101, (n,), generator=g).tolist() for n in (3, 17, 40, 9)]
+    kwargs = dict(block_size=8, max_num_batched_tokens=16, num_kv_blocks=9)
+    expected, _ = run(str(tiny_dir), 1, prompts, **kwargs)
+    got, stats = run(str(tiny_dir), 2, prompts, **kwargs)
+    assert stats.num_preemptions > 0
+    assert_same_or_near_tie(got, expected)
+
+
+def test_tp3_equals_tp1_on_the_embedded_model(smol_tokenizer):
+    prompts = ["The capital of France is", "def fib(n):", "Once upon a time"]
+    expected, _ = run(None, 1, prompts, kv_cache_memory=64 << 20)
+    got, _ = run(None, 3, prompts, kv_cache_memory=64 << 20, max_num_batched_tokens=8)
+    assert_same_or_near_tie(got, expected)
+
+
+def test_head_counts_that_do_not_divide_are_refused(tiny_dir):
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide"):
+        LLMEngine.from_args(EngineArgs(model=str(tiny_dir), tensor_parallel_size=3, dtype="float32"))
+
+
+def test_a_dead_worker_fails_the_step(tiny_dir):
+    engine = LLMEngine.from_args(EngineArgs(model=str(tiny_dir), tensor_parallel_size=2, dtype="float32"))
+    try:
+        engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+        engine.step()
+        worker = engine.runner.tp.procs[0]
+        worker.kill()
+        worker.join(10)
+        with pytest.raises(RuntimeError, match="worker .* died"):
+            for _ in range(50):
+                engine.step()
+    finally:
+        engine.close()
