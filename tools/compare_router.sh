@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Router policies side by side (docs/BENCHMARKS.md): for each policy, two fresh `octavo serve`
-# replicas (one thread each, a KV cache that holds about five of the eight prefixes) behind
+# replicas (one thread each, a KV cache of $KV, default 224MiB: about 5,100 tokens, room for four of
+# the eight prefixes and the running requests) behind
 # `octavo router`, then `octavo bench serve` with 8 shared prefixes of 1,024 tokens, 256 requests.
 # Prints each policy's throughput and the replicas' prefix-cache hit rate.
 # Usage: tools/compare_router.sh [policies...]   (default: cache-aware round-robin)
@@ -17,7 +18,7 @@ for policy in $POLICIES; do
   pids=(); urls=()
   for i in 0 1; do
     p=$(port)
-    OMP_NUM_THREADS=1 "$PY" -m octavo.cli serve --port "$p" --kv-cache-memory 320MiB --max-num-seqs 8 \
+    OMP_NUM_THREADS=1 "$PY" -m octavo.cli serve --port "$p" --kv-cache-memory "${KV:-224MiB}" --max-num-seqs 8 \
       --max-model-len 2048 --log-interval 30 > "$LOGS/$policy-replica$i.log" 2>&1 &
     pids+=($!); urls+=("http://127.0.0.1:$p")
   done
