@@ -67,7 +67,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
     chats = args.prompt or DEFAULT_CHATS
     start = time.perf_counter()
-    outputs = llm.chat([[{"role": "user", "content": c}] for c in chats], params, use_tqdm=not args.json)
+    try:
+        outputs = llm.chat([[{"role": "user", "content": c}] for c in chats], params, use_tqdm=not args.json)
+    finally:
+        llm.engine.close()  # tensor-parallel workers stop (no-op otherwise)
     gen_s = time.perf_counter() - start
     stats = llm.engine.get_stats()
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -448,10 +451,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _torchrun_worker(args: argparse.Namespace) -> bool:
+    """Under torchrun, every rank runs the same command; ranks > 0 become the engine's workers."""
+    from octavo.distributed.executor import torchrun_rank
+
+    launched = torchrun_rank()
+    if launched is None or launched[0] == 0 or not hasattr(args, "tensor_parallel_size"):
+        return False
+    from octavo.distributed.executor import run_worker_from_env
+    from octavo.models.loader import resolve_model
+
+    dtype = "float32" if args.dtype == "auto" else args.dtype
+    run_worker_from_env(str(resolve_model(args.model)), dtype, args.tensor_parallel_size)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
+        if _torchrun_worker(args):
+            return 0
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"octavo: error: {exc}", file=sys.stderr)

@@ -14,7 +14,7 @@ import torch
 from octavo.beam_search import BeamGroup
 from octavo.config import EngineConfig
 from octavo.detokenizer import IncrementalDetokenizer
-from octavo.distributed.executor import TensorParallelGroup, WorkerSpec
+from octavo.distributed.executor import TensorParallelGroup, WorkerSpec, torchrun_rank
 from octavo.distributed.layers import check_divisible, local_config, shard_model
 from octavo.engine_args import EngineArgs, resolve_device
 from octavo.kv_cache.manager import KVCacheManager
@@ -160,9 +160,15 @@ class LLMEngine:
         group = None
         if world > 1:
             check_divisible(model_config, world)
-            threads = max(1, torch.get_num_threads() // world)  # the ranks share the cores
-            group = TensorParallelGroup(world, WorkerSpec(str(model_dir), dtype, threads))
-            torch.set_num_threads(threads)
+            launched = torchrun_rank()
+            if launched is not None:  # torchrun started every rank, maybe on several machines
+                if launched != (0, world):
+                    raise ValueError(f"under torchrun the engine is rank 0 of {world}; this is {launched}")
+                group = TensorParallelGroup(world, WorkerSpec(str(model_dir), dtype), "env://", spawn=False)
+            else:
+                threads = max(1, torch.get_num_threads() // world)  # the ranks share the cores
+                group = TensorParallelGroup(world, WorkerSpec(str(model_dir), dtype, threads))
+                torch.set_num_threads(threads)
             model = shard_model(model, 0, world)
             model_config = local_config(model_config, world)
         config = dataclasses.replace(args, dtype=dtype, device=device).to_config(model_config)

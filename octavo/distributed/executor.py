@@ -126,3 +126,20 @@ def worker_main(rank: int, world: int, init_method: str, spec: WorkerSpec) -> No
                     model.compute_logits(hidden[rows])
     finally:
         dist.destroy_process_group()
+
+
+def torchrun_rank() -> tuple[int, int] | None:
+    """(rank, world size) when this process was started by torchrun for more than one rank
+    (its env rendezvous: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), else None."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or "RANK" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), world
+
+
+def run_worker_from_env(model_dir: str, dtype: str, tensor_parallel_size: int) -> None:
+    """A rank > 0 started by torchrun (on this node or another): be a worker of rank 0's engine."""
+    rank, world = torchrun_rank()
+    if world != tensor_parallel_size:
+        raise ValueError(f"torchrun started {world} ranks but --tensor-parallel-size is {tensor_parallel_size}")
+    worker_main(rank, world, "env://", WorkerSpec(model_dir, dtype, torch.get_num_threads()))

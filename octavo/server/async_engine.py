@@ -342,8 +342,17 @@ class AsyncEngine:
         except BaseException as exc:  # the loop must never die silently: fail everything, loudly
             logger.exception("engine loop failed; failing every request")
             self._die(exc)
+            self._close_engine()
             return
         self._close(EngineStopped("the server shut down before this request finished"))
+        self._close_engine()
+
+    def _close_engine(self) -> None:
+        """Release what the engine holds outside this process (tensor-parallel workers)."""
+        try:
+            self.engine.close()
+        except Exception:  # a dead worker's group may not close cleanly: the process is exiting anyway
+            logger.warning("closing the engine failed", exc_info=True)
 
     def _die(self, exc: BaseException) -> None:
         dead = EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}")

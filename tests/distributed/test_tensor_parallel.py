@@ -88,3 +88,33 @@ def test_a_dead_worker_fails_the_step(tiny_dir):
                 engine.step()
     finally:
         engine.close()
+
+
+def test_two_nodes_under_torchrun_equal_one_process(tmp_path):
+    """Two torchrun "nodes" on 127.0.0.1 (node 0: the engine, rank 0; node 1: ranks 1 and 2) run
+    `octavo generate --tensor-parallel-size 3`; the answers equal a single process's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.live_server import free_port
+
+    common = ["generate", "--prompt", "Name a colour.", "--max-tokens", "10", "--temperature", "0", "--json",
+              "--dtype", "float32", "--quantization", "none", "--kv-cache-memory", str(64 << 20)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    single = subprocess.run([sys.executable, "-m", "octavo.cli", *common], capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert single.returncode == 0, single.stderr[-2000:]
+    port = str(free_port())
+    nodes = []
+    for node, nproc in ((0, 1), (1, 2)):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+               "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", port,
+               "-m", "octavo.cli", *common, "--tensor-parallel-size", "3"]
+        nodes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    outs = [p.communicate(timeout=300) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], [o[1][-2000:] for o in outs]
+    expected = json.loads(single.stdout)["answers"]
+    got = json.loads(outs[0][0][outs[0][0].index("{"):])["answers"]
+    assert [a["text"] for a in got] == [a["text"] for a in expected]
