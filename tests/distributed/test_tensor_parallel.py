@@ -118,3 +118,33 @@ def test_two_nodes_under_torchrun_equal_one_process(tmp_path):
     expected = json.loads(single.stdout)["answers"]
     got = json.loads(outs[0][0][outs[0][0].index("{"):])["answers"]
     assert [a["text"] for a in got] == [a["text"] for a in expected]
+
+
+def test_serve_with_tp_and_a_worker_killed_mid_run(tiny_dir, tmp_path):
+    """`octavo serve --tensor-parallel-size 2` answers like TP=1; when a worker dies, requests get an
+    error and the server exits non-zero (a supervisor restarts it), it does not hang."""
+    import subprocess
+
+    import httpx
+
+    from tests.live_server import start_server
+
+    expected, _ = run(str(tiny_dir), 1, [[5, 6, 7, 8]])
+    server = start_server(tmp_path / "server.log", [str(tiny_dir), "--tensor-parallel-size", "2", "--dtype", "float32",
+                                                    "--num-kv-blocks", "64", "--shutdown-timeout", "2"], threads=2)
+    try:
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        text = r.json()["choices"][0]["text"]
+        assert text == expected[0].text
+        children = subprocess.run(["pgrep", "-P", str(server.process.pid)], capture_output=True, text=True).stdout.split()
+        assert children, "no worker process found"
+        for pid in children:
+            subprocess.run(["kill", "-9", pid])
+        failed = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 50}, timeout=60)
+        assert failed.status_code >= 500
+        assert server.process.wait(60) != 0
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
