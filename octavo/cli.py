@@ -461,8 +461,11 @@ def _torchrun_worker(args: argparse.Namespace) -> bool:
     from octavo.distributed.executor import run_worker_from_env
     from octavo.models.loader import resolve_model
 
-    dtype = "float32" if args.dtype == "auto" else args.dtype
-    run_worker_from_env(str(resolve_model(args.model)), dtype, args.tensor_parallel_size)
+    from octavo.engine_args import resolve_device
+
+    device = resolve_device(args.device)
+    dtype = ("bfloat16" if device.startswith("cuda") else "float32") if args.dtype == "auto" else args.dtype
+    run_worker_from_env(str(resolve_model(args.model)), dtype, args.tensor_parallel_size, device)
     return True
 
 

@@ -147,8 +147,9 @@ class LLMEngine:
             quantization = "none"  # no GPU kernels for GGUF blocks: they are dequantized to the dtype
         world = args.tensor_parallel_size
         if world > 1:
-            if device != "cpu":
-                raise ValueError("tensor parallelism runs on the CPU (gloo) in this version; use --device cpu")
+            if device.startswith("cuda") and torch_rank_count() < world and torchrun_rank() is None:
+                raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs here, torch sees {torch_rank_count()}; "
+                                 "start the ranks with torchrun across machines, or lower it")
             if quantization != "none":
                 logger.info("tensor parallel: weights are sharded dense (--quantization none)")
             quantization = "none"
@@ -164,10 +165,10 @@ class LLMEngine:
             if launched is not None:  # torchrun started every rank, maybe on several machines
                 if launched != (0, world):
                     raise ValueError(f"under torchrun the engine is rank 0 of {world}; this is {launched}")
-                group = TensorParallelGroup(world, WorkerSpec(str(model_dir), dtype), "env://", spawn=False)
+                group = TensorParallelGroup(world, WorkerSpec(str(model_dir), dtype, device=device), "env://", spawn=False)
             else:
                 threads = max(1, torch.get_num_threads() // world)  # the ranks share the cores
-                group = TensorParallelGroup(world, WorkerSpec(str(model_dir), dtype, threads))
+                group = TensorParallelGroup(world, WorkerSpec(str(model_dir), dtype, threads, device))
                 torch.set_num_threads(threads)
             model = shard_model(model, 0, world)
             model_config = local_config(model_config, world)
@@ -440,3 +441,8 @@ class LLMEngine:
             num_generation_tokens_total=self._num_generation_tokens,
             num_steps=self._num_steps,
         )
+
+
+def torch_rank_count() -> int:
+    """GPUs torch sees on this node (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

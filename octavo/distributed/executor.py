@@ -10,6 +10,7 @@ logits gather keep them together. A worker that dies makes the next step raise, 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -33,6 +34,30 @@ class WorkerSpec:
     model_dir: str
     dtype: str
     threads: int = 1
+    device: str = "cpu"  # "cuda": NCCL, one GPU per rank (rank r on cuda:r of its node)
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """The device rank `rank` works on: the CPU, or its node-local GPU (LOCAL_RANK under torchrun)."""
+    if not device.startswith("cuda"):
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", rank)) % max(1, torch.cuda.device_count())
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def on_device(step: tuple, device: torch.device) -> tuple:
+    """A step's tensors moved to `device` (steps travel between ranks as CPU tensors: a pickled GPU
+    tensor would come back on the sender's GPU)."""
+    ids, positions, meta, rows = step
+    fields = {f: getattr(meta, f).to(device) for f in ("slot_mapping", "block_tables", "query_starts", "query_lens",
+                                                         "context_lens")}
+    meta = dataclasses.replace(meta, gathered=None, **fields)
+    return ids.to(device), positions.to(device), meta, None if rows is None else rows.to(device)
 
 
 def _free_port() -> int:
@@ -57,8 +82,10 @@ class TensorParallelGroup:
                                 name=f"octavo-tp-worker-{r}")
                 p.start()
                 self.procs.append(p)
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=TIMEOUT)
-        logger.info("tensor parallel: %d ranks joined (gloo%s)", world, ", workers spawned here" if spawn else "")
+        self.device = rank_device(spec.device, rank)
+        backend = backend_for(spec.device)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=TIMEOUT)
+        logger.info("tensor parallel: %d ranks joined (%s%s)", world, backend, ", workers spawned here" if spawn else "")
 
     def check_workers(self) -> None:
         dead = [(p.name, p.exitcode) for p in self.procs if not p.is_alive()]
@@ -66,8 +93,11 @@ class TensorParallelGroup:
             raise RuntimeError(f"tensor-parallel worker {dead[0][0]} died (exit code {dead[0][1]}): the engine cannot continue")
 
     def send(self, message: tuple) -> None:
-        """Every worker receives `message` (the same broadcast they wait in)."""
+        """Every worker receives `message` (the same broadcast they wait in); a step's tensors go as
+        CPU tensors."""
         self.check_workers()
+        if message[0] == "step" and message[2] is not None and self.device.type != "cpu":
+            message = (message[0], message[1], on_device(message[2], torch.device("cpu")))
         dist.broadcast_object_list([message], src=0)
 
     def close(self) -> None:
@@ -95,9 +125,10 @@ def worker_main(rank: int, world: int, init_method: str, spec: WorkerSpec) -> No
 
     torch.set_num_threads(spec.threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=TIMEOUT)
+    device = rank_device(spec.device, rank)
+    dist.init_process_group(backend_for(spec.device), init_method=init_method, rank=rank, world_size=world, timeout=TIMEOUT)
     dtype = getattr(torch, spec.dtype)
-    model, cfg = load_model(Path(spec.model_dir), dtype=dtype, quantization="none")
+    model, cfg = load_model(Path(spec.model_dir), dtype=dtype, device=str(device), quantization="none")
     shard_model(model, rank, world)
     local = local_config(cfg, world)
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -111,13 +142,14 @@ def worker_main(rank: int, world: int, init_method: str, spec: WorkerSpec) -> No
             if message[0] == "init":
                 num_blocks, block_size = message[1], message[2]
                 shape = (num_blocks, block_size, local.num_kv_heads, local.head_dim)
-                kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(local.num_layers)]
+                kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                             for _ in range(local.num_layers)]
                 continue
             _, copies, step = message
             dispatch.copy_blocks(kv_caches, copies)
             if step is None:
                 continue
-            ids, positions, meta, rows = step
+            ids, positions, meta, rows = on_device(step, device)
             if meta.backend == "reference":
                 meta.gathered = gather_contexts(meta, kv_caches[0][0].shape[1])
             with torch.inference_mode():
@@ -137,9 +169,9 @@ def torchrun_rank() -> tuple[int, int] | None:
     return int(os.environ["RANK"]), world
 
 
-def run_worker_from_env(model_dir: str, dtype: str, tensor_parallel_size: int) -> None:
+def run_worker_from_env(model_dir: str, dtype: str, tensor_parallel_size: int, device: str = "cpu") -> None:
     """A rank > 0 started by torchrun (on this node or another): be a worker of rank 0's engine."""
     rank, world = torchrun_rank()
     if world != tensor_parallel_size:
         raise ValueError(f"torchrun started {world} ranks but --tensor-parallel-size is {tensor_parallel_size}")
-    worker_main(rank, world, "env://", WorkerSpec(model_dir, dtype, torch.get_num_threads()))
+    worker_main(rank, world, "env://", WorkerSpec(model_dir, dtype, torch.get_num_threads(), device))
