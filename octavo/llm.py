@@ -56,8 +56,10 @@ class LLM:
         """Run every prompt to completion; outputs come back in prompt order. `lora_request`: one
         adapter for all prompts or one (or None, the base model) per prompt.
 
-        A prompt is a string or a list of token ids. If any prompt is refused (too long, invalid
-        token ids) a ValueError names it and no prompt is left running.
+        A prompt is a string, a list of token ids, or vLLM's dicts: {"prompt": text} (TextPrompt) or
+        {"prompt_token_ids": ids} (TokensPrompt), either with "cache_salt" and "lora_request", which
+        then win over the arguments. If any prompt is refused (too long, invalid token ids) a
+        ValueError names it and no prompt is left running.
         """
         batch = _as_prompt_list(prompts)
         params = [
@@ -67,12 +69,16 @@ class LLM:
             for p in _broadcast(sampling_params or SamplingParams(), len(batch), "sampling_params")
         ]
         priorities = _broadcast(0, len(batch), "priority") if priority is None else list(priority)
-        salts = _broadcast(cache_salt, len(batch), "cache_salt") if not isinstance(cache_salt, list) else cache_salt
+        salts = _broadcast(cache_salt, len(batch), "cache_salt") if not isinstance(cache_salt, list) else list(cache_salt)
         if len(priorities) != len(batch) or len(salts) != len(batch):
             raise ValueError("priority and cache_salt must have one entry per prompt")
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(batch)
         if len(loras) != len(batch):
             raise ValueError("lora_request must be one adapter or one entry per prompt")
+        for i, prompt in enumerate(batch):  # a prompt dict's own salt and adapter win
+            batch[i], extra = _unpack(prompt, i)
+            salts[i] = extra.get("cache_salt", salts[i])
+            loras[i] = extra.get("lora_request", loras[i])
         return self._run(self._add_all(batch, params, priorities, salts, loras), use_tqdm)
 
     def beam_search(
@@ -82,8 +88,11 @@ class LLM:
         all prompts batch together and share KV blocks copy-on-write. Each output's completions are
         the best `params.beam_width` hypotheses, best first, with `cumulative_logprob`; a refused
         prompt raises ValueError as in `generate`."""
-        batch = _as_prompt_list(prompts)
-        return self._run(self._add_all(batch, [params] * len(batch), [0] * len(batch), [None] * len(batch)), use_tqdm)
+        unpacked = [_unpack(p, i) for i, p in enumerate(_as_prompt_list(prompts))]
+        batch = [prompt for prompt, _ in unpacked]
+        salts = [extra.get("cache_salt") for _, extra in unpacked]
+        loras = [extra.get("lora_request") for _, extra in unpacked]
+        return self._run(self._add_all(batch, [params] * len(batch), [0] * len(batch), salts, loras), use_tqdm)
 
     def _add_all(self, batch: list, params: list, priorities: list[int], salts: list[str | None],
                  loras: list[LoRARequest | None] | None = None) -> list[str]:
@@ -131,12 +140,29 @@ class LLM:
         return [done[rid] for rid in ids]
 
 
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt", "lora_request"}
+
+
+def _unpack(prompt: Any, index: int) -> tuple[Prompt, dict[str, Any]]:
+    """A vLLM prompt dict -> (its text or token ids, its cache_salt / lora_request); others as given."""
+    if not isinstance(prompt, dict):
+        return prompt, {}
+    unknown = sorted(set(prompt) - _PROMPT_KEYS)
+    if unknown:
+        raise ValueError(f"prompt {index}: keys {unknown} are not supported; a prompt dict takes 'prompt' or "
+                         "'prompt_token_ids', with 'cache_salt' and 'lora_request'")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError(f"prompt {index}: a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
+    body = prompt["prompt"] if "prompt" in prompt else list(prompt["prompt_token_ids"])
+    return body, {k: prompt[k] for k in ("cache_salt", "lora_request") if k in prompt}
+
+
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     if prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]  # type: ignore[arg-type]
-    return [p if isinstance(p, str) else list(p) for p in prompts]  # type: ignore[union-attr]
+    return [p if isinstance(p, (str, dict)) else list(p) for p in prompts]  # type: ignore[union-attr]
 
 
 def _broadcast(value: Any, n: int, name: str) -> list[Any]:

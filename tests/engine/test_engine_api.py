@@ -175,3 +175,29 @@ def test_stepping_on_another_thread_warns_once_per_move(make_llm, caplog):
         worker.start()
         worker.join()
     assert caplog.text.count("another thread") == 1
+
+
+def test_vllm_prompt_dicts_and_python_dash_m(make_llm, smol_tokenizer):
+    """vLLM's TextPrompt / TokensPrompt dicts (with cache_salt inside) give what plain prompts give;
+    a malformed dict is refused naming it; `python -m octavo` is the `octavo` command."""
+    import subprocess
+    import sys
+
+    from octavo.sampling.params import SamplingParams
+
+    llm = make_llm()
+    params = SamplingParams(temperature=0, max_tokens=6)
+    ids = smol_tokenizer.encode("The sky is")
+    text = "Water is wet and the sea is deep. " * 6  # several full blocks
+    plain = llm.generate([ids, text], params, use_tqdm=False)
+    dicts = llm.generate([{"prompt_token_ids": ids}, {"prompt": text, "cache_salt": "tenant-a"}], params,
+                         use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    assert dicts[1].num_cached_tokens == 0  # the dict's own salt: no hit on the unsalted run's blocks
+    assert llm.generate([{"prompt": text}], params, use_tqdm=False)[0].num_cached_tokens > 0
+    with pytest.raises(ValueError, match="prompt 0: a prompt dict needs exactly one of"):
+        llm.generate({"prompt": "a", "prompt_token_ids": [1]}, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="keys \\['multi_modal_data'\\] are not supported"):
+        llm.generate([{"prompt": "a", "multi_modal_data": {}}], params, use_tqdm=False)
+    out = subprocess.run([sys.executable, "-m", "octavo", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "serve" in out.stdout
