@@ -241,6 +241,9 @@ class LLMEngine:
         bad_stops = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad_stops:
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}); got {bad_stops[:5]}")
+        bad_bias = [t for t, _ in getattr(params, "logit_bias", ()) if not 0 <= t < vocab]
+        if bad_bias:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}); got {bad_bias[:5]}")
         if isinstance(prompt, str):
             text, token_ids = prompt, encode_prompt(self.tokenizer, prompt)
         else:

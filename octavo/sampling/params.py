@@ -13,6 +13,8 @@ MAX_STOP_STRINGS = 16  # OpenAI allows 4
 MAX_STOP_STRING_CHARS = 256  # the streamed text is held back by the longest one - 1 characters
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range: -100 (ban) to 100 (force)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as torch generators take
 
 
@@ -51,6 +53,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict is accepted
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
@@ -63,6 +66,8 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias or ()
+        object.__setattr__(self, "logit_bias", tuple(sorted((bias.items() if isinstance(bias, dict) else bias))))
         self._validate()
 
     def _validate(self) -> None:
@@ -109,6 +114,13 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative integers (token ids of the vocabulary)")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", self.logprobs, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+        for token, value in self.logit_bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise bad("logit_bias", token, "keys must be token ids (integers >= 0)")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -MAX_LOGIT_BIAS_VALUE <= value <= MAX_LOGIT_BIAS_VALUE:
+                raise bad("logit_bias", value, f"values must be numbers in [-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}]")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", self.output_kind, "must be a RequestOutputKind")
 

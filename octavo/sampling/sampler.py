@@ -144,7 +144,13 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     ]
     if any(bans):
         logits = logits if edited else logits.clone()
+        edited = True
         logits[_flat_ids(bans, device)] = float("-inf")
+    if any(r.params.logit_bias for r in rows):  # OpenAI's logit_bias: added to the logits, all rows at once
+        logits = logits if edited else logits.clone()
+        r_idx, t_idx = _flat_ids([[t for t, _ in r.params.logit_bias] for r in rows], device)
+        bias = torch.tensor([v for r in rows for _, v in r.params.logit_bias], dtype=logits.dtype, device=device)
+        logits.index_put_((r_idx, t_idx), bias, accumulate=True)
 
     tokens = logits.argmax(dim=-1)  # greedy rows are done; random rows are redrawn below
     random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]

@@ -55,7 +55,7 @@ class APIError(Exception):
 
 _PARAM_NAMES = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "presence_penalty",
                 "frequency_penalty", "repetition_penalty", "logprobs", "stop_token_ids", "stop", "seed", "n",
-                "cache_salt", "stream", "length_penalty", "early_stopping")
+                "cache_salt", "stream", "length_penalty", "early_stopping", "logit_bias")
 
 
 def _param_of(message: str) -> str | None:

@@ -88,7 +88,7 @@ class _SamplingFields(_Body):
     user: str | None = None
     # OpenAI fields Octavo does not implement: accepted in the schema so that a value is refused
     # with a clear 400 (see `unsupported`) rather than silently ignored.
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | None = Field(None, max_length=1024)
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -97,8 +97,6 @@ class _SamplingFields(_Body):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, message) of the first field set to a value this server cannot honour."""
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported by this server"
         if self.response_format and self.response_format.get("type", "text") != "text":
             return "response_format", "response_format other than {\"type\": \"text\"} is not supported by this server"
         if self.tools or self.functions:
@@ -108,6 +106,19 @@ class _SamplingFields(_Body):
         if isinstance(self.stop, str) and not 1 <= len(self.stop) <= MAX_STOP_STRING_CHARS:
             return "stop", f"stop must be 1 to {MAX_STOP_STRING_CHARS} characters"
         return None
+
+    def _logit_bias(self) -> dict[int, float]:
+        """OpenAI's {"token id as a string": bias}; ValueError naming logit_bias otherwise."""
+        out = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r}")
+            out[token] = float(value)
+        return out
 
     def to_sampling_params(self, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError with SamplingParams' message when a value is out of range."""
@@ -119,6 +130,7 @@ class _SamplingFields(_Body):
             "stop_token_ids": self.stop_token_ids or (),
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
+            "logit_bias": self._logit_bias(),
             "output_kind": RequestOutputKind.DELTA,
         }
         for name, default in (

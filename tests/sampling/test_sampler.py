@@ -1,5 +1,6 @@
 """Sampler: greedy, truncation, seeded reproducibility, penalties, min_tokens and logprobs."""
 
+import pytest
 import torch
 
 from octavo.sampling.params import SamplingParams
@@ -121,3 +122,17 @@ def test_logprobs_of_rows_asking_different_k():
     assert lps[0].top == {} and lps[2] is None
     assert list(lps[1].top) == torch.topk(ref[1], 4).indices.tolist()
     assert abs(lps[0].logprob - float(ref[0, tokens[0]])) < 1e-6
+
+
+def test_logit_bias_forces_and_bans_tokens_per_row():
+    logits = torch.tensor([[5.0, 1.0, 0.0, 4.0], [5.0, 1.0, 0.0, 4.0], [5.0, 1.0, 0.0, 4.0]])
+    greedy = SamplingParams(temperature=0)
+    rows = [row(SamplingParams(temperature=0, logit_bias={2: 100})),
+            row(SamplingParams(temperature=0, logit_bias={0: -100})), row(greedy)]
+    tokens, _ = sample(logits, rows)
+    assert tokens == [2, 3, 0]
+    sampled = [sample(logits[:1], [row(SamplingParams(temperature=1.0, logit_bias={0: -100, 3: -100}, seed=s), seed=s)])[0][0]
+               for s in range(20)]
+    assert 0 not in sampled and 3 not in sampled
+    with pytest.raises(ValueError, match="logit_bias values must be numbers in \\[-100, 100\\]"):
+        SamplingParams(logit_bias={1: 101})

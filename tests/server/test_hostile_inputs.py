@@ -81,7 +81,9 @@ CASES = [
     ("invalid text", C, b'{"prompt": "caf\xc3", "max_tokens": 2}', 400),
     ("invalid text", C, b'{"prompt": "Hi", "max_tokens": ', 400),
     ("unsupported", C, comp(echo=True), 400),
-    ("unsupported", C, comp(logit_bias={"50": 10}), 400),
+    ("out of range", C, comp(logit_bias={"50": 1000}), 400),
+    ("out of range", C, comp(logit_bias={"abc": 10}), 400),
+    ("out of range", C, comp(logit_bias={"99999999": 10}), 400),
     ("unsupported", C, comp(suffix="end"), 400),
     ("unsupported", C, comp(best_of=3), 400),
     ("unsupported", C, comp(priority=3), 400),  # this server runs fcfs

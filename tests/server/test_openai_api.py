@@ -259,3 +259,13 @@ def test_beam_search_refusals_name_the_field(client, extra, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(**kwargs)
     assert err.value.body["param"] == param
+
+
+def test_logit_bias_forces_a_token_and_out_of_range_is_refused(client, smol_tokenizer):
+    token = smol_tokenizer.encode(" blue")[0]
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
+                                     logit_bias={str(token): 100}, logprobs=0)
+    assert resp.choices[0].logprobs.tokens == [smol_tokenizer.decode([token])] * 5
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, logit_bias={str(token): 150})
+    assert err.value.body["param"] == "logit_bias"
