@@ -62,14 +62,15 @@ def expected(hf_model, prompts):
 
 @pytest.mark.parametrize("params", CASES, ids=lambda p: f"w{p.beam_width}-es{p.early_stopping}-lp{p.length_penalty}")
 def test_beams_equal_transformers(make_llm, prompts, expected, params):
-    outputs = make_llm().beam_search(prompts, params, use_tqdm=False)
+    llm = make_llm()
+    outputs = llm.beam_search(prompts, params, use_tqdm=False)
     for out, (seqs, scores) in zip(outputs, expected[params]):
         assert [c.token_ids for c in out.outputs] == seqs
         ours = [c.cumulative_logprob / len(c.token_ids) ** params.length_penalty for c in out.outputs]
         assert ours == pytest.approx(scores, abs=1e-4)
         for c in out.outputs:
             assert c.finish_reason == ("stop" if c.token_ids[-1] == 2 else "length")
-            assert c.text == make_llm().get_tokenizer().decode(c.token_ids, skip_special_tokens=True)
+            assert c.text == llm.get_tokenizer().decode(c.token_ids, skip_special_tokens=True)
 
 
 def test_some_beams_end_on_eos(expected):
