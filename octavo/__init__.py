@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from octavo.sampling.params import SamplingParams
+from octavo.sampling.params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from octavo.engine import LLMEngine
     from octavo.llm import LLM
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 

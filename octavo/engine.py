@@ -33,6 +33,7 @@ from octavo.request import (
 )
 from octavo.sampling.params import BeamSearchParams, RequestOutputKind, SamplingParams
 from octavo.scheduler import Scheduler, SchedulerStats
+from octavo.structured.manager import StructuredOutputManager
 from octavo.tokenizer import encode_prompt, load_tokenizer
 
 logger = logging.getLogger("octavo")
@@ -77,6 +78,8 @@ class _RequestState:
     first_token_time: float | None = None
     num_preemptions: int = 0
     beam: BeamGroup | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    sent_prompt_logprobs: bool = False  # DELTA outputs carry them once
 
     @property
     def finished(self) -> bool:
@@ -129,6 +132,7 @@ class LLMEngine:
             max_lora_rank=config.max_lora_rank,
             tensor_parallel=tensor_parallel,
         )
+        self.structured = StructuredOutputManager(tokenizer, config.model_config.vocab_size, self.eos_token_ids)
         self._states: dict[str, _RequestState] = {}
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
@@ -181,7 +185,8 @@ class LLMEngine:
         return engine
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (a no-op otherwise)."""
+        """Stop the tensor-parallel workers, if any, and the grammar-compiling threads."""
+        self.structured.close()
         if self.runner.tp is not None:
             self.runner.tp.close()
 
@@ -254,6 +259,8 @@ class LLMEngine:
             bad = [t for t in token_ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        if getattr(params, "structured_outputs", None) is not None:
+            self.structured.compile(params.structured_outputs)  # GrammarError (a ValueError) if it cannot be used
         if lora_request is not None:
             self.add_lora(lora_request)
         arrival = time.time() if arrival_time is None else arrival_time
@@ -293,7 +300,9 @@ class LLMEngine:
     def abort_request(self, request_ids: str | list[str]) -> None:
         """End requests now, wherever they are; their blocks are freed at once."""
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            self.scheduler.finish_requests(self.scheduler.sequences_of(rid), FinishReason.ABORT)
+            sequences = self.scheduler.sequences_of(rid)
+            self.scheduler.finish_requests(sequences, FinishReason.ABORT)
+            self.structured.forget(sequences)
             self._states.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -322,7 +331,8 @@ class LLMEngine:
         if self._thread_id != threading.get_ident():
             self._check_thread()
         sched_out = self.scheduler.schedule()
-        result = self.runner.execute(sched_out)
+        self.structured.forget(sched_out.finished_request_ids)
+        result = self.runner.execute(sched_out, self._grammar_masks(sched_out))
         changed = self.scheduler.update(sched_out, result)
         self._num_steps += 1
         self._num_generation_tokens += len(result.sampled)
@@ -330,6 +340,18 @@ class LLMEngine:
             max(0, min(e.start_pos + e.num_tokens, len(e.prompt_token_ids)) - e.start_pos) for e in sched_out.scheduled
         )
         return self._process(changed)
+
+    def _grammar_masks(self, sched_out) -> tuple[list[str], torch.Tensor] | None:
+        """The token bitmask of every sequence that samples this step under a structured-output
+        grammar (an n > 1 request's new sequences start from the prompt, with no output yet)."""
+        rows = [
+            (sid, e.sampling_params.structured_outputs, e.output_token_ids if i == 0 else [])
+            for e in sched_out.scheduled if e.sampling_params.structured_outputs is not None
+            for i, sid in enumerate(e.sample_ids)
+        ]
+        if not rows:
+            return None
+        return [sid for sid, _, _ in rows], self.structured.bitmask(rows)
 
     def _process(self, changed: list[Request]) -> list[RequestOutput]:
         touched: dict[str, _RequestState] = {}
@@ -342,6 +364,8 @@ class LLMEngine:
                     self._finish_search(state, seq)
                     touched[state.request_id] = state
                 continue
+            if state.prompt_logprobs is None and seq.sampling_params.prompt_logprobs is not None:
+                state.prompt_logprobs = [None, *seq.prompt_logprobs]
             comp = state.completions[seq.sample_index]
             token = seq.output_token_ids[-1]
             comp.token_ids.append(token)
@@ -352,7 +376,9 @@ class LLMEngine:
                 if not seq.is_finished:
                     self.scheduler.finish_requests([seq.request_id], FinishReason.STOP)
                 comp.finish_reason, comp.stop_reason = FinishReason.STOP.value, comp.detokenizer.stop_reason
+                self.structured.forget([seq.request_id])
             elif seq.is_finished:
+                self.structured.forget([seq.request_id])
                 comp.finish_reason = seq.finish_reason.value
                 if seq.finish_reason is FinishReason.STOP and token in seq.sampling_params.stop_token_ids:
                     comp.stop_reason = token
@@ -405,6 +431,10 @@ class LLMEngine:
                 )
                 for i, c in enumerate(state.completions)
             ]
+        prompt_logprobs = state.prompt_logprobs
+        if state.params.output_kind is RequestOutputKind.DELTA:
+            prompt_logprobs = None if state.sent_prompt_logprobs else prompt_logprobs
+            state.sent_prompt_logprobs = state.sent_prompt_logprobs or prompt_logprobs is not None
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
@@ -419,6 +449,7 @@ class LLMEngine:
                 finish_time=time.time() if finished else None,
                 num_preemptions=state.num_preemptions,
             ),
+            prompt_logprobs=prompt_logprobs,
         )
 
     @staticmethod

@@ -99,6 +99,10 @@ class LLM:
         """Add every prompt, or none: a refused one aborts those already added and raises."""
         ids: list[str] = []
         loras = loras or [None] * len(batch)
+        # distinct grammars compile concurrently first; add_request then finds them cached
+        grammars = [p.structured_outputs for p in params if getattr(p, "structured_outputs", None) is not None]
+        if grammars:
+            self.engine.structured.compile_many(grammars)
         try:
             for i, prompt in enumerate(batch):
                 rid = str(next(self._ids))

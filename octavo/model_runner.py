@@ -21,9 +21,12 @@ from octavo.lora.slots import LoRASlots
 from octavo.memory import keep_freed_memory_mapped
 from octavo.models.llama import LlamaForCausalLM
 from octavo.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from octavo.request import TokenLogprob
 from octavo.sampling.sampler import SamplingRow, sample
 
 logger = logging.getLogger("octavo")
+
+PROMPT_LOGPROB_ROWS = 256  # prompt positions scored at once for prompt_logprobs ([rows, vocab] float32)
 
 
 class ModelRunner:
@@ -166,7 +169,9 @@ class ModelRunner:
         return gen
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, sched: SchedulerOutput, grammar: tuple[list[str], torch.Tensor] | None = None) -> ModelRunnerOutput:
+        """One forward and sampling. `grammar` = (sequence ids, token bitmask [k, words]): those
+        sequences sample only tokens their structured-output grammar allows."""
         for rid in sched.finished_request_ids:
             self._generators.pop(rid, None)
         dispatch.copy_blocks(self.kv_caches, sched.copies)
@@ -204,14 +209,47 @@ class ModelRunner:
             hidden = self.graphs.run(input_ids, positions, meta)  # [num_tokens, hidden]
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
+        prompt_logprobs = self._prompt_logprobs(entries, hidden)
         if not rows:
-            return ModelRunnerOutput(sampled={})
+            return ModelRunnerOutput(sampled={}, prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[row_index])  # [num_rows, vocab] float32
-        tokens, logprobs = sample(logits, rows)
+        allowed = None
+        if grammar is not None and grammar[0]:
+            position = {sid: i for i, sid in enumerate(seq_ids)}
+            masked_rows = torch.tensor([position[sid] for sid in grammar[0]], dtype=torch.long, device=self.device)
+            allowed = (masked_rows, grammar[1])
+        tokens, logprobs = sample(logits, rows, allowed)
         return ModelRunnerOutput(
             sampled=dict(zip(seq_ids, tokens)),
             logprobs={sid: lp for sid, lp in zip(seq_ids, logprobs) if lp is not None},
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _prompt_logprobs(self, entries: list[ScheduledRequest], hidden: torch.Tensor) -> dict[str, tuple[int, list[TokenLogprob]]]:
+        """For requests asking prompt_logprobs: the logprob of each prompt token this step's chunk
+        predicts (position p's logits score prompt token p + 1) and its top-k alternatives.
+        Rows are scored PROMPT_LOGPROB_ROWS at a time, so a long chunk never holds [chunk, vocab]."""
+        out: dict[str, tuple[int, list[TokenLogprob]]] = {}
+        offset = 0
+        for e in entries:
+            k = e.sampling_params.prompt_logprobs
+            first, num_prompt = e.start_pos, len(e.prompt_token_ids)
+            end = min(first + e.num_tokens, num_prompt - 1)  # positions whose next token is a prompt token
+            if k is not None and end > first:
+                entries_out: list[TokenLogprob] = []
+                for lo in range(first, end, PROMPT_LOGPROB_ROWS):
+                    hi = min(end, lo + PROMPT_LOGPROB_ROWS)
+                    lp = torch.log_softmax(self.model.compute_logits(hidden[offset + lo - first : offset + hi - first]), dim=-1)
+                    targets = torch.tensor(e.prompt_token_ids[lo + 1 : hi + 1], dtype=torch.long, device=lp.device)
+                    chosen = lp.gather(1, targets[:, None])[:, 0].tolist()
+                    top = torch.topk(lp, k, dim=-1) if k > 0 else None
+                    ids = top.indices.tolist() if top is not None else [[]] * (hi - lo)
+                    vals = top.values.tolist() if top is not None else [[]] * (hi - lo)
+                    for j, t in enumerate(targets.tolist()):
+                        entries_out.append(TokenLogprob(t, chosen[j], dict(zip(ids[j], vals[j]))))
+                out[e.request_id] = (first + 1, entries_out)
+            offset += e.num_tokens
+        return out
 
 
 @torch.inference_mode()

@@ -56,3 +56,6 @@ class ModelRunnerOutput:
 
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # request id -> logprobs of the prompt tokens at positions [start, start + len) computed this
+    # step, as (start, entries); only for requests asking prompt_logprobs
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)

@@ -53,6 +53,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1, 2, ... (prompt_logprobs)
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission, in tokens
     num_preemptions: int = 0
@@ -137,3 +138,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    # prompt_logprobs: None for the first prompt token (nothing predicts it), then each token's
+    # logprob and its top alternatives; only when asked, and (DELTA outputs) only in the first output
+    prompt_logprobs: list[TokenLogprob | None] | None = None

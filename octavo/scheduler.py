@@ -300,6 +300,10 @@ class Scheduler:
             # The forward has now written KV for [0, start_pos + num_tokens): only now may those
             # full blocks be shared (before it, a preemption could leave hashes on unwritten KV).
             self.kv_cache.cache_blocks(request, entry.start_pos + entry.num_tokens)
+            scored = result.prompt_logprobs.get(entry.request_id)
+            if scored is not None:  # a recomputed chunk (after preemption) scores what is kept already
+                first, entries = scored
+                request.prompt_logprobs.extend(entries[max(0, 1 + len(request.prompt_logprobs) - first) :])
             if not entry.sample_ids:
                 continue
             if request.beam is not None:

@@ -94,8 +94,8 @@ class KVCacheManager:
         The hit never covers the last token: its logits must be computed, so a request whose
         whole prompt is cached still recomputes its last block.
         """
-        if not self.enable_prefix_caching:
-            return ComputedBlocks()
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return ComputedBlocks()  # prompt logprobs need every prompt position computed (vLLM v1 does the same)
         hashes = self._block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hit: list[KVCacheBlock] = []

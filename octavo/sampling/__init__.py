@@ -1,5 +1,5 @@
 """Sampling: the per-request parameters (pure Python) and the sampler (torch)."""
 
-from octavo.sampling.params import SamplingParams
+from octavo.sampling.params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["SamplingParams"]
+__all__ = ["SamplingParams", "StructuredOutputsParams"]

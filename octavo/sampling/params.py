@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 import math
 from dataclasses import dataclass
 
@@ -16,6 +17,79 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range: -100 (ban) to 100 (force)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as torch generators take
+
+
+MAX_CHOICES = 256  # structured_outputs.choice entries
+MAX_GRAMMAR_CHARS = 64 * 1024  # a JSON schema (serialised), a regex or an EBNF grammar
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's names); exactly one of the fields is set.
+
+    json: a JSON schema (dict or JSON text) the output must validate against; json_object: any
+    JSON object; regex: the whole output matches it; choice: the output is one of these strings;
+    grammar: an EBNF grammar (xgrammar's GBNF dialect). disable_any_whitespace: JSON without
+    optional whitespace. The schema is stored as JSON text (property order kept: it is the output order), so equal schemas share one
+    compiled grammar (see `key`).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", json.dumps(self.json, ensure_ascii=False))
+        elif isinstance(self.json, str):
+            try:
+                schema = json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("structured_outputs.json must be a JSON schema (an object)")
+            object.__setattr__(self, "json", json.dumps(schema, ensure_ascii=False))
+        elif self.json is not None:
+            raise ValueError(f"structured_outputs.json must be a JSON schema (dict or JSON text), got {type(self.json).__name__}")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a list of strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+            if not 1 <= len(self.choice) <= MAX_CHOICES or not all(self.choice):
+                raise ValueError(f"structured_outputs.choice must hold 1 to {MAX_CHOICES} non-empty strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar or json_object; "
+                             f"got {', '.join(kinds) or 'none'}")
+        if len(self.spec) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"structured_outputs.{kinds[0]} is longer than {MAX_GRAMMAR_CHARS} characters")
+
+    @property
+    def kind(self) -> str:
+        if self.json_object:
+            return "json_object"
+        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
+
+    @property
+    def spec(self) -> str:
+        """The constraint as text (a choice list as JSON)."""
+        value = getattr(self, self.kind)
+        if self.kind == "choice":
+            return json.dumps(list(value), ensure_ascii=False)
+        return "" if value is True else value
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """What a compiled grammar is cached by."""
+        return self.kind, self.spec, self.disable_any_whitespace
 
 
 class RequestOutputKind(enum.Enum):
@@ -54,6 +128,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict is accepted
+    prompt_logprobs: int | None = None  # logprob of each prompt token and its k most likely alternatives
+    structured_outputs: StructuredOutputsParams | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
@@ -121,6 +197,11 @@ class SamplingParams:
                 raise bad("logit_bias", token, "keys must be token ids (integers >= 0)")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -MAX_LOGIT_BIAS_VALUE <= value <= MAX_LOGIT_BIAS_VALUE:
                 raise bad("logit_bias", value, f"values must be numbers in [-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}]")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise bad("prompt_logprobs", self.prompt_logprobs, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", self.structured_outputs, "must be a StructuredOutputsParams")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", self.output_kind, "must be a RequestOutputKind")
 

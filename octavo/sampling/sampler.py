@@ -58,6 +58,20 @@ def truncate(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def apply_token_bitmask(logits: torch.Tensor, row_index: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Structured outputs: logits [n, vocab]; rows `row_index` [k] keep only the tokens whose bit is
+    set in their bitmask row [k, ceil(vocab / 32)] int32 (bit t % 32 of word t // 32); the others
+    become -inf. All k rows in one masked_fill, returning a new tensor (xgrammar's
+    apply_token_bitmask_inplace computes the same; tests compare them)."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = (bitmask.to(logits.device).unsqueeze(-1) >> shifts) & 1  # [k, words, 32]
+    allowed = bits.flatten(1)[:, :vocab].bool()  # [k, vocab]
+    out = logits.clone()
+    out[row_index] = logits[row_index].masked_fill(~allowed, float("-inf"))
+    return out
+
+
 def _flat_ids(lists: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(row index, token id) of every entry of per-row token lists, as two long tensors."""
     rows = [r for r, ids in enumerate(lists) for _ in ids]
@@ -120,7 +134,9 @@ def truncate_batched(logits: torch.Tensor, params: list[SamplingParams]) -> torc
     return logits
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+def sample(
+    logits: torch.Tensor, rows: list[SamplingRow], allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits: [num_rows, vocab] float32 -> a token per row and, where asked, its logprobs.
 
     Every transformation runs on all rows at once (penalties, min_tokens bans, temperature,
@@ -128,9 +144,13 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     the only per-row work is a seeded row's own noise draw. Logprobs are those of the model's raw
     distribution (before penalties and temperature). Random rows draw with their own generator
     when seeded, so a seeded request samples the same tokens whatever else is in the batch.
+    `allowed` = (row index [k], token bitmask [k, words]) restricts those rows to their grammar's
+    tokens first (structured outputs), so their logprobs are of the allowed tokens too.
     """
     num_rows = logits.shape[0]
     device = logits.device
+    if allowed is not None:
+        logits = apply_token_bitmask(logits, allowed[0], allowed[1])
     raw_logprobs = (
         torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in rows) else None
     )
