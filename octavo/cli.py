@@ -10,6 +10,8 @@ import signal
 import sys
 import time
 
+from octavo.server.tools import TOOL_CALL_PARSERS
+
 DEFAULT_CHATS = [
     "What is the capital of France? Answer in one sentence.",
     "Write a haiku about the sea.",
@@ -120,6 +122,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from octavo.server.async_engine import AsyncEngine
 
     log = logging.getLogger("octavo")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        print("error: --enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)", file=sys.stderr)
+        return 2
     engine_args = EngineArgs(**engine_kwargs(args))
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else args.model)
     limits = ServerLimits(
@@ -127,6 +132,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         enable_debug_endpoints=args.enable_debug_endpoints,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        tool_call_parser=args.tool_call_parser,
+        max_stored_responses=args.max_stored_responses,
     )
     died: list[BaseException] = []
 
@@ -369,6 +376,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-debug-endpoints", action="store_true", help="serve GET /debug/kv_cache (pool counts and an invariant check)")
     serve.add_argument("--allow-runtime-lora-updating", action="store_true",
                        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora)")
+    serve.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                       help="how tool_choice \"auto\" reads the model's own tool calls (hermes: <tool_call>{...}</tool_call>, "
+                            "Qwen and Hermes models); without it \"auto\" with tools is refused")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="vLLM's flag, accepted for its scripts: auto tool choice is on whenever --tool-call-parser is given")
+    serve.add_argument("--max-stored-responses", type=int, default=1024,
+                       help="/v1/responses kept in memory for previous_response_id (oldest dropped first)")
     serve.set_defaults(func=cmd_serve)
 
     rt = sub.add_parser("router", help="one OpenAI endpoint in front of several `octavo serve` replicas")

@@ -17,11 +17,13 @@ def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
     return list(tokenizer.encode(prompt))
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-    """Render `messages` with the model's chat template and tokenize (the template adds specials)."""
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Render `messages` (and `tools`, for templates that take them) with the model's chat
+    template and tokenize (the template adds specials)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -111,7 +111,7 @@ def merge_deltas(items: list[tuple[int, RequestOutput]]) -> list[tuple[int, Requ
         merged.append((index, RequestOutput(
             request_id=last.request_id, prompt=last.prompt, prompt_token_ids=last.prompt_token_ids,
             outputs=completions, finished=last.finished, num_cached_tokens=last.num_cached_tokens,
-            metrics=last.metrics,
+            metrics=last.metrics, prompt_logprobs=next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None),
         )))
     return merged
 

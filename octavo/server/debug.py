@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI
 
 if TYPE_CHECKING:
-    from octavo.server.app import OpenAIServer
+    from octavo.server.core import OpenAIServer
 
 
 def kv_cache_report(engine: Any) -> dict:

@@ -8,6 +8,7 @@ OpenAI fields this server cannot honour are refused with a 400 (`unsupported`), 
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -26,6 +27,7 @@ from octavo.sampling.params import (
     BeamSearchParams,
     RequestOutputKind,
     SamplingParams,
+    StructuredOutputsParams,
 )
 
 MAX_PROMPTS_PER_REQUEST = 64
@@ -49,8 +51,38 @@ def _reject_invalid_unicode(value: Any, depth: int = 0) -> None:
             _reject_invalid_unicode(v, depth + 1)
 
 
+# Fields other OpenAI-compatible servers take that Octavo does not implement: a request that sets
+# one (to anything but its neutral value) gets a 400 naming it instead of having it ignored.
+# Fields nobody defines are ignored, as OpenAI-compatible servers do.
+REFUSED_FIELDS = {
+    "audio": "audio output", "prediction": "predicted outputs", "web_search_options": "web search",
+    "reasoning_effort": "reasoning effort", "verbosity": "verbosity", "metadata": "stored-completion metadata",
+    "store": "stored completions", "functions": "the legacy functions field (use tools)",
+    "function_call": "the legacy function_call field (use tool_choice)", "guided_whitespace_pattern": "guided_whitespace_pattern",
+    "structural_tag": "structural tags", "bad_words": "bad_words", "allowed_token_ids": "allowed_token_ids",
+    "logits_processors": "custom logits processors", "truncate_prompt_tokens": "prompt truncation",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids", "chat_template": "a per-request chat template",
+    "chat_template_kwargs": "chat_template_kwargs", "documents": "documents", "continue_final_message": "continue_final_message",
+    "mm_processor_kwargs": "multimodal inputs", "prompt_embeds": "prompt embeddings", "kv_transfer_params": "KV transfer",
+    "vllm_xargs": "vllm_xargs", "spaces_between_special_tokens": "spaces_between_special_tokens",
+    "logprobs_mode": "logprobs_mode", "return_token_ids": "return_token_ids",
+}
+_NEUTRAL = {"modalities": (["text"],), "service_tier": ("auto", "default"), "guided_decoding_backend": ("xgrammar", "auto")}
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    def refused_extra(self) -> tuple[str, str] | None:
+        """(field, message) of the first set field this server knows of but does not implement."""
+        for name, value in (self.model_extra or {}).items():
+            if value in (None, False, [], {}, "") or value in _NEUTRAL.get(name, ()):
+                continue
+            if name in REFUSED_FIELDS:
+                return name, f"{name}: {REFUSED_FIELDS[name]} is not supported by this server"
+            if name in _NEUTRAL:
+                return name, f"{name}: only {', '.join(map(repr, _NEUTRAL[name]))} is supported by this server"
+        return None
 
     @model_validator(mode="before")
     @classmethod
@@ -61,6 +93,25 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+MAX_SPEC_CHARS = 64 * 1024
+_CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+MAX_TOOLS = 128
+
+
+class JSONSchemaFormat(_Body):
+    """response_format.json_schema: OpenAI's {name, schema, strict, description}."""
+
+    name: str = Field("response", max_length=256)
+    description: str | None = None
+    json_schema_body: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 class _SamplingFields(_Body):
@@ -86,26 +137,66 @@ class _SamplingFields(_Body):
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
     user: str | None = None
-    # OpenAI fields Octavo does not implement: accepted in the schema so that a value is refused
-    # with a clear 400 (see `unsupported`) rather than silently ignored.
     logit_bias: dict[str, Any] | None = Field(None, max_length=1024)
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
-    function_call: Any = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(None, max_length=MAX_SPEC_CHARS)
+    guided_choice: list[str] | None = Field(None, max_length=256)
+    guided_grammar: str | None = Field(None, max_length=MAX_SPEC_CHARS)
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, message) of the first field set to a value this server cannot honour."""
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format", "response_format other than {\"type\": \"text\"} is not supported by this server"
-        if self.tools or self.functions:
-            return ("tools" if self.tools else "functions"), "tool and function calling is not supported by this server"
-        if self.tool_choice not in (None, "none", "auto") or self.function_call not in (None, "none", "auto"):
-            return "tool_choice", "tool_choice / function_call is not supported by this server"
         if isinstance(self.stop, str) and not 1 <= len(self.stop) <= MAX_STOP_STRING_CHARS:
             return "stop", f"stop must be 1 to {MAX_STOP_STRING_CHARS} characters"
-        return None
+        return self.refused_extra()
+
+    def structured_param(self) -> str:
+        """The field the output constraint came from (what a 400 about it names)."""
+        return next((n for n in _CONSTRAINT_FIELDS if self._is_set(n)), "response_format")
+
+    def structured_fields_set(self) -> bool:
+        return any(self._is_set(n) for n in _CONSTRAINT_FIELDS)
+
+    def _is_set(self, name: str) -> bool:
+        value = getattr(self, name)
+        if name == "response_format":
+            return value is not None and value.type != "text"
+        return value not in (None, {})
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The one output constraint the request asks for (ValueError naming the fields if several)."""
+        asked: list[tuple[str, StructuredOutputsParams]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            asked.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.json_schema_body is None:
+                raise ValueError("response_format: type json_schema needs json_schema.schema")
+            asked.append(("response_format", StructuredOutputsParams(json=rf.json_schema.json_schema_body)))
+        if self.structured_outputs:
+            fields = {k: v for k, v in self.structured_outputs.items() if v not in (None, False)}
+            known = {"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace"}
+            unknown = sorted(set(fields) - known)
+            if unknown:
+                raise ValueError(f"structured_outputs: unsupported field(s) {', '.join(unknown)}; "
+                                 f"supported: {', '.join(sorted(known))}")
+            try:
+                asked.append(("structured_outputs", StructuredOutputsParams(**fields)))
+            except TypeError as exc:
+                raise ValueError(f"structured_outputs: {exc}") from None
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                asked.append((name, StructuredOutputsParams(**{kind: value})))
+        if len(asked) > 1:
+            raise ValueError(f"{asked[0][0]}: give one output constraint, not {' and '.join(n for n, _ in asked)}")
+        return asked[0][1] if asked else None
 
     def _logit_bias(self) -> dict[int, float]:
         """OpenAI's {"token id as a string": bias}; ValueError naming logit_bias otherwise."""
@@ -132,6 +223,10 @@ class _SamplingFields(_Body):
             "logprobs": logprobs,
             "logit_bias": self._logit_bias(),
             "output_kind": RequestOutputKind.DELTA,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
+            "prompt_logprobs": self.prompt_logprobs,
+            "structured_outputs": self.structured(),
         }
         for name, default in (
             ("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("presence_penalty", 0.0),
@@ -174,8 +269,6 @@ class CompletionRequest(_SamplingFields):
         )
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", "echo is not supported by this server"
         if self.suffix:
             return "suffix", "suffix (insertion) is not supported by this server"
         if self.best_of is not None and self.best_of != self.n:
@@ -203,14 +296,69 @@ class ContentPart(_Body):
         return self
 
 
+class FunctionCall(_Body):
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str = Field("{}", max_length=MAX_SPEC_CHARS)
+
+
+class ToolCall(_Body):
+    id: str | None = Field(None, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    name: str | None = Field(None, max_length=256)
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(None, max_length=256)
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text or "" for part in self.content)
         return self.content or ""
+
+    def as_template_dict(self) -> dict[str, Any]:
+        """The message as chat templates take it (tool-call arguments as objects where they parse)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": _maybe_json(c.function.arguments)}}
+                                 for c in self.tool_calls]
+        return out
+
+
+def _maybe_json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = Field(None, max_length=8192)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoiceFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedToolChoiceFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -219,9 +367,26 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
-    def plain_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def plain_messages(self) -> list[dict[str, Any]]:
+        return [m.as_template_dict() for m in self.messages]
+
+    def unsupported(self) -> tuple[str, str] | None:
+        extra = self.model_extra or {}
+        if extra.get("echo"):
+            return "echo", "echo is not supported on chat completions by this server (use /v1/completions)"
+        if extra.get("use_beam_search"):
+            return "use_beam_search", "use_beam_search is not supported on chat completions (use /v1/completions)"
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            return "tool_choice", "tool_choice needs tools"
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tools:
+            names = [t.function.name for t in self.tools]
+            if self.tool_choice.function.name not in names:
+                return "tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools ({', '.join(names)})"
+        return super().unsupported()
 
 
 class TokenizeRequest(_Body):

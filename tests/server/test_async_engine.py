@@ -23,13 +23,13 @@ def test_a_failing_step_fails_running_and_queued_requests_and_refuses_new_ones(m
     real_execute = engine.runner.execute
     calls = []
 
-    def execute(sched):
+    def execute(sched, grammar=None):
         calls.append(1)
         if len(calls) == 3:  # the third step: hold it, let commands queue up, then fail
             entered.set()
             release.wait(30)
             raise RuntimeError("injected fault")
-        return real_execute(sched)
+        return real_execute(sched, grammar)
 
     engine.runner.execute = execute
     died = []

@@ -1,0 +1,216 @@
+"""What the route families share: the server's state (engine, tokenizer, limits, thread pool),
+API errors, request checks, and the disconnect watch."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from octavo.lora.request import LoRARequest
+from octavo.sampling.params import StructuredOutputsParams
+from octavo.server.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, EngineStopped
+from octavo.server.tools import render_tool_calls_as_text, tools_system_prompt
+from octavo.structured.manager import GrammarError
+from octavo.tokenizer import apply_chat_template, encode_prompt
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "BadRequestError", param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
+
+
+_PARAM_NAMES = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "presence_penalty",
+                "frequency_penalty", "repetition_penalty", "logprobs", "stop_token_ids", "stop", "seed", "n",
+                "cache_salt", "stream", "length_penalty", "early_stopping", "logit_bias", "prompt_logprobs",
+                "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                "guided_grammar", "echo")
+
+
+def param_of(message: str) -> str | None:
+    return next((p for p in _PARAM_NAMES if message.startswith(p) or f": {p}" in message[:40]), None)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """What one request may ask for; see docs/RELIABILITY.md."""
+
+    max_request_bytes: int = 4 << 20
+    retry_after_s: int = 1
+    enable_prompt_tokens_details: bool = False
+    enable_debug_endpoints: bool = False
+    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    tool_call_parser: str | None = None  # how tool_choice "auto" reads the model's calls ("hermes")
+    max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id (oldest dropped)
+
+
+class OpenAIServer:
+    """Holds what the routes share: the engine, tokenizer, model name, limits and the thread pool
+    that keeps tokenisation, chat templating and logprob decoding off the event loop."""
+
+    def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+                 limits: ServerLimits | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = engine.engine.tokenizer
+        self.model_name = served_model_name
+        self.api_key = api_key
+        self.limits = limits or ServerLimits()
+        config = engine.engine.config
+        self.max_model_len = config.scheduler.max_model_len
+        self.vocab_size = config.model_config.vocab_size
+        self.priority_enabled = config.scheduler.policy == "priority"
+        self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="octavo-tokenize")
+        # adapters by the name a request's `model` field selects (kept in step with the engine)
+        self.loras: dict[str, LoRARequest] = {r.lora_name: r for r in engine.engine.list_loras()}
+        self._token_text: dict[int, str] = {}
+        # No token decodes to more characters than its vocabulary entry has (byte-level entries
+        # spell each byte with one character), so a prompt longer than max_model_len times the
+        # longest entry cannot fit and is refused without tokenising it.
+        vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+        self.max_chars_per_token = max((len(t) for t in vocab), default=64) + 1
+
+    async def off_loop(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    # ---- checks ------------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model); 404 for an unknown name."""
+        if model is None or model == self.model_name:
+            return None
+        lora = self.loras.get(model)
+        if lora is None:
+            served = ", ".join(f"`{n}`" for n in [self.model_name, *self.loras])
+            raise APIError(404, f"The model `{model}` does not exist; this server serves {served}.",
+                           "NotFoundError", "model")
+        return lora
+
+    def check_request(self, req: Any) -> LoRARequest | None:
+        """Checks a request's fields; returns the LoRA adapter its `model` selects, if any."""
+        lora = self.check_model(req.model)
+        bad = req.unsupported()
+        if bad is not None:
+            raise APIError(400, bad[1], "BadRequestError", bad[0])
+        if req.priority != 0 and not self.priority_enabled:
+            raise APIError(400, "priority needs a server started with --scheduling-policy priority",
+                           "BadRequestError", "priority")
+        return lora
+
+    def check_prompt_len(self, ids: list[int]) -> None:
+        if len(ids) >= self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens, but the prompt "
+                                f"has {len(ids)} tokens; at least one output token must fit.", "BadRequestError", "prompt")
+
+    def check_text_len(self, text: str) -> None:
+        if len(text) > self.max_model_len * self.max_chars_per_token:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens, but the prompt "
+                                f"has {len(text)} characters, more than that many tokens can hold.",
+                           "BadRequestError", "prompt")
+
+    # ---- off-loop work -----------------------------------------------------------------------
+
+    async def encode(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                self.check_text_len(p)
+                out.append(await self.off_loop(encode_prompt, self.tokenizer, p))
+            else:
+                out.append(list(p))
+        return out
+
+    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                          tools: list[Any] | None = None) -> list[int]:
+        """Token ids of the conversation through the model's chat template. `tools` (and tool calls
+        in assistant messages) go to a template that renders them; for one that does not, they are
+        written as Hermes' system prompt and <tool_call> blocks."""
+        self.check_text_len("".join(str(m.get("content") or "") + str(m.get("tool_calls") or "") for m in messages))
+        template = getattr(self.tokenizer, "chat_template", None) or ""
+        kwargs: dict[str, Any] = {}
+        if "tool" in template:
+            if tools:
+                kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+        else:
+            messages = [render_tool_calls_as_text(m) if m.get("tool_calls") else m for m in messages]
+            if tools:
+                system = tools_system_prompt(tools)
+                if messages and messages[0]["role"] == "system":
+                    messages = [{**messages[0], "content": messages[0]["content"] + "\n\n" + system}, *messages[1:]]
+                else:
+                    messages = [{"role": "system", "content": system}, *messages]
+        try:
+            return await self.off_loop(lambda: apply_chat_template(self.tokenizer, messages, add_generation_prompt, **kwargs))
+        except Exception as exc:
+            raise APIError(400, f"could not apply the chat template: {exc}", "BadRequestError", "messages") from exc
+
+    async def check_grammar(self, constraint: StructuredOutputsParams | None, param: str) -> None:
+        """Compile a request's output constraint off the event loop and the engine thread (the
+        engine then finds it cached); 400 naming `param` and the problem if it cannot be used."""
+        if constraint is None:
+            return
+        try:
+            await self.off_loop(self.engine.engine.structured.compile, constraint)
+        except GrammarError as exc:
+            raise APIError(400, f"{param}: {exc}", "BadRequestError", param) from exc
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+# ---- disconnects ---------------------------------------------------------------------------
+
+
+class DisconnectWatch:
+    """While open, a task waits for the client's http.disconnect and then calls `on_disconnect`
+    (which aborts the request's engine work). Used for the whole life of a request that is not
+    streaming yet: queued, prefilling, or collecting a non-streamed answer."""
+
+    def __init__(self, request: Request, on_disconnect: Callable[[], None]) -> None:
+        self.request, self.on_disconnect = request, on_disconnect
+        self.disconnected = False
+        self._task: asyncio.Task | None = None
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self.request.receive()
+            if message["type"] == "http.disconnect":
+                self.disconnected = True
+                self.on_disconnect()
+                return
+
+    async def __aenter__(self) -> DisconnectWatch:
+        self._task = asyncio.create_task(self._watch())
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
+
+
+def engine_error(exc: Exception, limits: ServerLimits) -> APIError:
+    """The HTTP error of an exception from AsyncEngine.add or a collector."""
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(429, str(exc), "RateLimitError", headers={"Retry-After": str(limits.retry_after_s)})
+    if isinstance(exc, (EngineStopped, EngineDeadError)):
+        return APIError(503, str(exc), "ServiceUnavailableError")
+    return APIError(400, str(exc), "BadRequestError", param_of(str(exc)) or "prompt")
+
+
+def sampling_params(req: Any, default_max_tokens: int, logprobs: int | None) -> Any:
+    """The request's SamplingParams; 400 naming the field when a value is refused."""
+    try:
+        return req.to_sampling_params(default_max_tokens, logprobs)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "BadRequestError", param_of(str(exc))) from exc

@@ -1,0 +1,159 @@
+"""Tool calling for chat completions: the grammar that forces a call (tool_choice "required" or a
+named function), and the parser of a model's own calls (Hermes' <tool_call> blocks, for "auto"),
+whole or as a stream."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from octavo.sampling.params import StructuredOutputsParams
+
+TOOL_CALL_PARSERS = ("hermes",)
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass(slots=True)
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def as_openai(self, index: int | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        if index is not None:
+            out["index"] = index
+        return out
+
+
+def _parameters(tool: Any) -> dict[str, Any]:
+    return tool.function.parameters or {"type": "object", "properties": {}}
+
+
+def forced_call_constraint(tools: list[Any], tool_choice: Any, parallel: bool) -> StructuredOutputsParams | None:
+    """The output constraint of tool_choice "required" (a JSON array of {name, parameters}, one
+    entry per call, each valid for its tool's schema) or of a named function (its arguments
+    object); None when the model chooses ("auto", "none")."""
+    if tool_choice in (None, "none", "auto"):
+        return None
+    if tool_choice == "required":
+        calls = {"anyOf": [
+            {"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]}, "parameters": _parameters(t)},
+             "required": ["name", "parameters"], "additionalProperties": False}
+            for t in tools
+        ]}
+        schema: dict[str, Any] = {"type": "array", "items": calls, "minItems": 1}
+        if not parallel:
+            schema["maxItems"] = 1
+        return StructuredOutputsParams(json=schema)
+    tool = next(t for t in tools if t.function.name == tool_choice.function.name)
+    return StructuredOutputsParams(json=_parameters(tool))
+
+
+def parse_forced_calls(text: str, tool_choice: Any) -> list[ParsedCall] | None:
+    """The calls in a constrained output; None if it is not complete JSON (cut by max_tokens)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if tool_choice == "required":
+        return [ParsedCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
+    return [ParsedCall(tool_choice.function.name, json.dumps(value, ensure_ascii=False))]
+
+
+def _hermes_call(body: str) -> ParsedCall | None:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    args = value.get("arguments", value.get("parameters", {}))
+    return ParsedCall(value["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+def parse_hermes(text: str) -> tuple[str | None, list[ParsedCall]]:
+    """(content outside the calls or None, calls) of a whole output. A block that is not valid
+    JSON with a "name" stays in the content, as the model wrote it."""
+    content, calls, pos = [], [], 0
+    while (start := text.find(HERMES_OPEN, pos)) != -1:
+        end = text.find(HERMES_CLOSE, start)
+        body_end = end if end != -1 else len(text)
+        call = _hermes_call(text[start + len(HERMES_OPEN): body_end].strip())
+        if call is None:
+            break
+        content.append(text[pos:start])
+        calls.append(call)
+        pos = body_end + len(HERMES_CLOSE) if end != -1 else len(text)
+    content.append(text[pos:])
+    rest = "".join(content).strip()
+    return (rest or None), calls
+
+
+class HermesStream:
+    """Feeds streamed text; returns content to show now and calls completed now. Text that could
+    be the start of a <tool_call> tag is held back until it is clearly not one."""
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._in_call = False
+        self.calls: list[ParsedCall] = []
+
+    def feed(self, text: str, finished: bool = False) -> tuple[str, list[ParsedCall]]:
+        self._buffer += text
+        shown, new_calls = [], []
+        while True:
+            if self._in_call:
+                end = self._buffer.find(HERMES_CLOSE)
+                if end == -1 and not finished:
+                    break
+                body = self._buffer[: end if end != -1 else len(self._buffer)]
+                call = _hermes_call(body.strip())
+                if call is None:  # not a call after all: show it as written
+                    shown.append(HERMES_OPEN + body + (HERMES_CLOSE if end != -1 else ""))
+                else:
+                    new_calls.append(call)
+                self._buffer = self._buffer[end + len(HERMES_CLOSE):] if end != -1 else ""
+                self._in_call = False
+                continue
+            start = self._buffer.find(HERMES_OPEN)
+            if start != -1:
+                shown.append(self._buffer[:start])
+                self._buffer = self._buffer[start + len(HERMES_OPEN):]
+                self._in_call = True
+                continue
+            keep = 0 if finished else _partial_tag_len(self._buffer)
+            shown.append(self._buffer[: len(self._buffer) - keep])
+            self._buffer = self._buffer[len(self._buffer) - keep:]
+            break
+        self.calls.extend(new_calls)
+        return "".join(shown), new_calls
+
+
+def _partial_tag_len(text: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of <tool_call>."""
+    for n in range(min(len(text), len(HERMES_OPEN) - 1), 0, -1):
+        if HERMES_OPEN.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def tools_system_prompt(tools: list[Any]) -> str:
+    """Hermes' tool instructions, for chat templates that do not render `tools` themselves."""
+    specs = "\n".join(json.dumps({"type": "function", "function": t.function.model_dump(exclude_none=True)},
+                                 ensure_ascii=False) for t in tools)
+    return ("You may call one or more functions to assist with the user query. The functions are:\n<tools>\n"
+            f"{specs}\n</tools>\nFor each call, return a JSON object with the function name and arguments "
+            f"within {HERMES_OPEN}{HERMES_CLOSE} tags:\n{HERMES_OPEN}\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n' + HERMES_CLOSE)
+
+
+def render_tool_calls_as_text(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's tool_calls written into its content as Hermes blocks (for templates
+    that do not know tool_calls)."""
+    blocks = [f"{HERMES_OPEN}\n" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                                                ensure_ascii=False) + f"\n{HERMES_CLOSE}" for c in message["tool_calls"]]
+    content = "\n".join(([message["content"]] if message.get("content") else []) + blocks)
+    return {k: v for k, v in message.items() if k != "tool_calls"} | {"content": content}
