@@ -269,6 +269,9 @@ class CompletionRequest(_SamplingFields):
         )
 
     def unsupported(self) -> tuple[str, str] | None:
+        if not self.use_beam_search and (self.length_penalty != 1.0 or self.early_stopping is not False):
+            name = "length_penalty" if self.length_penalty != 1.0 else "early_stopping"
+            return name, f"{name} applies only to beam search (use_beam_search: true)"
         if self.suffix:
             return "suffix", "suffix (insertion) is not supported by this server"
         if self.best_of is not None and self.best_of != self.n:
@@ -380,6 +383,8 @@ class ChatCompletionRequest(_SamplingFields):
             return "echo", "echo is not supported on chat completions by this server (use /v1/completions)"
         if extra.get("use_beam_search"):
             return "use_beam_search", "use_beam_search is not supported on chat completions (use /v1/completions)"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             return "tool_choice", "tool_choice needs tools"
         if isinstance(self.tool_choice, NamedToolChoice) and self.tools:

@@ -82,6 +82,8 @@ CASES = [
     ("invalid text", C, b'{"prompt": "Hi", "max_tokens": ', 400),
     ("unsupported", C, comp(echo=True, use_beam_search=True, n=2), 400),
     ("unsupported", C, comp(audio={"voice": "alloy"}), 400),
+    ("unsupported", C, comp(length_penalty=2.0), 400),  # beam search only
+    ("unsupported", CHAT, chat(top_logprobs=2), 400),  # needs logprobs: true
     ("unsupported", CHAT, chat(store=True), 400),
     ("unsupported", CHAT, chat(echo=True), 400),
     ("bad grammar", C, comp(guided_regex="[a-"), 400),

@@ -66,6 +66,14 @@ def test_auto_tool_calls_whole(scripted_url):
     assert [c.function.name for c in calls] == ["get_weather", "get_time"]
     assert json.loads(calls[0].function.arguments) == {"city": "Paris", "unit": "celsius"}
     assert len({c.id for c in calls}) == 2 and all(c.type == "function" for c in calls)
+    # parallel_tool_calls false: the first call only, whole and streamed
+    r = client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "Weather?"}],
+                                       tools=TOOLS, parallel_tool_calls=False, max_tokens=200)
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"]
+    stream = client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "Weather?"}],
+                                            tools=TOOLS, parallel_tool_calls=False, max_tokens=200, stream=True)
+    names = [tc.function.name for ch in stream for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert names == ["get_weather"]
     # tool_choice "none": the same text comes back as text
     r = client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "Hi"}],
                                        tools=TOOLS, tool_choice="none", max_tokens=200)

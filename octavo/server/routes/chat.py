@@ -35,8 +35,8 @@ class ChatChoices:
 
     object_name, chunk_name = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, server: OpenAIServer, mode: str, tool_choice: Any) -> None:
-        self.server, self.mode, self.tool_choice = server, mode, tool_choice
+    def __init__(self, server: OpenAIServer, mode: str, tool_choice: Any, parallel: bool = True) -> None:
+        self.server, self.mode, self.tool_choice, self.parallel = server, mode, tool_choice, parallel
         self._buffers: dict[int, str] = {}  # "required": text so far per choice
         self._named_started: set[int] = set()
         self._named_id: dict[int, str] = {}
@@ -49,7 +49,7 @@ class ChatChoices:
             return None if calls is None else (None, calls)
         if self.mode == "auto":
             content, calls = parse_hermes(text)
-            return (content, calls) if calls else None
+            return (content, calls if self.parallel else calls[:1]) if calls else None
         return None
 
     def _finish(self, reason: str | None, has_calls: bool) -> str | None:
@@ -90,6 +90,8 @@ class ChatChoices:
             stream = self._hermes.setdefault(index, HermesStream())
             first_call = len(stream.calls)
             content, calls = stream.feed(c.text, finished=done)
+            if not self.parallel:  # parallel_tool_calls false: the first call only
+                calls = calls[: max(0, 1 - first_call)]
             delta = {"content": content} if content else {}
             if calls:
                 delta["tool_calls"] = [call.as_openai(first_call + k) for k, call in enumerate(calls)]
@@ -140,7 +142,7 @@ def build_router(server: OpenAIServer) -> APIRouter:
             await server.check_grammar(params.structured_outputs, req.structured_param())
         mode = "named" if not isinstance(tool_choice, str) else (
             tool_choice if tool_choice in ("required", "none") else ("auto" if req.tools else "none"))
-        return await run_request(server, request, req, [ids], params, ChatChoices(server, mode, tool_choice),
+        return await run_request(server, request, req, [ids], params, ChatChoices(server, mode, tool_choice, req.parallel_tool_calls),
                                  "chatcmpl", lora)
 
     return router
