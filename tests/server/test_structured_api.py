@@ -96,6 +96,12 @@ def test_required_and_named_tool_calls(client):
     schemas = {"get_weather": WEATHER["function"]["parameters"], "get_time": TIME["function"]["parameters"]}
     for call in c.message.tool_calls:
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Time in Berlin?"}],
+                                            tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False,
+                                            temperature=0, max_tokens=120, stream=True)
+    streamed = [(tc.function.name, tc.function.arguments) for ch in stream for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert len(streamed) == 1  # parallel_tool_calls false: the grammar allows one call
+    jsonschema.validate(json.loads(streamed[0][1]), schemas[streamed[0][0]])
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}],
                                        tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}},
                                        n=3, temperature=1.0, seed=9, max_tokens=60)
