@@ -122,6 +122,8 @@ class OpenAIServer:
                 self.check_text_len(p)
                 out.append(await self.off_loop(encode_prompt, self.tokenizer, p))
             else:
+                if not all(0 <= t < self.vocab_size for t in p):
+                    raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size})", "BadRequestError", "prompt")
                 out.append(list(p))
         return out
 

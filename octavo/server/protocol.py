@@ -272,6 +272,9 @@ class CompletionRequest(_SamplingFields):
         if not self.use_beam_search and (self.length_penalty != 1.0 or self.early_stopping is not False):
             name = "length_penalty" if self.length_penalty != 1.0 else "early_stopping"
             return name, f"{name} applies only to beam search (use_beam_search: true)"
+        for name in ("tools", "tool_choice", "parallel_tool_calls"):
+            if (self.model_extra or {}).get(name) not in (None, [], "none"):
+                return name, f"{name}: tool calling is served on /v1/chat/completions, not on completions"
         if self.suffix:
             return "suffix", "suffix (insertion) is not supported by this server"
         if self.best_of is not None and self.best_of != self.n:

@@ -112,8 +112,10 @@ class StructuredOutputManager:
                 grammar = compiler.compile_grammar(params.grammar)
         except SchemaError as exc:
             raise GrammarError(f"structured_outputs.json: {exc}") from None
-        except RuntimeError as exc:  # xgrammar's parse errors: keep the message, drop its source location
-            message = str(exc).strip().splitlines()[0]
+        except Exception as exc:  # xgrammar's parse errors (RuntimeError; UnicodeDecodeError when its
+            # message quotes non-UTF-8 bytes of the input): keep the message, drop its source location
+            text = str(exc).strip().splitlines()
+            message = text[0] if text else type(exc).__name__
             message = message.split(": ", 1)[1] if ".cc:" in message else message
             raise GrammarError(f"structured_outputs.{params.kind}: {message}") from None
         with self._lock:

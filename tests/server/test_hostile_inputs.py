@@ -81,12 +81,16 @@ CASES = [
     ("invalid text", C, b'{"prompt": "caf\xc3", "max_tokens": 2}', 400),
     ("invalid text", C, b'{"prompt": "Hi", "max_tokens": ', 400),
     ("unsupported", C, comp(echo=True, use_beam_search=True, n=2), 400),
+    ("out of range", C, comp(prompt=[-1], echo=True), 400),  # checked before the echo decodes it
+    ("out of range", C, comp(prompt=[10**9], echo=True, logprobs=1), 400),
     ("unsupported", C, comp(audio={"voice": "alloy"}), 400),
     ("unsupported", C, comp(length_penalty=2.0), 400),  # beam search only
+    ("unsupported", C, comp(tools=[{"type": "function", "function": {"name": "f"}}]), 400),  # chat only
     ("unsupported", CHAT, chat(top_logprobs=2), 400),  # needs logprobs: true
     ("unsupported", CHAT, chat(store=True), 400),
     ("unsupported", CHAT, chat(echo=True), 400),
     ("bad grammar", C, comp(guided_regex="[a-"), 400),
+    ("bad grammar", CHAT, chat(guided_grammar="\x80"), 400),  # xgrammar's message quotes the byte
     ("bad grammar", C, comp(guided_json={"type": "object", "properties": {"a": {"not": {}}}}), 400),
     ("bad grammar", C, comp(structured_outputs={"regex": "a+", "choice": ["a"]}), 400),
     ("bad grammar", C, comp(structured_outputs={"json": {"type": "object"}, "whitespace": "x"}), 400),
