@@ -39,7 +39,7 @@ def main() -> None:
     args = ap.parse_args()
     llm = LLM(kv_cache_memory=1 << 30, enable_prefix_caching=False)
     tokens = llm.get_tokenizer().encode(TEXT * 3)
-    print(f"| prompt tokens | kind | width / n | saving (mean over steps) | peak blocks shared / owned |")
+    print("| prompt tokens | kind | width / n | saving (mean over steps) | peak blocks shared / owned |")
     print("| ---: | --- | ---: | ---: | ---: |")
     for prompt_len in (256, 1024):
         prompt = tokens[:prompt_len]
