@@ -16,21 +16,9 @@ import time
 
 from octavo.llm import LLM
 from octavo.sampling.params import SamplingParams, StructuredOutputsParams
+from tests.structured.schemas import PET_SCHEMA
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 16},
-        "species": {"enum": ["cat", "dog", "parrot"]},
-        "age": {"type": "integer", "minimum": 0, "maximum": 30},
-        "owner": {"type": "object", "properties": {"first": {"type": "string", "maxLength": 12},
-                                                   "city": {"type": "string", "maxLength": 12}},
-                  "required": ["first", "city"], "additionalProperties": False},
-        "toys": {"type": "array", "items": {"enum": ["ball", "rope", "bell"]}, "maxItems": 3},
-    },
-    "required": ["name", "species", "age", "owner", "toys"],
-    "additionalProperties": False,
-}
+SCHEMA = PET_SCHEMA
 
 
 def main() -> None:
