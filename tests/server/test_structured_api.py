@@ -33,7 +33,7 @@ def client(live_server):
 
 def test_json_schema_twenty_samples_all_validate(client):
     r = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, n=20, temperature=1.0, seed=11, max_tokens=160,
+        model=MODEL, messages=MESSAGES, n=20, temperature=1.0, seed=11, max_tokens=300,
         response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}})
     assert len(r.choices) == 20
     for c in r.choices:
@@ -44,7 +44,7 @@ def test_json_schema_twenty_samples_all_validate(client):
 
 def test_json_schema_streamed_and_json_object(client):
     stream = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, temperature=0.8, seed=2, max_tokens=160, stream=True,
+        model=MODEL, messages=MESSAGES, temperature=0.8, seed=2, max_tokens=300, stream=True,
         response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}})
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     jsonschema.validate(json.loads(text), SCHEMA)
@@ -78,7 +78,7 @@ def test_bad_schema_is_a_400_naming_it(client):
 
 def test_required_and_named_tool_calls(client):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris, and the time?"}],
-                                       tools=[WEATHER, TIME], tool_choice="required", temperature=0.7, seed=3, max_tokens=120)
+                                       tools=[WEATHER, TIME], tool_choice="required", temperature=0, max_tokens=300)
     c = r.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.tool_calls
     schemas = {"get_weather": WEATHER["function"]["parameters"], "get_time": TIME["function"]["parameters"]}
@@ -92,7 +92,7 @@ def test_required_and_named_tool_calls(client):
     jsonschema.validate(json.loads(streamed[0][1]), schemas[streamed[0][0]])
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}],
                                        tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                       n=3, temperature=1.0, seed=9, max_tokens=60)
+                                       n=3, temperature=1.0, seed=9, max_tokens=200)
     for c in r.choices:
         assert c.finish_reason == "stop" and c.message.content is None
         (call,) = c.message.tool_calls
@@ -100,7 +100,7 @@ def test_required_and_named_tool_calls(client):
         jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
     stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Rome?"}],
                                             tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                            temperature=0, max_tokens=60, stream=True)
+                                            temperature=0, max_tokens=200, stream=True)
     name, args = "", ""
     for chunk in stream:
         for tc in chunk.choices[0].delta.tool_calls or []:
@@ -158,6 +158,6 @@ def test_responses_api_text_stream_state_and_schema(client, live_server):
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == events[-1].response.output_text and [e.sequence_number for e in events] == list(range(len(events)))
 
-    r = client.responses.create(model=MODEL, input="Describe a pet.", temperature=1.0, max_output_tokens=160,
+    r = client.responses.create(model=MODEL, input="Describe a pet.", temperature=1.0, max_output_tokens=300,
                                 text={"format": {"type": "json_schema", "name": "pet", "schema": SCHEMA, "strict": True}})
     jsonschema.validate(json.loads(r.output_text), SCHEMA)

@@ -45,7 +45,7 @@ def test_bitmask_matches_xgrammar_kernel():
 
 def test_sampled_json_validates(make_llm):
     llm = make_llm()
-    params = SamplingParams(temperature=1.0, seed=7, n=4, max_tokens=120,
+    params = SamplingParams(temperature=1.0, seed=7, n=4, max_tokens=300,
                             structured_outputs=StructuredOutputsParams(json=SCHEMA))
     outs = llm.generate(["A person as JSON:", "Tell me about Ann."], params, use_tqdm=False)
     texts = [c.text for o in outs for c in o.outputs]
