@@ -259,7 +259,7 @@ class LLMEngine:
             bad = [t for t in token_ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
-        if getattr(params, "structured_outputs", None) is not None:
+        if params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)  # GrammarError (a ValueError) if it cannot be used
         if lora_request is not None:
             self.add_lora(lora_request)
@@ -331,7 +331,6 @@ class LLMEngine:
         if self._thread_id != threading.get_ident():
             self._check_thread()
         sched_out = self.scheduler.schedule()
-        self.structured.forget(sched_out.finished_request_ids)
         result = self.runner.execute(sched_out, self._grammar_masks(sched_out))
         changed = self.scheduler.update(sched_out, result)
         self._num_steps += 1
