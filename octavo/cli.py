@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -466,7 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _torchrun_worker(args: argparse.Namespace) -> bool:
-    """Under torchrun, every rank runs the same command; ranks > 0 become the engine's workers."""
+    """Under torchrun, every rank runs the same command; ranks > 0 become the engine's workers and end
+    the process when rank 0 stops them (False: this process is not such a worker)."""
     from octavo.distributed.executor import torchrun_rank
 
     launched = torchrun_rank()
@@ -480,7 +482,12 @@ def _torchrun_worker(args: argparse.Namespace) -> bool:
     device = resolve_device(args.device)
     dtype = ("bfloat16" if device.startswith("cuda") else "float32") if args.dtype == "auto" else args.dtype
     run_worker_from_env(str(resolve_model(args.model)), dtype, args.tensor_parallel_size, device)
-    return True
+    # The worker left the group cleanly. Skip the interpreter's teardown: gloo's C++ threads can
+    # abort the process in static destructors, and under torchrun a worker that exits non-zero makes
+    # its node's agent skip the exit barrier, leaving the other nodes waiting for it (300 s).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> int:

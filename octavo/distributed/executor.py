@@ -107,6 +107,10 @@ class TensorParallelGroup:
         try:
             if all(p.is_alive() for p in self.procs):
                 dist.broadcast_object_list([None], src=0)
+                # every rank has the stop before any tears its connections down: a rank destroying
+                # the group while another still reads from it made gloo abort that one (seen under
+                # load with torchrun: "terminate called without an active exception")
+                dist.barrier()
         finally:
             for p in self.procs:
                 p.join(10)
@@ -138,6 +142,7 @@ def worker_main(rank: int, world: int, init_method: str, spec: WorkerSpec) -> No
             dist.broadcast_object_list(box, src=0)
             message = box[0]
             if message is None:
+                dist.barrier()  # see TensorParallelGroup.close
                 break
             if message[0] == "init":
                 num_blocks, block_size = message[1], message[2]
