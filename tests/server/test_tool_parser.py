@@ -38,7 +38,7 @@ def test_hermes_stream_any_split_equals_whole(piece):
     pieces = [ANSWER[i:i + piece] for i in range(0, len(ANSWER), piece)]
     for k, p in enumerate(pieces):
         text, new = stream.feed(p, finished=k == len(pieces) - 1)
-        assert "<" not in text or "<tool_call>" not in text
+        assert "<tool_call" not in text  # (the joined text below catches a tag shown in pieces)
         shown.append(text)
         calls.extend(new)
     assert "".join(shown).strip() == "Let me check."
