@@ -156,7 +156,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # The engine is built on its own thread, which then runs every step (see AsyncEngine).
     async_engine = AsyncEngine(lambda: LLMEngine.from_args(engine_args), EngineMetrics(name), args.log_interval,
                                args.max_waiting_requests, on_dead)
-    async_engine.start()
+    _start_or_exit_on_signal(async_engine, log)
     server = OpenAIServer(async_engine, name, args.api_key, limits)
     config = uvicorn.Config(
         build_app(server), host=args.host, port=args.port, log_level="info",
@@ -175,6 +175,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
     log.info("server stopped")
     return 0
+
+
+def _start_or_exit_on_signal(async_engine, log: logging.Logger) -> None:
+    """Build the engine (its first start converts the model and compiles the kernels: minutes).
+    If SIGINT or SIGTERM comes first, the process exits (status 0) at once: os._exit, because the
+    engine thread is still inside that work (a daemon thread in torch's C++ at interpreter exit
+    aborts the process); the kernel compile, a child process, dies with it (PR_SET_PDEATHSIG),
+    and what the work left half-done is temporary files the next start removes (octavo/cache.py)."""
+
+    def stop(signum: int, frame) -> None:
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        async_engine.start()
+    except KeyboardInterrupt:
+        log.info("stopped while starting")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,

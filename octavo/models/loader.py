@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from octavo.cache import atomic_write_text, cache_dir, exclusive, move_into_place, remove_leftovers, temporary_folder
 from octavo.config import ModelConfig
 from octavo.engine_args import QUANTIZATION_CHOICES
 from octavo.models.llama import LlamaForCausalLM, QuantEmbedding, QuantLinear
@@ -44,14 +45,6 @@ DEFAULT_MODEL_VERSION = "0.1.2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
-
-
-def cache_dir() -> Path:
-    """$OCTAVO_CACHE_DIR, else $XDG_CACHE_HOME/octavo, else ~/.cache/octavo."""
-    if os.environ.get("OCTAVO_CACHE_DIR"):
-        return Path(os.environ["OCTAVO_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "octavo"
 
 
 def default_gguf_path() -> Path:
@@ -361,12 +354,16 @@ def _gguf_tensors(
             data = data.reshape([int(d) for d in reversed(t.shape)])
         data = _rotary_rows_to_hf(hf_name, data, hf_config)
         out.append((hf_name, torch.from_numpy(np.array(data, order="C")), fmt))  # own, writable copy
-    if cache is not None:
+    if cache is not None:  # written whole or not at all: a unique temporary name, then an atomic replace
         cache.parent.mkdir(exist_ok=True)
-        tmp = cache.with_suffix(".tmp")
-        save_file({n: d for n, d, _ in out}, str(tmp), metadata={
-            "format": "pt", "formats": json.dumps({n: None if f is None else f.name for n, _, f in out})})
-        tmp.rename(cache)
+        fd, tmp = tempfile.mkstemp(prefix=f".{cache.name}.", suffix=".tmp", dir=cache.parent)
+        os.close(fd)
+        try:
+            save_file({n: d for n, d, _ in out}, tmp, metadata={
+                "format": "pt", "formats": json.dumps({n: None if f is None else f.name for n, _, f in out})})
+            os.replace(tmp, cache)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
     return out
 
 
@@ -466,13 +463,21 @@ def _gguf_hf_config(reader) -> dict:
 
 
 def convert_gguf(gguf_path: Path, name: str) -> Path:
-    """Dequantise a Llama GGUF once into an HF-style directory in the cache; return that directory."""
+    """Dequantise a Llama GGUF once into an HF-style directory in the cache; return that directory.
+    One process converts while others wait (`octavo.cache.exclusive`); a conversion killed midway
+    leaves only a temporary folder, removed by the next one."""
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
     out = cache_dir() / "models" / f"{name}-{key}"
-    if (out / "model.safetensors").is_file():
-        _record_gguf_source(out, gguf_path)
-        return out
+    if not (out / "model.safetensors").is_file():
+        with exclusive(out.with_name(out.name + ".lock"), f"the conversion of {gguf_path.name} into {out}"):
+            if not (out / "model.safetensors").is_file():
+                _convert_gguf_into(gguf_path, out)
+    _record_gguf_source(out, gguf_path)
+    return out
+
+
+def _convert_gguf_into(gguf_path: Path, out: Path) -> None:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -487,21 +492,19 @@ def convert_gguf(gguf_path: Path, name: str) -> Path:
         w = _rotary_rows_to_hf(hf_name, w, hf_config)
         tensors[hf_name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # own, writable copy
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))  # same filesystem: rename is atomic
+    prefix = f".tmp-{out.name}-"
+    remove_leftovers(out.parent, prefix)
+    tmp = temporary_folder(out.parent, prefix)  # same filesystem: the rename is atomic
     try:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
         _save_gguf_tokenizer(gguf_path, tmp)
         _record_gguf_source(tmp, gguf_path)
         _gguf_tensors(gguf_path, tmp, reader)  # the blocks cache, from the reader already open
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        move_into_place(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 GGUF_SOURCE_FILE = "gguf_source.txt"
@@ -512,7 +515,7 @@ def _record_gguf_source(model_dir: Path, gguf_path: Path) -> None:
     record = model_dir / GGUF_SOURCE_FILE
     source = str(gguf_path.resolve())
     if not record.is_file() or record.read_text() != source:
-        record.write_text(source)
+        atomic_write_text(record, source)
 
 
 def gguf_source(model_dir: Path) -> Path | None:

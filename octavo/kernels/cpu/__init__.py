@@ -1,54 +1,21 @@
-"""Builds (once per machine, cached) and loads the C++ CPU kernels; None when they can't be built."""
+"""Loads the C++ CPU kernels (built once per machine by `build.py`) and wraps their ops; None when they can't be built."""
 
 from __future__ import annotations
 
 import functools
-import hashlib
+import importlib.util
 import logging
 import os
-import platform
-from pathlib import Path
 from types import ModuleType
 
+from octavo.kernels.cpu.build import MODULE_NAME, build_dir, cflags, cpu_flags_line, ensure_built  # noqa: F401
+
 logger = logging.getLogger(__name__)
-
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("bindings.cpp", "layer_ops.cpp", "paged_attention.cpp", "quant_linear.cpp"))
-HEADERS = (Path(__file__).with_name("vec_math.h"),)  # compiled through the sources; part of the cache key
-# -march=native: the build is cached per machine (the key includes the CPU flags), so it may use
-# whatever vector units this CPU has (AVX-512, AVX2 or neither: the kernels pick at compile time).
-# -fopenmp: at::parallel_for is an OpenMP region in the header; the library resolves to the
-# libgomp torch already loaded. -ffp-contract=off: the quantized kernels rebuild each weight as
-# d * q + m with two roundings, as gguf-py does; a fused multiply-add would round once.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
-# OCTAVO_CPU_ISA narrows what the build may use, to test the other code paths on a bigger CPU:
-# "avx2" (no AVX-512) or "generic" (no AVX2, FMA or F16C: the plain C++ paths). Default "native".
-ISA_FLAGS = {
-    "native": [],
-    "avx2": ["-mno-avx512f"],
-    "generic": ["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c"],
-}
-
-
-def _cflags() -> list[str]:
-    isa = os.environ.get("OCTAVO_CPU_ISA", "native")
-    if isa not in ISA_FLAGS:
-        raise ValueError(f"OCTAVO_CPU_ISA must be one of {', '.join(ISA_FLAGS)}, got {isa!r}")
-    return CFLAGS + ISA_FLAGS[isa]
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags as the kernel reports them (/proc/cpuinfo; empty where unreadable)."""
-    line = _cpu_flags()
+    line = cpu_flags_line()
     return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
 
 
@@ -87,42 +54,25 @@ def bf16_matmul_speedups(in_features: int, out_features: int, rows: tuple[int, .
     return out
 
 
-def build_dir() -> Path:
-    """Where the build lives: keyed by the source, the flags, torch, Python and the CPU."""
-    import torch
-
-    from octavo.models.loader import cache_dir
-
-    key = hashlib.sha256(
-        "\n".join([*(s.read_text() for s in SOURCES + HEADERS), " ".join(_cflags()), torch.__version__, platform.python_version(), _cpu_flags()]).encode()
-    ).hexdigest()[:16]
-    return cache_dir() / "kernels" / f"cpu-{key}"
-
-
 @functools.cache
 def load() -> ModuleType | None:
     """The compiled module (with `paged_attention`), or None if this machine can't build it.
 
     Set OCTAVO_CPU_KERNELS=0 to skip it (the torch reference kernels are used instead).
-    The first call on a machine compiles for ~30-60 s; later calls load the cached library.
+    The first call on a machine compiles for ~1-2 min (see `build.ensure_built`: one process
+    compiles, the others wait for it); later calls import the cached library.
     """
     if os.environ.get("OCTAVO_CPU_KERNELS", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load as load_extension
+        import torch  # noqa: F401  (the library links against the torch already loaded)
 
-        directory = build_dir()
-        directory.mkdir(parents=True, exist_ok=True)
-        if not any(directory.glob("*.so")):
-            logger.info("compiling Octavo's CPU kernels (once per machine, ~1 min) into %s", directory)
-        return load_extension(
-            name="octavo_cpu_kernels",
-            sources=[str(s) for s in SOURCES],
-            extra_cflags=_cflags(),
-            build_directory=str(directory),
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, no headers, ...: the reference kernels still work
+        library = ensure_built()
+        spec = importlib.util.spec_from_file_location(MODULE_NAME, library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except Exception as exc:  # no compiler, no headers, a build that outlasted the wait...: the reference kernels still work
         logger.warning("Octavo's CPU kernels are unavailable (%s); using the slower torch reference", exc)
         return None
 
