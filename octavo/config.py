@@ -124,3 +124,4 @@ class EngineConfig:
     enforce_eager: bool = True  # False: CUDA graphs for decode-only steps (CUDA + triton only)
     max_lora_rank: int = 16  # LoRA is on when scheduler.max_loras is set
     seed: int = 0
+    grammar_cache_bytes: int = 256 << 20  # compiled structured-output grammars kept

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from octavo.request import (
 from octavo.sampling.params import BeamSearchParams, RequestOutputKind, SamplingParams
 from octavo.scheduler import Scheduler, SchedulerStats
 from octavo.structured.manager import StructuredOutputManager
+from octavo.threads import ThreadGovernor
 from octavo.tokenizer import encode_prompt, load_tokenizer
 
 logger = logging.getLogger("octavo")
@@ -132,12 +134,18 @@ class LLMEngine:
             max_lora_rank=config.max_lora_rank,
             tensor_parallel=tensor_parallel,
         )
-        self.structured = StructuredOutputManager(tokenizer, config.model_config.vocab_size, self.eos_token_ids)
+        self.structured = StructuredOutputManager(tokenizer, config.model_config.vocab_size, self.eos_token_ids,
+                                                  config.grammar_cache_bytes)
         self._states: dict[str, _RequestState] = {}
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._num_steps = 0
         self._thread_id = threading.get_ident()  # the thread that built the engine (see step)
+        # CPU steps follow the machine's load (octavo/threads.py); ranks of a tensor-parallel group
+        # share the cores by design and keep theirs; OCTAVO_ADAPTIVE_THREADS=0 turns it off
+        adaptive = (config.device == "cpu" and tensor_parallel is None and torch.get_num_threads() > 1
+                    and os.environ.get("OCTAVO_ADAPTIVE_THREADS", "1") != "0")
+        self._threads = ThreadGovernor(torch.get_num_threads()) if adaptive else None
 
     @classmethod
     def from_args(cls, args: EngineArgs | None = None, **kwargs: Any) -> LLMEngine:
@@ -192,13 +200,24 @@ class LLMEngine:
 
     # ---- LoRA adapters -----------------------------------------------------------------------
 
-    def add_lora(self, lora_request: LoRARequest) -> None:
-        """Load an adapter now (ValueError if LoRA is off or the adapter cannot be used)."""
+    def add_lora(self, lora_request: LoRARequest) -> str:
+        """Load an adapter now (a no-op if this one is loaded; ValueError if LoRA is off or the
+        adapter cannot be used). Returns what the prefix cache keys its blocks by: this load of
+        it, so an id reused for another adapter after an unload never meets this one's KV."""
         if self.runner.lora is None:
             raise ValueError("LoRA adapters need the engine started with enable_lora (--enable-lora)")
+        known = self.runner.lora.adapters.get(lora_request.lora_int_id)
         adapter = self.runner.lora.add(lora_request)
-        logger.info("LoRA adapter %r (id %d, rank %d, %.1f MiB) loaded from %s", adapter.name, adapter.lora_id,
-                    adapter.rank, adapter.num_bytes / 2**20, lora_request.lora_path)
+        if adapter is not known:
+            logger.info("LoRA adapter %r (id %d, rank %d, %.1f MiB) loaded from %s", adapter.name, adapter.lora_id,
+                        adapter.rank, adapter.num_bytes / 2**20, lora_request.lora_path)
+        return adapter.cache_key
+
+    def has_lora(self, lora_request: LoRARequest) -> bool:
+        """Whether exactly this adapter (id, name and path) is loaded now."""
+        slots = self.runner.lora
+        adapter = None if slots is None else slots.adapters.get(lora_request.lora_int_id)
+        return adapter is not None and adapter.name == lora_request.lora_name and slots.paths[adapter.lora_id] == lora_request.lora_path
 
     def remove_lora(self, lora_id: int) -> None:
         """Unload an adapter; refused (ValueError) while a request still runs with it."""
@@ -261,8 +280,7 @@ class LLMEngine:
                 raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
         if params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)  # GrammarError (a ValueError) if it cannot be used
-        if lora_request is not None:
-            self.add_lora(lora_request)
+        lora_cache_key = None if lora_request is None else self.add_lora(lora_request)
         arrival = time.time() if arrival_time is None else arrival_time
         request = Request(
             request_id=request_id if params.n == 1 else child_request_id(request_id, 0),
@@ -276,8 +294,11 @@ class LLMEngine:
             num_samples_pending=params.n,
             beam=beam,
             lora_id=None if lora_request is None else lora_request.lora_int_id,
+            lora_cache_key=lora_cache_key,
         )
         self.scheduler.add_request(request)
+        if params.structured_outputs is not None:  # cached above; kept until the request ends
+            self.structured.hold(request_id, params.structured_outputs)
         self._states[request_id] = _RequestState(
             request_id=request_id,
             prompt=text,
@@ -303,6 +324,7 @@ class LLMEngine:
             sequences = self.scheduler.sequences_of(rid)
             self.scheduler.finish_requests(sequences, FinishReason.ABORT)
             self.structured.forget(sequences)
+            self.structured.release(rid)
             self._states.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -330,6 +352,8 @@ class LLMEngine:
         changed (finished ones carry finished=True and are forgotten afterwards)."""
         if self._thread_id != threading.get_ident():
             self._check_thread()
+        if self._threads is not None:
+            self._threads.tick()
         sched_out = self.scheduler.schedule()
         result = self.runner.execute(sched_out, self._grammar_masks(sched_out))
         changed = self.scheduler.update(sched_out, result)
@@ -392,6 +416,7 @@ class LLMEngine:
             finished = state.finished
             if finished:
                 del self._states[state.request_id]
+                self.structured.release(state.request_id)
             if finished or state.params.output_kind is not RequestOutputKind.FINAL_ONLY:
                 outputs.append(self._output(state, finished))
         return outputs

@@ -76,6 +76,9 @@ class EngineArgs:
     max_loras: int = field(default=1, metadata={"help": "most distinct LoRA adapters in one step (their slots)"})
     max_lora_rank: int = field(default=16, metadata={"help": "highest LoRA rank an adapter may have"})
     seed: int = field(default=0, metadata={"help": "random seed (engine sampling, and the workload's)"})
+    grammar_cache_bytes: int = field(default=256 << 20, metadata={
+        "help": "memory for compiled structured-output grammars (default 256MiB; least recently used dropped first)",
+        "bytes": True})
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -100,6 +103,8 @@ class EngineArgs:
             raise ValueError("LoRA with tensor parallelism is not supported yet: use one of them")
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and {self.max_lora_rank}")
+        if self.grammar_cache_bytes < 1 << 20:
+            raise ValueError(f"grammar_cache_bytes must be at least 1MiB, got {self.grammar_cache_bytes}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
@@ -137,6 +142,7 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             max_lora_rank=self.max_lora_rank,
             seed=self.seed,
+            grammar_cache_bytes=self.grammar_cache_bytes,
         )
 
 

@@ -360,6 +360,7 @@ class Scheduler:
             output_token_ids=list(leader.output_token_ids),
             beam=leader.beam,
             lora_id=leader.lora_id,
+            lora_cache_key=leader.lora_cache_key,
             first_token_time=leader.first_token_time,
             sampling_params=leader.sampling_params,
             arrival_time=leader.arrival_time,

@@ -83,8 +83,7 @@ class KVCacheManager:
         hashes = self._hashes.setdefault(request.request_id, [])
         if len(hashes) < request.num_tokens // self.block_size:
             extend_block_hashes(
-                hashes, request.all_token_ids, self.block_size, request.cache_salt,
-                None if request.lora_id is None else str(request.lora_id),
+                hashes, request.all_token_ids, self.block_size, request.cache_salt, request.lora_cache_key,
             )
         return hashes
 

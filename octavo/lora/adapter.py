@@ -29,6 +29,7 @@ class LoRAAdapter:
     name: str
     rank: int
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    cache_key: str = ""  # set by LoRASlots: this load of this adapter, never reused (prefix-cache hashes)
 
     @property
     def num_bytes(self) -> int:
@@ -51,10 +52,22 @@ def load_peft_adapter(path: str | Path, lora_id: int, name: str, cfg: ModelConfi
         raise _fail(path, "no adapter_config.json there (a PEFT LoRA directory is expected)")
     if not weights_file.is_file():
         raise _fail(path, "no adapter_model.safetensors there")
-    conf = json.loads(config_file.read_text())
+    try:
+        conf = json.loads(config_file.read_text())
+    except (OSError, ValueError, RecursionError) as exc:  # unreadable, not UTF-8, not JSON, nested absurdly
+        raise _fail(path, f"adapter_config.json cannot be read as JSON ({type(exc).__name__})") from None
+    if not isinstance(conf, dict):
+        raise _fail(path, "adapter_config.json must hold a JSON object")
     if conf.get("peft_type", "LORA") != "LORA":
-        raise _fail(path, f"peft_type {conf.get('peft_type')!r} is not LORA")
-    rank = int(conf.get("r", 0))
+        raise _fail(path, f"peft_type {str(conf.get('peft_type'))[:40]!r} is not LORA")
+    rank, alpha = conf.get("r", 0), conf.get("lora_alpha", conf.get("r", 0))
+    for key, value in (("r", rank), ("lora_alpha", alpha)):
+        # compared, not converted: NaN and infinity fail the comparison, a 400-digit int does not overflow
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -1e6 <= value <= 1e6:
+            raise _fail(path, f"{key} must be a number of reasonable size, got {str(value)[:40]!r}")
+    if rank != int(rank):
+        raise _fail(path, f"rank {rank} is not an integer")
+    rank = int(rank)
     if not 1 <= rank <= max_rank:
         raise _fail(path, f"rank {rank} exceeds --max-lora-rank {max_rank}" if rank > max_rank else f"rank {rank} is invalid")
     for key, why in (("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out weights")):
@@ -64,9 +77,12 @@ def load_peft_adapter(path: str | Path, lora_id: int, name: str, cfg: ModelConfi
         raise _fail(path, "LoRA biases and modules_to_save are not supported")
     if conf.get("rank_pattern") or conf.get("alpha_pattern"):
         raise _fail(path, "per-module rank_pattern / alpha_pattern are not supported")
-    alpha = float(conf.get("lora_alpha", rank))
+    alpha = float(alpha)
     scaling = alpha / math.sqrt(rank) if conf.get("use_rslora") else alpha / rank
-    tensors = load_file(str(weights_file))
+    try:
+        tensors = load_file(str(weights_file))
+    except Exception as exc:  # safetensors' own error type, OSError, a bad header...
+        raise _fail(path, f"adapter_model.safetensors cannot be read ({str(exc)[:200]})") from None
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = _KEY.search(key)
@@ -81,11 +97,15 @@ def load_peft_adapter(path: str | Path, lora_id: int, name: str, cfg: ModelConfi
     for (layer, target), ab in pairs.items():
         if set(ab) != {"A", "B"}:
             raise _fail(path, f"layer {layer} {target} lacks its lora_{'B' if 'A' in ab else 'A'}")
+        if not (ab["A"].is_floating_point() and ab["B"].is_floating_point()):
+            raise _fail(path, f"layer {layer} {target}: weights must be floating point, not {ab['A'].dtype}/{ab['B'].dtype}")
         a, b = ab["A"].float(), ab["B"].float()
         in_f, out_f = sizes[target]
         if a.shape != (rank, in_f) or b.shape != (out_f, rank):
             raise _fail(path, f"layer {layer} {target}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit "
                               f"rank {rank} and the model's {in_f} -> {out_f}")
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise _fail(path, f"layer {layer} {target}: weights hold NaN or infinity")
         weights[(layer, target)] = (a, b * scaling)
     if not weights:
         raise _fail(path, "holds no LoRA weights")

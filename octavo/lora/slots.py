@@ -17,7 +17,8 @@ class LoRASlots:
         self.adapters: dict[int, LoRAAdapter] = {}
         self.paths: dict[int, str] = {}
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recent first
-        self.num_loads = 0
+        self.num_loads = 0  # adapters put in a slot
+        self.num_added = 0  # adapters read from disk: numbers each load's cache key
 
     def add(self, request: LoRARequest) -> LoRAAdapter:
         """Load the adapter on first sight (ValueError when it cannot be used); later requests with
@@ -31,6 +32,8 @@ class LoRASlots:
         if any(a.name == request.lora_name for a in self.adapters.values()):
             raise ValueError(f"a LoRA adapter named {request.lora_name!r} is already loaded with another id")
         adapter = load_peft_adapter(request.lora_path, request.lora_int_id, request.lora_name, self.cfg, self.max_rank)
+        self.num_added += 1
+        adapter.cache_key = f"{adapter.lora_id}#{self.num_added}"
         self.adapters[adapter.lora_id] = adapter
         self.paths[adapter.lora_id] = request.lora_path
         return adapter

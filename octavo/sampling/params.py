@@ -29,8 +29,9 @@ class StructuredOutputsParams:
 
     json: a JSON schema (dict or JSON text) the output must validate against; json_object: any
     JSON object; regex: the whole output matches it; choice: the output is one of these strings;
-    grammar: an EBNF grammar (xgrammar's GBNF dialect). disable_any_whitespace: JSON without
-    optional whitespace. The schema is stored as JSON text (property order kept: it is the output order), so equal schemas share one
+    grammar: an EBNF grammar (xgrammar's GBNF dialect). JSON is always written on one line with
+    ", " and ": " between items (what vLLM's disable_any_whitespace gives; accepted for its
+    clients, it changes nothing here). The schema is stored as JSON text (property order kept: it is the output order), so equal schemas share one
     compiled grammar (see `key`).
     """
 
@@ -43,15 +44,22 @@ class StructuredOutputsParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):
-            object.__setattr__(self, "json", json.dumps(self.json, ensure_ascii=False))
+            try:
+                object.__setattr__(self, "json", json.dumps(self.json, ensure_ascii=False))
+            except RecursionError:
+                raise ValueError("structured_outputs.json is nested too deeply") from None
         elif isinstance(self.json, str):
             try:
                 schema = json.loads(self.json)
+                if not isinstance(schema, (dict, bool)):
+                    raise ValueError("structured_outputs.json must be a JSON schema (an object)")
+                object.__setattr__(self, "json", json.dumps(schema, ensure_ascii=False))
+            except RecursionError:  # JSON text nested ~1,000 deep: no schema is
+                raise ValueError("structured_outputs.json is nested too deeply") from None
             except ValueError as exc:
+                if "JSON schema" in str(exc):
+                    raise
                 raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
-            if not isinstance(schema, (dict, bool)):
-                raise ValueError("structured_outputs.json must be a JSON schema (an object)")
-            object.__setattr__(self, "json", json.dumps(schema, ensure_ascii=False))
         elif self.json is not None:
             raise ValueError(f"structured_outputs.json must be a JSON schema (dict or JSON text), got {type(self.json).__name__}")
         if self.choice is not None:
@@ -87,9 +95,9 @@ class StructuredOutputsParams:
         return "" if value is True else value
 
     @property
-    def key(self) -> tuple[str, str, bool]:
+    def key(self) -> tuple[str, str]:
         """What a compiled grammar is cached by."""
-        return self.kind, self.spec, self.disable_any_whitespace
+        return self.kind, self.spec
 
 
 class RequestOutputKind(enum.Enum):

@@ -134,6 +134,16 @@ def truncate_batched(logits: torch.Tensor, params: list[SamplingParams]) -> torc
     return logits
 
 
+def _unban_eos_where_nothing_is_left(logits: torch.Tensor, rows: list[SamplingRow], grammar_rows: torch.Tensor) -> torch.Tensor:
+    """A grammar row whose grammar allows only tokens that min_tokens bans (it is complete, and only
+    EOS may follow) has no token left: it gets its EOS back, so the grammar wins over min_tokens.
+    Without this the draw would pick token 0. In place on the (already copied) logits."""
+    dead = torch.isneginf(logits[grammar_rows]).all(dim=-1)
+    for i in grammar_rows[dead].tolist():
+        logits[i, list(rows[i].eos_token_ids)] = 0.0
+    return logits
+
+
 def sample(
     logits: torch.Tensor, rows: list[SamplingRow], allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 ) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -166,6 +176,8 @@ def sample(
         logits = logits if edited else logits.clone()
         edited = True
         logits[_flat_ids(bans, device)] = float("-inf")
+        if allowed is not None:
+            logits = _unban_eos_where_nothing_is_left(logits, rows, allowed[0])
     if any(r.params.logit_bias for r in rows):  # OpenAI's logit_bias: added to the logits, all rows at once
         logits = logits if edited else logits.clone()
         r_idx, t_idx = _flat_ids([[t for t, _ in r.params.logit_bias] for r in rows], device)
@@ -200,6 +212,7 @@ def sample(
             logprobs[i] = TokenLogprob(
                 token_id=token_list[i],
                 logprob=chosen[j],
-                top=dict(zip(top_ids[j][:k], top_values[j][:k])) if k > 0 else {},
+                # a grammar's masked tokens (-inf) are not alternatives: fewer than k entries then
+                top={t: v for t, v in zip(top_ids[j][:k], top_values[j][:k]) if v != float("-inf")} if k > 0 else {},
             )
     return token_list, logprobs

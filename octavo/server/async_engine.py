@@ -43,6 +43,10 @@ class EngineOverloadedError(RuntimeError):
     """The waiting queue is full; the client should retry later."""
 
 
+class LoRANotLoadedError(ValueError):
+    """The request's LoRA adapter was unloaded before the engine took the request (HTTP 404)."""
+
+
 class OutputCollector:
     """The event-loop side of one submission (one HTTP request's prompts). Lives on the loop:
     the engine thread only reaches it through call_soon_threadsafe."""
@@ -283,6 +287,11 @@ class AsyncEngine:
             exc: Exception = EngineOverloadedError(
                 f"{num_waiting} requests are already waiting (limit {limit}); retry later")
             cmd.loop.call_soon_threadsafe(_set_exception, cmd.done, exc)
+            return
+        if cmd.lora_request is not None and not self.engine.has_lora(cmd.lora_request):
+            # unloaded while this request was on its way: not loaded again behind the server's back
+            gone = LoRANotLoadedError(f"The model `{cmd.lora_request.lora_name}` does not exist (its adapter was unloaded).")
+            cmd.loop.call_soon_threadsafe(_set_exception, cmd.done, gone)
             return
         added: list[str] = []
         try:

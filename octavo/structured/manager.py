@@ -1,13 +1,16 @@
 """Structured outputs: grammars compiled with xgrammar and cached by their spec, one matcher per
 generated sequence, and each step's token bitmask for the rows that sample under a grammar.
 
-Compiling runs on the caller's thread (the server calls `compile` from its worker pool before a
-request reaches the engine; `compile_many` spreads a batch over a pool), so the engine thread only
-finds cached grammars. Matchers follow each sequence's output tokens rather than being told about
-them: before a mask is filled the matcher accepts whatever tokens the sequence gained since, and
-a matcher that is ahead (a sequence whose tokens were dropped) is rolled back or rebuilt. So forks
-(n > 1), preemption (recompute keeps the output tokens) and finished sequences need no hooks
-beyond `forget`.
+Compiling runs on the caller's thread (`compile`; `compile_many` spreads a batch over a pool), or,
+for the server, in a child process with a deadline (`structured/isolated.py`) whose result is
+`insert`ed here, so the engine thread only finds cached grammars. The cache is bounded in bytes
+(`max_bytes`, the compiled grammars' own sizes); a grammar a request still needs is held
+(`hold` / `release`) and never evicted, so the engine never recompiles one mid-request.
+Matchers follow each sequence's output tokens rather than being told about them: before a mask
+is filled the matcher accepts whatever tokens the sequence gained since, and a matcher that is
+ahead (a sequence whose tokens were dropped) is rolled back or rebuilt. So forks (n > 1),
+preemption (recompute keeps the output tokens) and finished sequences need no hooks beyond
+`forget`.
 """
 
 from __future__ import annotations
@@ -27,16 +30,15 @@ from octavo.structured.schema import SchemaError, check_json_schema
 
 logger = logging.getLogger("octavo.structured")
 
-MAX_CACHED_GRAMMARS = 256
 MAX_ROLLBACK_TOKENS = 16  # a matcher further ahead than this is rebuilt from the output instead
-# Whitespace characters allowed between JSON tokens. Unbounded, a small model sampling at
-# temperature 1 can emit newlines until max_tokens (vLLM users hit this with xgrammar); 8 keeps
-# indented output possible.
-MAX_JSON_WHITESPACE = 8
 
 
 class GrammarError(ValueError):
     """A constraint that cannot be compiled; the message says what is wrong with it."""
+
+
+class GrammarCacheFull(RuntimeError):
+    """The grammars held by requests in flight fill the cache; a new one must wait (HTTP 429)."""
 
 
 def _xgr():
@@ -52,6 +54,34 @@ def choice_grammar(choices: tuple[str, ...]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def compile_spec(compiler: Any, params: StructuredOutputsParams) -> Any:
+    """`params` compiled by an xgrammar GrammarCompiler. Raises GrammarError naming the problem: an
+    invalid schema, a keyword the grammar would not enforce, a bad regex or EBNF. JSON is written
+    on one line with ", " and ": " (xgrammar's any_whitespace=False): with whitespace allowed
+    between tokens a small model pads its output with newlines (issue 20)."""
+    try:
+        if params.kind == "json":
+            check_json_schema(json.loads(params.json))
+            return compiler.compile_json_schema(params.json, any_whitespace=False, strict_mode=True)
+        if params.kind == "json_object":
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+        if params.kind == "regex":
+            return compiler.compile_regex(params.regex)
+        if params.kind == "choice":
+            return compiler.compile_grammar(choice_grammar(params.choice))
+        return compiler.compile_grammar(params.grammar)
+    except SchemaError as exc:
+        raise GrammarError(f"structured_outputs.json: {exc}") from None
+    except RecursionError:
+        raise GrammarError(f"structured_outputs.{params.kind}: nested too deeply") from None
+    except Exception as exc:  # xgrammar's parse errors (RuntimeError; UnicodeDecodeError when its
+        # message quotes non-UTF-8 bytes of the input): keep the message, drop its source location
+        text = str(exc).strip().splitlines()
+        message = text[0] if text else type(exc).__name__
+        message = message.split(": ", 1)[1] if ".cc:" in message else message
+        raise GrammarError(f"structured_outputs.{params.kind}: {message}") from None
+
+
 @dataclass(slots=True)
 class _Matcher:
     matcher: Any
@@ -59,70 +89,126 @@ class _Matcher:
     failed: bool = False  # a token the grammar did not allow was appended: only EOS is allowed now
 
 
+@dataclass(slots=True)
+class _Cached:
+    grammar: Any
+    num_bytes: int
+    num_holds: int = 0
+
+
 class StructuredOutputManager:
     """Owns the compiler, the compiled-grammar cache and the per-sequence matchers."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 max_bytes: int = 256 << 20) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
         self._lock = threading.Lock()
+        self._info: Any = None
         self._compiler: Any = None
-        self._cache: OrderedDict[tuple, Any] = OrderedDict()
+        self._cache: OrderedDict[tuple, _Cached] = OrderedDict()  # least recently used first
+        self._holders: dict[str, tuple] = {}  # holder (a request id) -> the key it holds
         self._matchers: dict[str, _Matcher] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._batch: Any = None
 
-    # ---- compiling (any thread) --------------------------------------------------------------
+    # ---- compiling and the cache (any thread) ------------------------------------------------
+
+    def tokenizer_info(self) -> Any:
+        """xgrammar's view of the vocabulary (~150 ms to build, once)."""
+        with self._lock:
+            if self._info is None:
+                self._info = _xgr().TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.eos_token_ids) or None)
+            return self._info
 
     def _get_compiler(self) -> Any:
+        info = self.tokenizer_info()
         with self._lock:
-            if self._compiler is None:
-                xgr = _xgr()
-                info = xgr.TokenizerInfo.from_huggingface(
-                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.eos_token_ids) or None)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+            if self._compiler is None:  # its own cache off: this class bounds what is kept
+                self._compiler = _xgr().GrammarCompiler(info, max_threads=2, cache_enabled=False)
             return self._compiler
 
+    def lookup(self, params: StructuredOutputsParams) -> Any | None:
+        """The cached grammar of `params`, or None."""
+        with self._lock:
+            entry = self._cache.get(params.key)
+            if entry is None:
+                return None
+            self._cache.move_to_end(params.key)
+            return entry.grammar
+
     def compile(self, params: StructuredOutputsParams) -> Any:
-        """The compiled grammar of `params` (cached by its spec). Raises GrammarError naming the
-        problem: an invalid schema, a keyword the grammar would not enforce, a bad regex or EBNF."""
-        key = params.key
-        with self._lock:
-            grammar = self._cache.get(key)
-            if grammar is not None:
-                self._cache.move_to_end(key)
-                return grammar
-        compiler = self._get_compiler()
-        any_ws = not params.disable_any_whitespace
-        try:
-            if params.kind == "json":
-                schema = json.loads(params.json)
-                check_json_schema(schema)
-                grammar = compiler.compile_json_schema(params.json, any_whitespace=any_ws, strict_mode=True,
-                                                      max_whitespace_cnt=MAX_JSON_WHITESPACE if any_ws else None)
-            elif params.kind == "json_object":
-                grammar = compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_ws, strict_mode=False,
-                                                      max_whitespace_cnt=MAX_JSON_WHITESPACE if any_ws else None)
-            elif params.kind == "regex":
-                grammar = compiler.compile_regex(params.regex)
-            elif params.kind == "choice":
-                grammar = compiler.compile_grammar(choice_grammar(params.choice))
-            else:
-                grammar = compiler.compile_grammar(params.grammar)
-        except SchemaError as exc:
-            raise GrammarError(f"structured_outputs.json: {exc}") from None
-        except Exception as exc:  # xgrammar's parse errors (RuntimeError; UnicodeDecodeError when its
-            # message quotes non-UTF-8 bytes of the input): keep the message, drop its source location
-            text = str(exc).strip().splitlines()
-            message = text[0] if text else type(exc).__name__
-            message = message.split(": ", 1)[1] if ".cc:" in message else message
-            raise GrammarError(f"structured_outputs.{params.kind}: {message}") from None
-        with self._lock:
-            self._cache[key] = grammar
-            while len(self._cache) > MAX_CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
+        """The compiled grammar of `params`, from the cache or compiled here on the caller's thread
+        (no time limit: the server compiles in `isolated.py` first). Raises GrammarError."""
+        grammar = self.lookup(params)
+        if grammar is None:
+            grammar = compile_spec(self._get_compiler(), params)
+            self.insert(params, grammar)
         return grammar
+
+    def insert(self, params: StructuredOutputsParams, grammar: Any, holder: str | None = None) -> None:
+        """Cache a grammar compiled elsewhere, held by `holder` if given (then GrammarCacheFull if
+        the grammars held already fill the cache), evicting the least recently used unheld ones
+        to stay within `max_bytes`."""
+        with self._lock:
+            entry = self._cache.get(params.key)
+            if entry is None:
+                size = int(grammar.memory_size_bytes)
+                if holder is not None and self._held_bytes() + size > self.max_bytes:
+                    raise GrammarCacheFull(
+                        f"the compiled grammars of requests in flight fill the grammar cache ({self.max_bytes >> 20} MiB); "
+                        "retry when some have finished")
+                entry = self._cache[params.key] = _Cached(grammar, size)
+                self.num_bytes += size
+            self._cache.move_to_end(params.key)
+            if holder is not None:
+                self._hold(holder, params.key, entry)
+            self._evict()
+
+    def hold(self, holder: str, params: StructuredOutputsParams) -> None:
+        """Keep `params`' grammar cached until `release(holder)` (compiling it if needed)."""
+        grammar = self.compile(params)
+        with self._lock:
+            entry = self._cache.get(params.key)
+            if entry is None:  # evicted between compile and here: put it back
+                entry = self._cache[params.key] = _Cached(grammar, int(grammar.memory_size_bytes))
+                self.num_bytes += entry.num_bytes
+            self._hold(holder, params.key, entry)
+
+    def release(self, holder: str) -> None:
+        """Drop `holder`'s hold (no-op if it holds nothing); the grammar stays cached while there is room."""
+        with self._lock:
+            key = self._holders.pop(holder, None)
+            entry = None if key is None else self._cache.get(key)
+            if entry is not None:
+                entry.num_holds -= 1
+            self._evict()
+
+    def _hold(self, holder: str, key: tuple, entry: _Cached) -> None:
+        if holder in self._holders:
+            raise ValueError(f"{holder!r} already holds a grammar")
+        self._holders[holder] = key
+        entry.num_holds += 1
+
+    def _held_bytes(self) -> int:
+        return sum(e.num_bytes for e in self._cache.values() if e.num_holds > 0)
+
+    def _evict(self) -> None:
+        """Under the lock: drop unheld grammars, least recently used first, while over max_bytes."""
+        for key in [k for k, e in self._cache.items() if e.num_holds == 0]:
+            if self.num_bytes <= self.max_bytes:
+                return
+            self.num_bytes -= self._cache.pop(key).num_bytes
+
+    def stats(self) -> dict[str, int]:
+        """Cache counts: grammars kept, their bytes, the bound, how many are held by requests."""
+        with self._lock:
+            return {"num_cached": len(self._cache), "num_bytes": self.num_bytes, "max_bytes": self.max_bytes,
+                    "num_held": sum(1 for e in self._cache.values() if e.num_holds > 0), "num_holders": len(self._holders)}
 
     def compile_many(self, params: list[StructuredOutputsParams]) -> None:
         """Compile distinct constraints concurrently (xgrammar releases the GIL); raises the first error."""

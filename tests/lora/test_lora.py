@@ -103,3 +103,109 @@ def test_bad_adapters_are_refused_with_the_reason(lora_model, smol_dir, smol_tok
         load_model_config(smol_dir)), lora_model, smol_tokenizer, weight_bytes(lora_model)))
     with pytest.raises(ValueError, match="enable_lora"):
         base_only.generate("hi", lora_request=adapters["gamma"][0], use_tqdm=False)
+
+
+def test_an_id_given_again_after_an_unload_never_meets_the_old_adapters_kv(lora_model, smol_dir, smol_tokenizer,
+                                                                          adapters):
+    """The prefix cache keys blocks by one load of one adapter, not by its id: after alpha (id 7) is
+    unloaded and beta is loaded as id 7, beta's request finds none of alpha's blocks (issue 20: it
+    used to be served alpha's KV, and answered wrongly without an error)."""
+    llm = lora_llm(lora_model, smol_dir, smol_tokenizer, max_loras=1, block_size=4)
+    j = 2  # the longest prompt: several full blocks
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    alpha, beta = adapters["alpha"][0], adapters["beta"][0]
+
+    def run(lora):
+        before = llm.engine.get_stats().scheduler.prefix_cache_hits
+        out = llm.generate([PROMPTS[j]], params, lora_request=lora, use_tqdm=False)[0].outputs[0].token_ids
+        return out, llm.engine.get_stats().scheduler.prefix_cache_hits - before
+
+    first_alpha = LoRARequest("alpha", 7, alpha.lora_path)
+    assert run(first_alpha)[0] == adapters["alpha"][1][j]
+    assert run(first_alpha)[1] > 0  # its blocks are cached...
+    llm.engine.remove_lora(7)
+    tokens, hits = run(LoRARequest("beta", 7, beta.lora_path))  # ...and the id now names beta
+    assert hits == 0 and tokens == adapters["beta"][1][j]
+    llm.engine.remove_lora(7)
+    tokens, hits = run(LoRARequest("alpha", 7, alpha.lora_path))  # alpha again: a new load, a new key
+    assert hits == 0 and tokens == adapters["alpha"][1][j]
+
+
+def test_a_request_for_an_adapter_unloaded_on_its_way_is_refused_and_the_name_stays_free(
+        lora_model, smol_dir, smol_tokenizer, adapters):
+    """The server's race (issue 20): an unload applied before a queued request for that adapter
+    reaches the engine. The request is refused (LoRANotLoadedError, a 404) instead of loading the
+    adapter again behind the server's back, which left the name neither servable nor loadable."""
+    import asyncio
+
+    from octavo.metrics import EngineMetrics
+    from octavo.server.async_engine import AsyncEngine, LoRANotLoadedError
+
+    llm = lora_llm(lora_model, smol_dir, smol_tokenizer, max_loras=1)
+    engine = llm.engine
+    alpha = adapters["alpha"][0]
+    engine.add_lora(alpha)
+    ids = smol_tokenizer.encode(PROMPTS[0])
+
+    async def scenario() -> None:
+        served = AsyncEngine(engine, EngineMetrics("t"))
+        served.start()
+        try:
+            unload = asyncio.ensure_future(served.call(lambda e: e.remove_lora(alpha.lora_int_id)))
+            add = asyncio.ensure_future(served.add(["r1"], [ids], SamplingParams(max_tokens=2), lora_request=alpha))
+            await unload
+            with pytest.raises(LoRANotLoadedError, match="alpha"):
+                await add
+            assert engine.list_loras() == [] and not engine.has_unfinished_requests()
+            again = LoRARequest("alpha", alpha.lora_int_id + 1, alpha.lora_path)
+            await served.call(lambda e: e.add_lora(again))
+            collector = await served.add(["r2"], [ids], SamplingParams(max_tokens=2), lora_request=again)
+            while await collector.next_batch():
+                pass
+        finally:
+            served.shutdown()
+
+    asyncio.run(scenario())
+
+
+def _valid_adapter_copy(adapters, tmp_path, name: str):
+    import shutil
+
+    path = tmp_path / name
+    shutil.copytree(adapters["gamma"][0].lora_path, path)
+    return path
+
+
+def test_malformed_adapter_files_are_refused_with_the_reason(smol_dir, adapters, tmp_path):
+    """Every way an adapter's files can be wrong is a ValueError (the server's 400), never another
+    exception (a 500): issue 20."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from octavo.lora.adapter import load_peft_adapter
+
+    cfg = load_model_config(smol_dir)
+    base_conf = json.loads((_valid_adapter_copy(adapters, tmp_path, "probe") / "adapter_config.json").read_text())
+    configs = {
+        "not json": "{r: 4", "a list": "[1, 2]", "not utf-8": b"\xff\xfe{", "deep": "[" * 5000,
+        "rank a string": json.dumps({**base_conf, "r": "four"}), "rank huge": '{"r": ' + "9" * 401 + "}",
+        "rank fractional": json.dumps({**base_conf, "r": 2.5}), "alpha infinite": json.dumps({**base_conf, "lora_alpha": 1e400}),
+        "peft type odd": json.dumps({**base_conf, "peft_type": ["x"]}),
+    }
+    for i, (why, text) in enumerate(configs.items()):
+        path = _valid_adapter_copy(adapters, tmp_path, f"conf{i}")
+        (path / "adapter_config.json").write_bytes(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises(ValueError, match="LoRA adapter"):
+            load_peft_adapter(path, 1, "x", cfg, 16)
+    path = _valid_adapter_copy(adapters, tmp_path, "corrupt")
+    (path / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header")
+    with pytest.raises(ValueError, match="cannot be read"):
+        load_peft_adapter(path, 1, "x", cfg, 16)
+    for why, change in (("NaN", lambda t: t * float("nan")), ("integers", lambda t: t.to(torch.int32))):
+        path = _valid_adapter_copy(adapters, tmp_path, why)
+        tensors = load_file(str(path / "adapter_model.safetensors"))
+        first = sorted(tensors)[0]
+        tensors[first] = change(tensors[first])
+        save_file(tensors, str(path / "adapter_model.safetensors"))
+        with pytest.raises(ValueError, match="NaN|floating point"):
+            load_peft_adapter(path, 1, "x", cfg, 16)

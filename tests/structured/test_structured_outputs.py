@@ -150,3 +150,51 @@ def test_prompt_logprobs_match_a_full_forward(make_llm):
         assert a.token_id == b.token_id and len(a.top) == 3 and list(a.top) == list(b.top)
         assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
         assert a.logprob <= max(a.top.values()) + 1e-6
+
+
+def _whitespace_outside_strings(text: str) -> list[tuple[str, str]]:
+    """(the character before, the whitespace run) for each run of whitespace outside JSON strings."""
+    runs, i, in_string = [], 0, False
+    while i < len(text):
+        c = text[i]
+        if in_string:
+            i += 2 if c == "\\" else 1
+            in_string = c != '"'
+            continue
+        if c == '"':
+            in_string = True
+        elif c.isspace():
+            j = i
+            while j < len(text) and text[j].isspace():
+                j += 1
+            runs.append((text[i - 1] if i else "", text[i:j]))
+            i = j
+            continue
+        i += 1
+    return runs
+
+
+def test_json_is_written_on_one_line(make_llm):
+    """Issue 20: with whitespace allowed between tokens a small model sampling at temperature 1 put
+    newlines anywhere, doubling small objects. JSON is one line, ", " and ": " its only spaces."""
+    llm = make_llm()
+    params = SamplingParams(temperature=1.0, seed=11, n=6, max_tokens=300,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    for out in llm.generate(["A person as JSON:"], params, use_tqdm=False)[0].outputs:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+        assert all(before in ",:" and run == " " for before, run in _whitespace_outside_strings(out.text)), out.text
+
+
+def test_a_complete_grammar_ends_with_eos_even_under_min_tokens(make_llm):
+    """Issue 20: once the grammar is complete only EOS may follow, and min_tokens bans EOS: no token
+    was left and the draw took token 0. The grammar wins: EOS comes back to that row."""
+    llm = make_llm()
+    params = SamplingParams(temperature=0, min_tokens=6, max_tokens=10, structured_outputs=StructuredOutputsParams(choice=("yes", "no")))
+    out = llm.generate(["Is water wet? Answer yes or no."], params, use_tqdm=False)[0].outputs[0]
+    assert out.text in ("yes", "no")
+    eos = set(llm.engine.eos_token_ids)
+    chosen = llm.engine.tokenizer.encode(out.text, add_special_tokens=False)
+    tail = out.token_ids[len(chosen):] if out.token_ids[:len(chosen)] == chosen else out.token_ids[-4:]
+    assert tail and set(tail) <= eos, (out.token_ids, eos)
+    assert 0 not in out.token_ids or 0 in eos

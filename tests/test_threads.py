@@ -1,0 +1,55 @@
+"""The thread governor: fewer OpenMP threads while other processes keep the cores busy, all of
+them back once the cores stay free (octavo/threads.py; the measurement behind it is in
+docs/RELIABILITY.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from octavo.threads import CALM_CHECKS, CHECK_EVERY_S, CpuUse, ThreadGovernor
+
+
+def test_threads_follow_the_load_down_at_once_and_up_after_calm():
+    before = torch.get_num_threads()
+    try:
+        governor = ThreadGovernor(max_threads=2, num_cores=2)
+        t = 0.0
+        assert governor.tick(t, busy_elsewhere=0) == 2
+        t += CHECK_EVERY_S
+        assert governor.tick(t, busy_elsewhere=2) == 1 and torch.get_num_threads() == 1  # busy: down now
+        assert governor.tick(t + CHECK_EVERY_S / 2, busy_elsewhere=0) == 1  # not checked again yet
+        for i in range(CALM_CHECKS - 1):
+            t += CHECK_EVERY_S
+            assert governor.tick(t, busy_elsewhere=0) == 1  # calm, but not for long enough
+        t += CHECK_EVERY_S
+        assert governor.tick(t, busy_elsewhere=0.8) == 1  # about one busy core: one free; the calm restarts
+        for i in range(CALM_CHECKS):
+            t += CHECK_EVERY_S
+            governor.tick(t, busy_elsewhere=0)
+        assert governor.threads == 2 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_another_process_spinning_is_seen_as_busy_and_this_ones_work_is_not():
+    import subprocess
+    import sys
+    import time
+
+    cpu = CpuUse()
+    if cpu.others_cores() is None and CpuUse._read() is None:
+        pytest.skip("no /proc/stat on this system")
+    end = time.monotonic() + 0.5
+    while time.monotonic() < end:  # this process busy: not "other processes"
+        pass
+    assert cpu.others_cores() < 0.5
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        cpu.others_cores()  # from here the spinner runs the whole interval
+        time.sleep(1.0)
+        assert cpu.others_cores() > 0.6
+    finally:
+        spinner.kill()
+        spinner.wait()
