@@ -104,11 +104,14 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     from octavo.router.app import build_router_app
     from octavo.router.policy import Router
+    from octavo.server.connections import default_max_connections, protocol_factory
 
     router = Router(args.worker, args.policy, args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold)
     logging.getLogger("octavo.router").info("routing %s over %s", args.policy, ", ".join(args.worker))
-    uvicorn.run(build_router_app(router, args.health_interval), host=args.host, port=args.port, log_level="info",
-                access_log=False)
+    app = build_router_app(router, args.health_interval, args.request_timeout, args.max_connections_per_replica,
+                           max_request_bytes=args.max_request_bytes)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False,
+                http=protocol_factory(args.header_timeout, default_max_connections()))
     return 0
 
 
@@ -121,6 +124,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from octavo.models.loader import DEFAULT_MODEL_NAME
     from octavo.server.app import OpenAIServer, ServerLimits, build_app
     from octavo.server.async_engine import AsyncEngine
+    from octavo.server.connections import default_max_connections, protocol_factory
 
     log = logging.getLogger("octavo")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -135,6 +139,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         tool_call_parser=args.tool_call_parser,
         max_stored_responses=args.max_stored_responses,
+        max_stored_response_bytes=args.max_stored_response_bytes,
+        grammar_compile_timeout_s=args.grammar_compile_timeout,
+        header_timeout_s=args.header_timeout,
     )
     died: list[BaseException] = []
 
@@ -161,6 +168,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(
         build_app(server), host=args.host, port=args.port, log_level="info",
         timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.access_log,
+        http=protocol_factory(args.header_timeout, args.max_connections or default_max_connections()),
     )
     http_server = Server(config)
     log.info("serving %s on http://%s:%d/v1", name, args.host, args.port)
@@ -408,6 +416,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="vLLM's flag, accepted for its scripts: auto tool choice is on whenever --tool-call-parser is given")
     serve.add_argument("--max-stored-responses", type=int, default=1024,
                        help="/v1/responses kept in memory for previous_response_id (oldest dropped first)")
+    serve.add_argument("--max-stored-response-bytes", type=parse_bytes, default=128 << 20,
+                       help="...and at most this much of their JSON together (default 128MiB; oldest dropped first)")
+    serve.add_argument("--header-timeout", type=float, default=30.0,
+                       help="seconds a connection may take to send a whole request head, and the longest pause "
+                            "inside a request body; slower connections are closed (408 for a body)")
+    serve.add_argument("--max-connections", type=int, default=None,
+                       help="open connections at most; more are answered 503 and closed (default: the descriptor "
+                            "limit, raised to its hard limit, less 256)")
+    serve.add_argument("--grammar-compile-timeout", type=float, default=10.0,
+                       help="seconds a structured-output constraint may take to compile (in a child process); "
+                            "past it the request gets 400 and the compile is stopped")
     serve.set_defaults(func=cmd_serve)
 
     rt = sub.add_parser("router", help="one OpenAI endpoint in front of several `octavo serve` replicas")
@@ -418,6 +437,14 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--host", default="127.0.0.1")
     rt.add_argument("--port", type=int, default=8080)
     rt.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks of each replica")
+    rt.add_argument("--request-timeout", type=float, default=1800.0,
+                    help="seconds a replica may take to start answering (a whole answer, unless streamed); then 504")
+    rt.add_argument("--max-connections-per-replica", type=int, default=256,
+                    help="open connections to one replica at most; when all are busy for 5 s another replica is tried")
+    rt.add_argument("--max-request-bytes", type=parse_bytes, default=4 << 20,
+                    help="largest request body (default 4MiB); larger ones get 413 without being read whole")
+    rt.add_argument("--header-timeout", type=float, default=30.0,
+                    help="seconds a connection may take to send a request head, and the longest pause inside a body")
     rt.add_argument("--cache-threshold", type=float, default=0.5, help="share of the prompt that must match to follow the cache")
     rt.add_argument("--balance-abs-threshold", type=int, default=32, help="loads are uneven past this many requests apart...")
     rt.add_argument("--balance-rel-threshold", type=float, default=1.0001, help="...and this ratio: then the least loaded replica is used")

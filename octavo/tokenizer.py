@@ -13,8 +13,8 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
 
-def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
-    return list(tokenizer.encode(prompt))
+def encode_prompt(tokenizer: Any, prompt: str, add_special_tokens: bool = True) -> list[int]:
+    return list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,

@@ -1,6 +1,15 @@
 """The router's HTTP side: OpenAI routes proxied to the chosen replica (streams passed through,
 a client's disconnect closes the upstream request so the replica aborts it), health checks that
-take a dead replica out and put it back, and /metrics of its own."""
+take a dead replica out and put it back, and /metrics of its own.
+
+Made so that one bad replica or client cannot hold the others up: each replica has its own
+connection pool (a hung replica fills only its own), waiting for a free connection of it has a
+deadline after which another replica is tried, a response's head must come within
+`request_timeout_s`, a client that leaves while its request waits frees the upstream connection at
+once, health checks have a client of their own, and bodies pass the server's RequestGuard (size
+limit: 413; nesting limit: 400) before anything is read into memory whole. A body the router
+cannot read a prompt from is still passed on, for the replica to answer (400) in its own words.
+"""
 
 from __future__ import annotations
 
@@ -16,25 +25,33 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from octavo.router.policy import Choice, Router
+from octavo.server.guard import RequestGuard, error_json
 
 logger = logging.getLogger("octavo.router")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 
-def prompt_text(body: dict) -> str:
-    """The text a request's prefix is matched on: its prompt, or its messages' contents in order."""
-    if "messages" in body:
-        parts = []
-        for m in body.get("messages") or []:
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, list):
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            parts.append(f"{m.get('role', '') if isinstance(m, dict) else ''}:{content or ''}\n")
-        return "".join(parts)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    return prompt if isinstance(prompt, str) else json.dumps(prompt)
+def prompt_text(body: Any) -> str:
+    """The text a request's prefix is matched on: its prompt, or its messages' contents in order
+    ("" for a body of another shape: the replica will say what is wrong with it)."""
+    if not isinstance(body, dict):
+        return ""
+    try:
+        if "messages" in body:
+            parts = []
+            for m in body.get("messages") or []:
+                content = m.get("content") if isinstance(m, dict) else None
+                if isinstance(content, list):
+                    content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+                role = m.get("role", "") if isinstance(m, dict) else ""
+                parts.append(f"{role}:{content or ''}\n")
+            return "".join(parts)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        return prompt if isinstance(prompt, str) else json.dumps(prompt)
+    except (TypeError, ValueError, RecursionError):
+        return ""
 
 
 class RouterMetrics:
@@ -58,17 +75,25 @@ def _passed_headers(request: Request) -> dict[str, str]:
     return headers
 
 
-def build_router_app(router: Router, health_interval: float = 2.0) -> FastAPI:
+def build_router_app(router: Router, health_interval: float = 2.0, request_timeout_s: float = 1800.0,
+                     max_connections_per_replica: int = 256, pool_timeout_s: float = 5.0,
+                     max_request_bytes: int = 4 << 20) -> FastAPI:
     metrics = RouterMetrics()
     for r in router.replicas:
         metrics.healthy.labels(r.url).set(1)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+    # read=None: a stream may pause between tokens for as long as the replica queues it; the wait for
+    # a response's head is bounded by request_timeout_s in forward()
+    clients = {r.url: httpx.AsyncClient(
+        timeout=httpx.Timeout(None, connect=5.0, pool=pool_timeout_s),
+        limits=httpx.Limits(max_connections=max_connections_per_replica, max_keepalive_connections=32),
+    ) for r in router.replicas}
+    health_client = httpx.AsyncClient(timeout=5.0)
 
     async def check_health() -> None:
         while True:
             for r in router.replicas:
                 try:
-                    ok = (await client.get(f"{r.url}/health", timeout=5.0)).status_code == 200
+                    ok = (await health_client.get(f"{r.url}/health")).status_code == 200
                 except httpx.HTTPError:
                     ok = False
                 if ok != r.healthy:
@@ -82,36 +107,61 @@ def build_router_app(router: Router, health_interval: float = 2.0) -> FastAPI:
         task = asyncio.create_task(check_health())
         yield
         task.cancel()
-        await client.aclose()
+        for c in [*clients.values(), health_client]:
+            await c.aclose()
 
     app = FastAPI(title="Octavo router", lifespan=lifespan)
+    app.add_middleware(RequestGuard, max_body_bytes=max_request_bytes)
 
-    def no_replica() -> JSONResponse:
-        return JSONResponse({"error": {"message": "no healthy replica", "type": "ServiceUnavailableError",
-                                       "param": None, "code": 503}}, status_code=503)
+    def no_replica(why: str = "no healthy replica") -> JSONResponse:
+        return error_json(503, why, "ServiceUnavailableError", headers={"Retry-After": "1"})
+
+    async def send_until_disconnect(request: Request, replica_url: str, upstream: httpx.Request) -> httpx.Response | None:
+        """The replica's response (its head), or None if the client left first (the upstream
+        request is then cancelled, which closes its connection). TimeoutError past request_timeout_s."""
+        sending = asyncio.ensure_future(clients[replica_url].send(upstream, stream=True))
+        leaving = asyncio.ensure_future(_client_leaves(request))
+        try:
+            done, _ = await asyncio.wait({sending, leaving}, timeout=request_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            leaving.cancel()
+            if not sending.done():
+                sending.cancel()
+        if sending in done:
+            return sending.result()
+        if leaving in done:
+            return None
+        raise TimeoutError
 
     async def forward(path: str, request: Request) -> Response:
         raw = await request.body()
         try:
             body = json.loads(raw)
-        except ValueError:
-            body = {}
-        text = prompt_text(body) if isinstance(body, dict) else ""
+        except (ValueError, RecursionError):
+            body = None
+        text = prompt_text(body)
         tried: set[str] = set()
         while True:
             choice = router.choose(text, exclude=tried)
             if choice is None:
-                return no_replica()
+                return no_replica("no healthy replica" if not tried else f"no replica answered (tried {len(tried)})")
             replica = choice.replica
             tried.add(replica.url)
-            upstream = client.build_request("POST", f"{replica.url}{path}", content=raw,
-                                            headers=_passed_headers(request))
+            upstream = clients[replica.url].build_request("POST", f"{replica.url}{path}", content=raw,
+                                                          headers=_passed_headers(request))
             try:
-                response = await client.send(upstream, stream=True)
+                response = await send_until_disconnect(request, replica.url, upstream)
+            except httpx.PoolTimeout:  # its connections are all busy (hung?): another replica, if any
+                logger.warning("replica %s has no free connection; trying another", replica.url)
+                continue
             except httpx.TransportError:  # connection refused or reset: out until a health check says otherwise
                 replica.healthy = False
                 metrics.healthy.labels(replica.url).set(0)
                 continue
+            except TimeoutError:
+                return error_json(504, f"the replica did not answer within {request_timeout_s:g} s", "GatewayTimeoutError")
+            if response is None:
+                return Response(status_code=499)  # nobody is there to read it
             return stream_back(replica, choice, response)
 
     def stream_back(replica, choice: Choice, response: httpx.Response) -> StreamingResponse:
@@ -143,7 +193,7 @@ def build_router_app(router: Router, health_interval: float = 2.0) -> FastAPI:
     async def models(request: Request) -> Response:
         for r in router.healthy():
             try:
-                resp = await client.get(f"{r.url}/v1/models", headers=_passed_headers(request), timeout=10.0)
+                resp = await clients[r.url].get(f"{r.url}/v1/models", headers=_passed_headers(request), timeout=10.0)
                 return Response(resp.content, status_code=resp.status_code, media_type="application/json")
             except httpx.HTTPError:
                 continue
@@ -164,3 +214,9 @@ def build_router_app(router: Router, health_interval: float = 2.0) -> FastAPI:
             for r in router.replicas]}
 
     return app
+
+
+async def _client_leaves(request: Request) -> None:
+    """Returns when the client disconnects (its body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

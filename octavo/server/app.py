@@ -29,9 +29,11 @@ def build_app(server: OpenAIServer) -> FastAPI:
         yield
         server.engine.shutdown()
         server.executor.shutdown(wait=False, cancel_futures=True)
+        server.grammars.close()
 
     app = FastAPI(title="Octavo", version=octavo.__version__, lifespan=lifespan)
-    app.add_middleware(RequestGuard, max_body_bytes=server.limits.max_request_bytes, api_key=server.api_key)
+    app.add_middleware(RequestGuard, max_body_bytes=server.limits.max_request_bytes, api_key=server.api_key,
+                       body_timeout_s=server.limits.header_timeout_s)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -4,7 +4,8 @@ API errors, request checks, and the disconnect watch."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -13,9 +14,17 @@ from fastapi import Request
 
 from octavo.lora.request import LoRARequest
 from octavo.sampling.params import StructuredOutputsParams
-from octavo.server.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, EngineStopped
+from octavo.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineStopped,
+    LoRANotLoadedError,
+)
+from octavo.server.protocol import new_id
 from octavo.server.tools import render_tool_calls_as_text, tools_system_prompt
-from octavo.structured.manager import GrammarError
+from octavo.structured.isolated import DEFAULT_COMPILE_TIMEOUT_S, IsolatedCompiler
+from octavo.structured.manager import GrammarCacheFull, GrammarError
 from octavo.tokenizer import apply_chat_template, encode_prompt
 
 
@@ -34,7 +43,12 @@ _PARAM_NAMES = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tok
 
 
 def param_of(message: str) -> str | None:
-    return next((p for p in _PARAM_NAMES if message.startswith(p) or f": {p}" in message[:40]), None)
+    """The request field a validation message is about: the one it starts with, else one it names
+    after a colon near its start."""
+    starts = [p for p in _PARAM_NAMES if message.startswith(p)]
+    if starts:
+        return max(starts, key=len)
+    return next((p for p in _PARAM_NAMES if f": {p}" in message[:40]), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +62,9 @@ class ServerLimits:
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     tool_call_parser: str | None = None  # how tool_choice "auto" reads the model's calls ("hermes")
     max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id (oldest dropped)
+    max_stored_response_bytes: int = 128 << 20  # ... and their JSON together at most this large
+    grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S  # a constraint not compiled by then: 400
+    header_timeout_s: float = 30.0  # a request's head (and each pause in its body) must come within this
 
 
 class OpenAIServer:
@@ -66,6 +83,7 @@ class OpenAIServer:
         self.vocab_size = config.model_config.vocab_size
         self.priority_enabled = config.scheduler.policy == "priority"
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="octavo-tokenize")
+        self.grammars = IsolatedCompiler(engine.engine.structured, self.limits.grammar_compile_timeout_s)
         # adapters by the name a request's `model` field selects (kept in step with the engine)
         self.loras: dict[str, LoRARequest] = {r.lora_name: r for r in engine.engine.list_loras()}
         self._token_text: dict[int, str] = {}
@@ -115,12 +133,12 @@ class OpenAIServer:
 
     # ---- off-loop work -----------------------------------------------------------------------
 
-    async def encode(self, prompts: list[str | list[int]]) -> list[list[int]]:
+    async def encode(self, prompts: list[str | list[int]], add_special_tokens: bool = True) -> list[list[int]]:
         out = []
         for p in prompts:
             if isinstance(p, str):
                 self.check_text_len(p)
-                out.append(await self.off_loop(encode_prompt, self.tokenizer, p))
+                out.append(await self.off_loop(encode_prompt, self.tokenizer, p, add_special_tokens))
             else:
                 if not all(0 <= t < self.vocab_size for t in p):
                     raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size})", "BadRequestError", "prompt")
@@ -151,15 +169,40 @@ class OpenAIServer:
         except Exception as exc:
             raise APIError(400, f"could not apply the chat template: {exc}", "BadRequestError", "messages") from exc
 
-    async def check_grammar(self, constraint: StructuredOutputsParams | None, param: str) -> None:
-        """Compile a request's output constraint off the event loop and the engine thread (the
-        engine then finds it cached); 400 naming `param` and the problem if it cannot be used."""
+    @contextlib.asynccontextmanager
+    async def grammar_held(self, constraint: StructuredOutputsParams | None, param: str,
+                           request: Request) -> AsyncIterator[None]:
+        """Compile a request's output constraint (in a child process with a deadline, unless
+        cached) and hold it in the engine's grammar cache for the body, which adds the request
+        (the engine then holds it until the request ends). 400 naming `param` if it cannot be
+        used; 429 if the grammars of requests in flight fill the cache; 499 if the client leaves
+        while it compiles (the compile is stopped)."""
         if constraint is None:
+            yield
             return
+        manager = self.engine.engine.structured
+        holder = new_id("grammar")
         try:
-            await self.off_loop(self.engine.engine.structured.compile, constraint)
+            grammar = manager.lookup(constraint)
+            if grammar is None:
+                task = asyncio.ensure_future(self.grammars.compile(constraint))
+                async with DisconnectWatch(request, task.cancel) as watch:
+                    try:
+                        grammar = await task
+                    except asyncio.CancelledError:
+                        if not watch.disconnected:
+                            raise
+                        raise APIError(499, "client disconnected", "ClientClosedRequest") from None
+            manager.insert(constraint, grammar, holder=holder)
         except GrammarError as exc:
             raise APIError(400, f"{param}: {exc}", "BadRequestError", param) from exc
+        except GrammarCacheFull as exc:
+            raise APIError(429, str(exc), "RateLimitError", param,
+                           headers={"Retry-After": str(self.limits.retry_after_s)}) from exc
+        try:
+            yield
+        finally:
+            manager.release(holder)
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -207,6 +250,8 @@ def engine_error(exc: Exception, limits: ServerLimits) -> APIError:
         return APIError(429, str(exc), "RateLimitError", headers={"Retry-After": str(limits.retry_after_s)})
     if isinstance(exc, (EngineStopped, EngineDeadError)):
         return APIError(503, str(exc), "ServiceUnavailableError")
+    if isinstance(exc, LoRANotLoadedError):
+        return APIError(404, str(exc), "NotFoundError", "model")
     return APIError(400, str(exc), "BadRequestError", param_of(str(exc)) or "prompt")
 
 

@@ -1,4 +1,5 @@
-"""Debug routes (only with --enable-debug-endpoints): the KV-cache state, checked on the engine thread."""
+"""Debug routes (only with --enable-debug-endpoints): the KV-cache state, checked on the engine
+thread, and the compiled-grammar cache."""
 
 from __future__ import annotations
 
@@ -30,3 +31,8 @@ def add_debug_routes(app: FastAPI, server: OpenAIServer) -> None:
     @app.get("/debug/kv_cache")
     async def kv_cache() -> dict:
         return await server.engine.call(kv_cache_report)
+
+    @app.get("/debug/grammars")
+    async def grammars() -> dict:
+        return {**server.engine.engine.structured.stats(), "num_compiling": server.grammars.num_compiling,
+                "num_compile_timeouts": server.grammars.num_timeouts}

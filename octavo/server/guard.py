@@ -1,13 +1,16 @@
-"""RequestGuard: the ASGI layer in front of every route: API key and request-size limit.
+"""RequestGuard: the ASGI layer in front of every route: API key, request-size and nesting limits.
 
 It reads the body itself, up to `max_body_bytes` (a larger body, announced or streamed, gets a 413
-before any route parses it), then replays it to the app; later `receive` calls pass through, so
-routes still see the client's disconnect.
+before any route parses it), refuses JSON nested deeper than MAX_JSON_DEPTH (400 naming the
+top-level field: deeper values overflow the recursion of whatever walks them later), then replays
+it to the app; later `receive` calls pass through, so routes still see the client's disconnect.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 import secrets
 from typing import Any
 
@@ -24,13 +27,47 @@ def error_json(status: int, message: str, type_: str, param: str | None = None,
     return JSONResponse(error_body(status, message, type_, param), status_code=status, headers=headers)
 
 
-async def _send_error(send: Any, status: int, message: str, type_: str, headers: dict[str, str] | None = None) -> None:
-    body = json.dumps(error_body(status, message, type_)).encode()
+async def _send_error(send: Any, status: int, message: str, type_: str, headers: dict[str, str] | None = None,
+                      param: str | None = None) -> None:
+    body = json.dumps(error_body(status, message, type_, param)).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
            (b"connection", b"close")]
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})
+
+
+# A JSON schema may nest 64 subschemas (structured/schema.py), two JSON levels each through
+# "properties", inside a few levels of request; nothing legitimate comes near 160.
+MAX_JSON_DEPTH = 160
+_JSON_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')  # a string (skipped whole) or a bracket
+
+
+def json_nesting_error(body: bytes, limit: int = MAX_JSON_DEPTH) -> str | None:
+    """None if the JSON text `body` nests at most `limit` arrays/objects deep, else a message naming
+    the top-level field that nests deeper. Reads brackets outside strings only (no parsing), and
+    stops at the first level over the limit."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return None
+    depth, last_top_string, field = 0, None, None
+    for match in _JSON_TOKENS.finditer(body):
+        first = match.group()[0]
+        if first == 0x22:  # '"': at depth 1 the last string before a bracket is that value's key
+            if depth == 1:
+                last_top_string = match.group()
+        elif first in (0x5B, 0x7B):  # '[' '{'
+            depth += 1
+            if depth == 2:
+                field = last_top_string
+            if depth > limit:
+                try:
+                    name = json.loads(field) if field is not None else "body"
+                except ValueError:
+                    name = "body"
+                return f"{name}: JSON nested deeper than {limit} levels"
+        else:
+            depth -= 1
+    return None
 
 
 def bearer_token_matches(header: str | None, api_key: str) -> bool:
@@ -42,10 +79,11 @@ def bearer_token_matches(header: str | None, api_key: str) -> bool:
 
 
 class RequestGuard:
-    def __init__(self, app: Any, max_body_bytes: int, api_key: str | None = None) -> None:
+    def __init__(self, app: Any, max_body_bytes: int, api_key: str | None = None, body_timeout_s: float = 30.0) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.api_key = api_key
+        self.body_timeout_s = body_timeout_s  # the longest pause between two pieces of a body (then 408)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -64,7 +102,12 @@ class RequestGuard:
             return
         body = bytearray()
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+            except asyncio.TimeoutError:
+                await _send_error(send, 408, f"the request body stopped arriving for {self.body_timeout_s:g} s",
+                                  "RequestTimeoutError")
+                return
             if message["type"] == "http.disconnect":
                 return  # the client left before sending its body: nothing to answer
             body += message.get("body", b"")
@@ -73,6 +116,11 @@ class RequestGuard:
                 return
             if not message.get("more_body", False):
                 break
+        # a big body's scan runs off the event loop (a 4 MiB body of brackets takes ~1 s)
+        nested = json_nesting_error(body) if len(body) < 1 << 16 else await asyncio.to_thread(json_nesting_error, bytes(body))
+        if nested is not None:
+            await _send_error(send, 400, nested, "BadRequestError", param=nested.split(":", 1)[0])
+            return
         replayed = False
 
         async def replay() -> dict:

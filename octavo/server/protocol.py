@@ -96,6 +96,7 @@ class StreamOptions(_Body):
 
 
 MAX_SPEC_CHARS = 64 * 1024
+MAX_USER_CHARS = 256  # the end-user id a client may pass (`user`)
 _CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 MAX_TOOLS = 128
 
@@ -136,7 +137,7 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
-    user: str | None = None
+    user: str | None = Field(None, max_length=MAX_USER_CHARS)
     logit_bias: dict[str, Any] | None = Field(None, max_length=1024)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -206,8 +207,9 @@ class _SamplingFields(_Body):
                 token = int(key)
             except (TypeError, ValueError):
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r}")
+            # compared before float(): a 400-digit integer would overflow it
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {str(value)[:40]}")
             out[token] = float(value)
         return out
 
@@ -260,6 +262,14 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("temperature: beam search here is deterministic; leave temperature unset or 0")
         if self.stop or self.stop_token_ids:
             raise ValueError("stop: stop strings and stop_token_ids are not applied to beams; EOS ends a beam")
+        # fields beam search here does not apply: refused by name rather than silently ignored
+        neutral = {"top_p": (1,), "top_k": (0, -1), "min_p": (0,), "seed": (), "presence_penalty": (0,),
+                   "frequency_penalty": (0,), "repetition_penalty": (1,), "min_tokens": (0,), "logit_bias": ({},)}
+        for name, values in neutral.items():
+            value = getattr(self, name)
+            if value is not None and value not in values:
+                raise ValueError(f"{name}: not applied by beam search (beams are ranked by the model's own logprobs); "
+                                 "leave it unset")
         return BeamSearchParams(
             beam_width=self.n,
             max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
@@ -401,6 +411,9 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
     add_generation_prompt: bool = True
+    # vLLM's: whether a prompt gets the tokenizer's special tokens (BOS...); lm-eval sends false.
+    # A conversation's come from its chat template.
+    add_special_tokens: bool = True
 
     @model_validator(mode="after")
     def _one_of(self) -> TokenizeRequest:

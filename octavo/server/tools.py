@@ -52,26 +52,52 @@ def forced_call_constraint(tools: list[Any], tool_choice: Any, parallel: bool) -
     return StructuredOutputsParams(json=_parameters(tool))
 
 
-def parse_forced_calls(text: str, tool_choice: Any) -> list[ParsedCall] | None:
-    """The calls in a constrained output; None if it is not complete JSON (cut by max_tokens)."""
+def parse_forced_calls(text: str, tool_choice: Any, complete: bool = True) -> list[ParsedCall] | None:
+    """The calls in a constrained output. `complete` False (the output was cut by max_tokens): for
+    "required", the calls of the array that were written whole, None if there are none; for a
+    named function, None. Never raises on what a model wrote (nesting too deep for the parser
+    included)."""
     try:
-        value = json.loads(text)
-    except ValueError:
+        if tool_choice != "required":
+            return [ParsedCall(tool_choice.function.name, _arguments_text(json.loads(text)))] if complete else None
+        items = json.loads(text) if complete else _whole_array_items(text)
+        calls = [ParsedCall(c["name"], _arguments_text(c["parameters"])) for c in items
+                 if isinstance(c, dict) and isinstance(c.get("name"), str) and "parameters" in c]
+    except (ValueError, RecursionError, TypeError):
         return None
-    if tool_choice == "required":
-        return [ParsedCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
-    return [ParsedCall(tool_choice.function.name, json.dumps(value, ensure_ascii=False))]
+    return calls or None
+
+
+def _whole_array_items(text: str) -> list[Any]:
+    """The items of a JSON array that was cut off, as far as they were written whole."""
+    decoder = json.JSONDecoder()
+    pos = text.find("[") + 1
+    items: list[Any] = []
+    if pos == 0:
+        return items
+    while True:
+        while pos < len(text) and text[pos] in " \t\n\r,":
+            pos += 1
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except ValueError:  # the cut item (or the closing bracket)
+            return items
+        items.append(value)
+
+
+def _arguments_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
 def _hermes_call(body: str) -> ParsedCall | None:
+    """The call a <tool_call> block holds, or None if it is not one (invalid or too deeply nested JSON)."""
     try:
         value = json.loads(body)
-    except ValueError:
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            return None
+        return ParsedCall(value["name"], _arguments_text(value.get("arguments", value.get("parameters", {}))))
+    except (ValueError, RecursionError):
         return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    args = value.get("arguments", value.get("parameters", {}))
-    return ParsedCall(value["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
 
 def parse_hermes(text: str) -> tuple[str | None, list[ParsedCall]]:

@@ -5,9 +5,11 @@ does not; streams pass through; a killed replica's traffic moves to the other.""
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -32,10 +34,10 @@ def replicas(tmp_path_factory, smol_dir):
         stop_server(s)
 
 
-def start_router(replicas, policy: str, log_path):
+def start_router(replicas, policy: str, log_path, *flags: str):
     port = free_port()
     cmd = [sys.executable, "-m", "octavo.cli", "router", "--policy", policy, "--port", str(port),
-           "--health-interval", "0.5", *[a for r in replicas for a in ("--worker", r.url)]]
+           "--health-interval", "0.5", *flags, *[a for r in replicas for a in ("--worker", r.url)]]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -122,3 +124,80 @@ def test_a_client_disconnect_aborts_the_request_at_the_replica(replicas, tmp_pat
 def running_requests(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return sum(float(m.group(1)) for m in re.finditer(r'^octavo:num_requests_running\{[^}]*\} (\S+)', text, re.M))
+
+
+# ---- issue 20: a replica or client cannot hold the router up ------------------------------------
+
+MALFORMED = [b"{not json", b'{"messages": 5, "max_tokens": 2}', b'{"messages": [1, [2]], "max_tokens": 2}',
+             b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 7}]}], "max_tokens": 2}',
+             b'{"prompt": {"a": [1]}, "max_tokens": 2}', b"[1, 2, 3]", b'"just a string"']
+
+
+def test_bodies_the_router_cannot_read_get_the_replicas_own_answer(replicas, tmp_path):
+    proc, url = start_router(replicas, "cache-aware", tmp_path / "router.log")
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    try:
+        for route in ("/v1/completions", "/v1/chat/completions"):
+            for body in MALFORMED:
+                direct = httpx.post(f"{replicas[0].url}{route}", content=body, headers=headers, timeout=60)
+                routed = httpx.post(f"{url}{route}", content=body, headers=headers, timeout=60)
+                assert direct.status_code == 400 and routed.status_code == 400, (body, routed.text)
+                assert routed.json()["error"]["message"] == direct.json()["error"]["message"]
+        deep = b'{"prompt": "hi", "x": ' + b"[" * 2000 + b"]" * 2000 + b"}"
+        r = httpx.post(f"{url}/v1/completions", content=deep, headers=headers, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "x"
+        big = b'{"prompt": "' + b"a" * (5 << 20) + b'"}'  # over the router's 4 MiB: never read whole
+        r = httpx.post(f"{url}/v1/completions", content=big, headers=headers, timeout=60)
+        assert r.status_code == 413 and r.json()["error"]["type"] == "RequestTooLargeError"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_a_hung_replica_and_clients_that_give_up_do_not_stop_the_router(replicas, tmp_path):
+    """One replica stops (SIGSTOP: its socket accepts, nothing answers, /health included) while
+    clients that give up after 1 s keep sending; the other replica's traffic goes on, and once the
+    health check takes the hung one out every request is answered (was: 503 for everyone)."""
+    proc, url = start_router(replicas, "round-robin", tmp_path / "router.log", "--max-connections-per-replica", "4")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    hung = replicas[0]
+    try:
+        hung.process.send_signal(signal.SIGSTOP)
+        impatient = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=1.0)
+        answered = 0
+        for i in range(12):
+            try:
+                ask(impatient, f"Impatient question {i}?")
+                answered += 1
+            except (openai.APITimeoutError, openai.APIConnectionError):
+                pass
+        assert answered >= 1  # the healthy replica's share got through meanwhile
+        # the abandoned requests' upstream connections were closed, not left waiting on the hung
+        # replica (at most the health check's own probe is open there)
+        hung_port = int(hung.url.rsplit(":", 1)[1])
+        deadline = time.time() + 10
+        while time.time() < deadline and established_to(hung_port) > 1:
+            time.sleep(0.2)
+        assert established_to(hung_port) <= 1
+        deadline = time.time() + 30
+        while time.time() < deadline and httpx.get(f"{url}/workers", timeout=10).json()["workers"][0]["healthy"]:
+            time.sleep(0.2)
+        assert not httpx.get(f"{url}/workers", timeout=10).json()["workers"][0]["healthy"]
+        for i in range(6):
+            assert ask(client, f"Patient question {i}?")
+    finally:
+        hung.process.send_signal(signal.SIGCONT)
+        proc.terminate()
+        proc.wait(10)
+    wait_healthy(hung.url, hung.process, lambda: hung.log_text(), 60)
+
+
+def established_to(port: int) -> int:
+    """Open (ESTABLISHED) IPv4 TCP connections whose far end is 127.0.0.1:port."""
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        remote, state = fields[2], fields[3]
+        if state == "01" and int(remote.split(":")[1], 16) == port:
+            count += 1
+    return count

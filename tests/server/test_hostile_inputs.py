@@ -14,6 +14,10 @@ HEADERS = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/js
 C, CHAT, TOK, DETOK = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"
 
 
+def NEST(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
 def comp(**kw) -> dict:
     return {"model": MODEL, "prompt": "Hello", "max_tokens": 2, **kw}
 
@@ -119,7 +123,35 @@ CASES = [
     ("unsupported", CHAT, chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400),
     ("size", C, comp(prompt="a" * (10 << 20)), 413),
     ("size", C, comp(prompt="word " * 200_000), 400),  # under the body limit, over any context length
+    # issue 20: JSON nested ~950 deep was a 500 (RecursionError) through every field that carries it
+    ("nesting", TOK, b'{"prompt": "hi", "x": ' + NEST(950) + b"}", 400),
+    ("nesting", TOK, b'{"messages": [{"role": "user", "content": "hi", "x": ' + NEST(300) + b"}]}", 400),
+    ("nesting", C, b'{"prompt": "hi", "max_tokens": 2, "guided_json": {"type": "object", "default": ' + NEST(960) + b"}}", 400),
+    ("nesting", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", '
+                      b'"json_schema": {"name": "a", "schema": {"type": "object", "default": ' + NEST(960) + b"}}}}", 400),
+    ("nesting", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required", "tools": [{"type": '
+                      b'"function", "function": {"name": "f", "parameters": {"default": ' + NEST(5000) + b"}}}]}", 400),
+    ("nesting", "/v1/responses", b'{"input": "hi", "metadata": ' + NEST(970) + b"}", 400),
+    ("nesting", C, comp(guided_json="[" * 3000), 400),  # nested inside a string: parsed later, same 400
+    ("huge number", C, b'{"prompt": "hi", "max_tokens": 2, "logit_bias": {"5": ' + b"9" * 401 + b"}}", 400),
+    ("size", CHAT, chat(tool_choice="required", tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": {"enum": [f"value-{i}" for i in range(8000)]}}}}}]), 400),
+    ("size", DETOK, {"tokens": [1] * 5000}, 400),  # more ids than any sequence holds: its text could be 10x the body
+    ("size", "/v1/responses", {"input": "hi", "metadata": {"k": "v" * 600}}, 400),
+    ("size", "/v1/responses", {"input": "hi", "metadata": {"k" * 70: "v"}}, 400),
+    ("size", C, comp(user="u" * 300), 400),
+    # beam search applies none of these: refused by name rather than silently ignored
+    ("unsupported", C, comp(use_beam_search=True, n=2, logit_bias={"5": 10}), 400),
+    ("unsupported", C, comp(use_beam_search=True, n=2, top_p=0.5), 400),
+    ("unsupported", C, comp(use_beam_search=True, n=2, seed=3), 400),
+    ("unsupported", C, comp(use_beam_search=True, n=2, presence_penalty=1.0), 400),
+    ("unsupported", C, comp(use_beam_search=True, n=2, repetition_penalty=1.2), 400),
+    ("unsupported", C, comp(use_beam_search=True, n=2, min_tokens=2), 400),
 ]
+PARAMS = {  # the field a 400 names, where it must name one
+    "logit_bias": "logit_bias", "top_p": "top_p", "seed": "seed", "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens",
+}
 
 
 def _send(url: str, route: str, body) -> httpx.Response:
@@ -127,12 +159,30 @@ def _send(url: str, route: str, body) -> httpx.Response:
     return httpx.post(f"{url}{route}", content=content, headers=HEADERS, timeout=60)
 
 
+@pytest.fixture(scope="module")
+def greedy_text(live_server) -> str:
+    """The greedy answer to a fixed prompt before any hostile body: every case must leave it as it was."""
+    return _greedy(live_server.url)
+
+
+def _greedy(url: str) -> str:
+    r = _send(url, C, comp(prompt="The capital of France is", temperature=0, max_tokens=6))
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
 @pytest.mark.parametrize("kind, route, body, status", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
-def test_hostile_body_gets_a_clear_4xx(live_server, kind, route, body, status):
+def test_hostile_body_gets_a_clear_4xx(live_server, greedy_text, kind, route, body, status):
     r = _send(live_server.url, route, body)
     assert r.status_code == status, r.text[:500]
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == status and error["message"]
+    if kind == "nesting" and not isinstance(body, dict):
+        assert error["param"] is not None and "nested" in error["message"], error
+    named = [p for p in PARAMS if isinstance(body, dict) and body.get("use_beam_search") and p in body]
+    if named:
+        assert error["param"] == named[0], error
+    assert _greedy(live_server.url) == greedy_text  # the engine serves as before
 
 
 def test_the_server_still_answers_and_the_engine_is_alive(live_server):

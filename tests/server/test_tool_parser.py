@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from octavo.server.tools import HermesStream, parse_hermes
+from octavo.server.tools import HermesStream, parse_forced_calls, parse_hermes
 from tests.server.scripted import scripted_engine, serve_in_thread
 
 ANSWER = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'
@@ -107,3 +107,71 @@ def test_auto_tool_calls_streamed_and_a_tool_turn(scripted_url):
     prompt = httpx.post(f"{scripted_url}/detokenize", json={"tokens": ids}).json()["prompt"]
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>' in prompt
     assert "tool\n18 degrees, sunny" in prompt
+
+
+# ---- issue 20: what a model writes never breaks the parsers -------------------------------------
+
+REPEATED_CALL = '{"name": "get_time", "parameters": {"zone": "CET"}}'
+REPEATING = "[" + ", ".join([REPEATED_CALL] * 40) + "]"  # a model that repeats its call until max_tokens
+# deeper than json.loads can go (~1,000 levels), in ~600 tokens
+DEEP = '<tool_call>\n{"name": "get_time", "arguments": ' + "[" * 1100 + "\n</tool_call> done"
+
+
+def test_parsers_survive_nesting_too_deep_for_json():
+    content, calls = parse_hermes(DEEP)
+    assert calls == [] and content.startswith("<tool_call>")  # not a call: left as the model wrote it
+    stream = HermesStream()
+    shown, new = stream.feed(DEEP[:500])
+    shown2, new2 = stream.feed(DEEP[500:], finished=True)
+    assert new == new2 == [] and (shown + shown2).endswith("done")
+    assert parse_forced_calls("[" * 3000, "required") is None
+    assert parse_forced_calls("[" * 3000, "required", complete=False) is None
+
+
+def test_a_required_array_cut_by_length_keeps_the_calls_written_whole():
+    cut = REPEATING[: len(REPEATING) // 2]
+    calls = parse_forced_calls(cut, "required", complete=False)
+    assert calls is not None and 1 <= len(calls) < 40
+    assert all(c.name == "get_time" and json.loads(c.arguments) == {"zone": "CET"} for c in calls)
+    assert parse_forced_calls('[{"name": "get_ti', "required", complete=False) is None
+    assert len(parse_forced_calls(REPEATING, "required")) == 40
+
+
+@pytest.fixture(scope="module")
+def repeating_url(smol_dir, smol_tokenizer):
+    with serve_in_thread(scripted_engine(smol_dir, smol_tokenizer, REPEATING)) as url:
+        yield url
+
+
+def test_required_tool_calls_cut_by_length_return_the_calls_so_far(repeating_url):
+    """What LiteLLM, LangChain, the openai SDK and pydantic-ai send (tool_choice "required", parallel
+    calls allowed): a model that repeats its call ran to max_tokens and the client got no call."""
+    client = openai.OpenAI(base_url=f"{repeating_url}/v1", api_key="x", max_retries=0)
+    asked = dict(model="scripted", messages=[{"role": "user", "content": "Time?"}], tools=TOOLS,
+                 tool_choice="required", max_tokens=60)
+    choice = client.chat.completions.create(**asked).choices[0]
+    assert choice.finish_reason == "length"
+    calls = choice.message.tool_calls
+    assert calls and all(c.function.name == "get_time" and json.loads(c.function.arguments) == {"zone": "CET"}
+                         for c in calls)
+    streamed = [tc for ch in client.chat.completions.create(**asked, stream=True) for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert [tc.function.name for tc in streamed] == [c.function.name for c in calls]
+
+
+@pytest.fixture(scope="module")
+def deep_url(smol_dir, smol_tokenizer):
+    with serve_in_thread(scripted_engine(smol_dir, smol_tokenizer, DEEP), tool_call_parser="hermes") as url:
+        yield url
+
+
+def test_deeply_nested_output_is_content_whole_and_streamed(deep_url):
+    """Was a 500, or a stream cut without [DONE]: the Hermes parser's RecursionError."""
+    client = openai.OpenAI(base_url=f"{deep_url}/v1", api_key="x", max_retries=0)
+    asked = dict(model="scripted", messages=[{"role": "user", "content": "Time?"}], tools=TOOLS, max_tokens=800)
+    message = client.chat.completions.create(**asked).choices[0].message
+    assert message.tool_calls is None and message.content.endswith("done")
+    with httpx.stream("POST", f"{deep_url}/v1/chat/completions", json={**asked, "stream": True}, timeout=120) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or "" for line in lines[:-1])
+    assert text.endswith("done") and "[[[" in text

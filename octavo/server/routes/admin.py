@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 from typing import Any
 
 from fastapi import APIRouter
@@ -42,29 +44,35 @@ def build_router(server: OpenAIServer) -> APIRouter:
         return {"object": "list", "data": [base, *adapters]}
 
     if server.limits.allow_runtime_lora_updating:
+        # One load or unload at a time (two at once would take the same name or id); ids count up
+        # and are never given again, so a client never sees one id name two adapters.
+        updating = asyncio.Lock()
+        next_id = itertools.count(max((r.lora_int_id for r in server.loras.values()), default=0) + 1)
+
         @router.post("/v1/load_lora_adapter")
         async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
-            if body.lora_name in server.loras or body.lora_name == server.model_name:
-                raise APIError(400, f"a model named `{body.lora_name}` is already served", "BadRequestError", "lora_name")
-            known = await server.engine.call(lambda e: e.list_loras())
-            lora = LoRARequest(body.lora_name, max((r.lora_int_id for r in known), default=0) + 1, body.lora_path)
-            try:
-                await server.engine.call(lambda e: e.add_lora(lora))
-            except ValueError as exc:
-                raise APIError(400, str(exc), "BadRequestError", "lora_path") from exc
-            server.loras[lora.lora_name] = lora
+            async with updating:
+                if body.lora_name in server.loras or body.lora_name == server.model_name:
+                    raise APIError(400, f"a model named `{body.lora_name}` is already served", "BadRequestError", "lora_name")
+                lora = LoRARequest(body.lora_name, next(next_id), body.lora_path)
+                try:
+                    await server.engine.call(lambda e: e.add_lora(lora))
+                except ValueError as exc:
+                    raise APIError(400, str(exc), "BadRequestError", "lora_path") from exc
+                server.loras[lora.lora_name] = lora
             return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' added successfully.")
 
         @router.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
-            lora = server.loras.get(body.lora_name)
-            if lora is None:
-                raise APIError(404, f"no LoRA adapter named `{body.lora_name}` is loaded", "NotFoundError", "lora_name")
-            try:
-                await server.engine.call(lambda e: e.remove_lora(lora.lora_int_id))
-            except ValueError as exc:
-                raise APIError(400, str(exc), "BadRequestError", "lora_name") from exc
-            del server.loras[body.lora_name]
+            async with updating:
+                lora = server.loras.get(body.lora_name)
+                if lora is None:
+                    raise APIError(404, f"no LoRA adapter named `{body.lora_name}` is loaded", "NotFoundError", "lora_name")
+                try:
+                    await server.engine.call(lambda e: e.remove_lora(lora.lora_int_id))
+                except ValueError as exc:
+                    raise APIError(400, str(exc), "BadRequestError", "lora_name") from exc
+                del server.loras[body.lora_name]
             return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     return router

@@ -42,10 +42,13 @@ class ChatChoices:
         self._named_id: dict[int, str] = {}
         self._hermes: dict[int, HermesStream] = {}
 
-    def _calls(self, text: str) -> tuple[str | None, list[ParsedCall]] | None:
-        """(content, calls) when the output holds tool calls."""
+    def _calls(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ParsedCall]] | None:
+        """(content, calls) when the output holds tool calls. An output cut by max_tokens keeps the
+        calls written whole before the cut (a client sees them with finish_reason "length")."""
+        if finish_reason not in ("stop", "length"):
+            return None
         if self.mode in ("required", "named"):
-            calls = parse_forced_calls(text, self.tool_choice)
+            calls = parse_forced_calls(text, self.tool_choice, complete=finish_reason == "stop")
             return None if calls is None else (None, calls)
         if self.mode == "auto":
             content, calls = parse_hermes(text)
@@ -59,7 +62,7 @@ class ChatChoices:
 
     def final(self, index: int, out: RequestOutput, c: CompletionOutput) -> dict:
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
-        parsed = self._calls(c.text) if c.finish_reason == "stop" else None
+        parsed = self._calls(c.text, c.finish_reason)
         if parsed is not None:
             message = {"role": "assistant", "content": parsed[0], "tool_calls": [call.as_openai() for call in parsed[1]]}
         return {"index": index, "message": message, "logprobs": chat_logprobs(self.server, c.logprobs),
@@ -83,9 +86,9 @@ class ChatChoices:
             self._buffers[index] = self._buffers.get(index, "") + c.text
             delta = {}
             if done:
-                calls = parse_forced_calls(self._buffers.pop(index), self.tool_choice) if c.finish_reason == "stop" else None
-                has_calls = calls is not None
-                delta = {"tool_calls": [call.as_openai(k) for k, call in enumerate(calls)]} if calls else {}
+                parsed = self._calls(self._buffers.pop(index), c.finish_reason)
+                has_calls = parsed is not None
+                delta = {"tool_calls": [call.as_openai(k) for k, call in enumerate(parsed[1])]} if parsed else {}
         elif self.mode == "auto":
             stream = self._hermes.setdefault(index, HermesStream())
             first_call = len(stream.calls)
@@ -124,7 +127,11 @@ def build_router(server: OpenAIServer) -> APIRouter:
         if tool_choice == "auto" and req.tools and server.limits.tool_call_parser is None:
             raise APIError(400, 'tool_choice "auto" needs a server started with --tool-call-parser (e.g. hermes); '
                                 'use "required" or a named function to force a call', "BadRequestError", "tool_choice")
-        forced = forced_call_constraint(req.tools or [], tool_choice, req.parallel_tool_calls)
+        try:
+            forced = forced_call_constraint(req.tools or [], tool_choice, req.parallel_tool_calls)
+        except ValueError as exc:  # the tools' schemas together are larger than a constraint may be
+            raise APIError(400, f"tools: the schema that forces the call (every tool's parameters) cannot be used: {exc}",
+                           "BadRequestError", "tools") from exc
         if forced is not None and req.structured_fields_set():
             raise APIError(400, f"{req.structured_param()}: an output constraint cannot be combined with a forced tool call",
                            "BadRequestError", req.structured_param())
@@ -137,12 +144,10 @@ def build_router(server: OpenAIServer) -> APIRouter:
         params = sampling_params(req, server.max_model_len - len(ids), logprobs)
         if forced is not None:
             params = dataclasses.replace(params, structured_outputs=forced)
-            await server.check_grammar(forced, "tools")
-        else:
-            await server.check_grammar(params.structured_outputs, req.structured_param())
         mode = "named" if not isinstance(tool_choice, str) else (
             tool_choice if tool_choice in ("required", "none") else ("auto" if req.tools else "none"))
-        return await run_request(server, request, req, [ids], params, ChatChoices(server, mode, tool_choice, req.parallel_tool_calls),
-                                 "chatcmpl", lora)
+        choices = ChatChoices(server, mode, tool_choice, req.parallel_tool_calls)
+        async with server.grammar_held(params.structured_outputs, "tools" if forced else req.structured_param(), request):
+            return await run_request(server, request, req, [ids], params, choices, "chatcmpl", lora)
 
     return router

@@ -126,11 +126,11 @@ def build_router(server: OpenAIServer) -> APIRouter:
         params = sampling_params(req, 16, req.logprobs)
         if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
             params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
-        await server.check_grammar(params.structured_outputs, req.structured_param())
         echo_texts = None
         if req.echo:
             echo_texts = [p if isinstance(p, str) else await server.off_loop(server.tokenizer.decode, p) for p in raw]
         choices = CompletionChoices(server, params.n, echo_texts, req.logprobs is not None)
-        return await run_request(server, request, req, prompts, params, choices, "cmpl", lora)
+        async with server.grammar_held(params.structured_outputs, req.structured_param(), request):
+            return await run_request(server, request, req, prompts, params, choices, "cmpl", lora)
 
     return router

@@ -12,14 +12,17 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from octavo.sampling.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from octavo.server.async_engine import EngineDeadError, EngineOverloadedError, EngineStopped
 from octavo.server.core import APIError, DisconnectWatch, OpenAIServer, engine_error, param_of
 from octavo.server.generation import collect
 from octavo.server.guard import error_body
-from octavo.server.protocol import INT32_MAX, MAX_MESSAGES, _Body, new_id, now
+from octavo.server.protocol import INT32_MAX, MAX_MESSAGES, MAX_USER_CHARS, _Body, new_id, now
+
+# OpenAI's limits on metadata: 16 pairs, keys of at most 64 characters, values of at most 512
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 
 
 class InputContent(_Body):
@@ -59,14 +62,23 @@ class ResponsesRequest(_Body):
     store: bool = True
     previous_response_id: str | None = Field(None, max_length=256)
     text: TextConfig | None = None
-    metadata: dict[str, str] | None = Field(None, max_length=16)
-    user: str | None = None
+    metadata: dict[str, str] | None = Field(None, max_length=MAX_METADATA_PAIRS)
+    user: str | None = Field(None, max_length=MAX_USER_CHARS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     truncation: Literal["disabled", "auto"] | None = None
     priority: int = 0
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_sizes(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        for key, text in (value or {}).items():
+            if len(key) > MAX_METADATA_KEY_CHARS or len(text) > MAX_METADATA_VALUE_CHARS:
+                raise ValueError(f"metadata keys are at most {MAX_METADATA_KEY_CHARS} characters and values at most "
+                                 f"{MAX_METADATA_VALUE_CHARS}; {key[:40]!r} is over")
+        return value
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.tools:
@@ -93,19 +105,33 @@ class ResponsesRequest(_Body):
 
 
 class ResponseStore:
-    """The last `capacity` stored responses: their body and the conversation they end."""
+    """The last stored responses (their body and the conversation they end), at most `capacity` of
+    them and `max_bytes` of their JSON together: oldest dropped first. A conversation is counted
+    whole in each response that ends it (shared turns counted again: an overestimate, never an
+    under-). A response larger than `max_bytes` alone is not stored."""
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._items: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+    def __init__(self, capacity: int, max_bytes: int) -> None:
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self.num_bytes = 0
+        self._items: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()
 
-    def put(self, body: dict, conversation: list[dict]) -> None:
-        self._items[body["id"]] = (body, conversation)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+    def put(self, body: dict, conversation: list[dict]) -> bool:
+        """Store it (True), dropping the oldest to make room; False if it alone is too large."""
+        size = len(json.dumps(body)) + len(json.dumps(conversation))
+        if size > self.max_bytes:
+            return False
+        self._items[body["id"]] = (body, conversation, size)
+        self.num_bytes += size
+        while len(self._items) > self.capacity or self.num_bytes > self.max_bytes:
+            self.num_bytes -= self._items.popitem(last=False)[1][2]
+        return True
 
     def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
-        return self._items.get(response_id)
+        found = self._items.get(response_id)
+        return None if found is None else (found[0], found[1])
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 def _message_item(item_id: str, text: str, status: str) -> dict:
@@ -128,7 +154,7 @@ def _response_body(req: ResponsesRequest, rid: str, created: int, status: str, o
 
 def build_router(server: OpenAIServer) -> APIRouter:
     router = APIRouter()
-    store = ResponseStore(server.limits.max_stored_responses)
+    store = ResponseStore(server.limits.max_stored_responses, server.limits.max_stored_response_bytes)
 
     @router.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> dict:
@@ -146,7 +172,8 @@ def build_router(server: OpenAIServer) -> APIRouter:
             found = store.get(req.previous_response_id)
             if found is None:
                 raise APIError(400, f"previous_response_id: no stored response with id {req.previous_response_id!r} "
-                                    f"(responses are kept in memory, the last {store.capacity})", "BadRequestError",
+                                    f"(responses are kept in memory: the last {store.capacity}, "
+                                    f"{store.max_bytes >> 20} MiB at most)", "BadRequestError",
                                "previous_response_id")
             history = list(found[1])
         turn = ([{"role": "user", "content": req.input}] if isinstance(req.input, str)
@@ -162,28 +189,28 @@ def build_router(server: OpenAIServer) -> APIRouter:
                 output_kind=RequestOutputKind.DELTA)
         except ValueError as exc:
             raise APIError(400, str(exc), "BadRequestError", param_of(str(exc)) or "text") from exc
-        await server.check_grammar(params.structured_outputs, "text.format")
-        rid, item_id = new_id("resp"), new_id("msg")
-        request_ids = [rid]
-        async with DisconnectWatch(request, lambda: server.engine.abort(request_ids)) as watch:
-            try:
-                collector = await server.engine.add(request_ids, [ids], params, req.priority, req.cache_salt, lora)
-            except (ValueError, EngineOverloadedError, EngineStopped, EngineDeadError) as exc:
-                raise engine_error(exc, server.limits) from exc
-            context = (req, rid, item_id, ids, conversation, store)
-            if req.stream:
-                return StreamingResponse(_events(server, collector, request_ids, context), media_type="text/event-stream")
-            try:
-                items = await collect(collector)
-            except (EngineDeadError, EngineStopped) as exc:
-                raise engine_error(exc, server.limits) from exc
-            finally:
-                if collector.num_open:
-                    server.engine.abort(request_ids)
-            if watch.disconnected or not items or not items[0].finished:
-                raise APIError(499, "client disconnected", "ClientClosedRequest")
-        c = items[0].outputs[0]
-        return _finish(context, now(), c.text, len(c.token_ids), c.finish_reason)
+        async with server.grammar_held(params.structured_outputs, "text.format", request):
+            rid, item_id = new_id("resp"), new_id("msg")
+            request_ids = [rid]
+            async with DisconnectWatch(request, lambda: server.engine.abort(request_ids)) as watch:
+                try:
+                    collector = await server.engine.add(request_ids, [ids], params, req.priority, req.cache_salt, lora)
+                except (ValueError, EngineOverloadedError, EngineStopped, EngineDeadError) as exc:
+                    raise engine_error(exc, server.limits) from exc
+                context = (req, rid, item_id, ids, conversation, store)
+                if req.stream:
+                    return StreamingResponse(_events(server, collector, request_ids, context), media_type="text/event-stream")
+                try:
+                    items = await collect(collector)
+                except (EngineDeadError, EngineStopped) as exc:
+                    raise engine_error(exc, server.limits) from exc
+                finally:
+                    if collector.num_open:
+                        server.engine.abort(request_ids)
+                if watch.disconnected or not items or not items[0].finished:
+                    raise APIError(499, "client disconnected", "ClientClosedRequest")
+            c = items[0].outputs[0]
+            return _finish(context, now(), c.text, len(c.token_ids), c.finish_reason)
 
     return router
 
