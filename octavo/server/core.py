@@ -260,4 +260,8 @@ def sampling_params(req: Any, default_max_tokens: int, logprobs: int | None) -> 
     try:
         return req.to_sampling_params(default_max_tokens, logprobs)
     except ValueError as exc:
-        raise APIError(400, str(exc), "BadRequestError", param_of(str(exc))) from exc
+        param = param_of(str(exc))
+        if param == "structured_outputs":  # StructuredOutputsParams' words, whichever field carried the constraint
+            param = req.structured_param()
+            raise APIError(400, f"{param}: {exc}", "BadRequestError", param) from exc
+        raise APIError(400, str(exc), "BadRequestError", param) from exc

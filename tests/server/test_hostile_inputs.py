@@ -136,6 +136,8 @@ CASES = [
     ("huge number", C, b'{"prompt": "hi", "max_tokens": 2, "logit_bias": {"5": ' + b"9" * 401 + b"}}", 400),
     ("size", CHAT, chat(tool_choice="required", tools=[{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "properties": {"x": {"enum": [f"value-{i}" for i in range(8000)]}}}}}]), 400),
+    ("size", CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}}}}), 400),
     ("size", DETOK, {"tokens": [1] * 5000}, 400),  # more ids than any sequence holds: its text could be 10x the body
     ("size", "/v1/responses", {"input": "hi", "metadata": {"k": "v" * 600}}, 400),
     ("size", "/v1/responses", {"input": "hi", "metadata": {"k" * 70: "v"}}, 400),
@@ -179,6 +181,8 @@ def test_hostile_body_gets_a_clear_4xx(live_server, greedy_text, kind, route, bo
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == status and error["message"]
     if kind == "nesting" and not isinstance(body, dict):
         assert error["param"] is not None and "nested" in error["message"], error
+    if isinstance(body, dict) and "response_format" in body:
+        assert error["param"] == "response_format", error  # the field the client sent, whatever says no
     named = [p for p in PARAMS if isinstance(body, dict) and body.get("use_beam_search") and p in body]
     if named:
         assert error["param"] == named[0], error
