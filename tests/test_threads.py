@@ -53,3 +53,23 @@ def test_another_process_spinning_is_seen_as_busy_and_this_ones_work_is_not():
     finally:
         spinner.kill()
         spinner.wait()
+
+
+def test_the_thread_count_does_not_change_the_output(make_llm):
+    """Why changing it mid-run is safe for the oracle: greedy tokens and their logprobs are bit for
+    bit the same at 1 and 2 threads (a kernel that split a reduction across threads would fail here)."""
+    from octavo.sampling.params import SamplingParams
+
+    llm = make_llm()
+    prompts = ["Write a long story about the sea and a lighthouse keeper.", "def fib(n):", "The capital of France is"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    before = torch.get_num_threads()
+    runs = []
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            runs.append([(o.outputs[0].token_ids, [(lp.logprob, lp.top) for lp in o.outputs[0].logprobs]) for o in outs])
+    finally:
+        torch.set_num_threads(before)
+    assert runs[0] == runs[1]
