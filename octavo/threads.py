@@ -4,7 +4,7 @@ cores are free, fewer while other processes keep them busy.
 Measured side by side (tools/thread_policy.py, docs/BENCHMARKS.md): on 2 cores with 2 other busy
 processes, 2 OpenMP threads waiting actively (libgomp's default) took 37-39 s instead of 0.2 s
 for 32 tokens in 6 of 16 rounds over four runs (a spinning thread holds a core while the thread it waits
-for is descheduled); a shorter spin (GOMP_SPINCOUNT=100000) did the same in 4 of 10; passive
+for is descheduled); a shorter spin (GOMP_SPINCOUNT=100000) did the same in 4 of 13; passive
 waiting never did but made every idle step 2.5x slower; 1 thread never did and cost 1.3x idle.
 So the engine keeps its threads while the machine is idle and drops to what is free when it is
 not: no spin-wait pathology, no idle cost.
