@@ -111,7 +111,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     app = build_router_app(router, args.health_interval, args.request_timeout, args.max_connections_per_replica,
                            max_request_bytes=args.max_request_bytes)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False,
-                http=protocol_factory(args.header_timeout, default_max_connections()))
+                http=protocol_factory(args.header_timeout, args.max_connections or default_max_connections()))
     return 0
 
 
@@ -381,6 +381,18 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0 if summary["failed"] == 0 else 1
 
 
+def add_connection_flags(parser: argparse.ArgumentParser) -> None:
+    """What one HTTP client may hold of a server (octavo serve and octavo router alike)."""
+    parser.add_argument("--max-request-bytes", type=parse_bytes, default=4 << 20,
+                        help="largest request body (default 4MiB); larger ones get 413 without being read whole")
+    parser.add_argument("--header-timeout", type=float, default=30.0,
+                        help="seconds a connection may take to send a whole request head, and the longest pause "
+                             "inside a request body; slower connections are closed (408 for a body)")
+    parser.add_argument("--max-connections", type=int, default=None,
+                        help="open connections at most; more are answered 503 and closed (default: the descriptor "
+                             "limit, raised to its hard limit, less 256)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="octavo", description="Serve LLMs with a paged KV cache and continuous batching.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -403,7 +415,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
     serve.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False, help="log every HTTP request")
     serve.add_argument("--max-waiting-requests", type=int, default=1024, help="requests that may wait for a slot; past it new ones get 429 with Retry-After")
-    serve.add_argument("--max-request-bytes", type=parse_bytes, default=4 << 20, help="largest request body (default 4MiB); larger ones get 413")
     serve.add_argument("--enable-prompt-tokens-details", action="store_true", help="report usage.prompt_tokens_details.cached_tokens (off: it tells a tenant whether another's prefix is cached)")
     serve.add_argument("--keep-alive-on-engine-death", action="store_true", help="if the engine fails, keep serving /health (503) instead of exiting with status 1")
     serve.add_argument("--enable-debug-endpoints", action="store_true", help="serve GET /debug/kv_cache (pool counts and an invariant check)")
@@ -418,15 +429,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="/v1/responses kept in memory for previous_response_id (oldest dropped first)")
     serve.add_argument("--max-stored-response-bytes", type=parse_bytes, default=128 << 20,
                        help="...and at most this much of their JSON together (default 128MiB; oldest dropped first)")
-    serve.add_argument("--header-timeout", type=float, default=30.0,
-                       help="seconds a connection may take to send a whole request head, and the longest pause "
-                            "inside a request body; slower connections are closed (408 for a body)")
-    serve.add_argument("--max-connections", type=int, default=None,
-                       help="open connections at most; more are answered 503 and closed (default: the descriptor "
-                            "limit, raised to its hard limit, less 256)")
     serve.add_argument("--grammar-compile-timeout", type=float, default=10.0,
                        help="seconds a structured-output constraint may take to compile (in a child process); "
                             "past it the request gets 400 and the compile is stopped")
+    add_connection_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
     rt = sub.add_parser("router", help="one OpenAI endpoint in front of several `octavo serve` replicas")
@@ -441,10 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds a replica may take to start answering (a whole answer, unless streamed); then 504")
     rt.add_argument("--max-connections-per-replica", type=int, default=256,
                     help="open connections to one replica at most; when all are busy for 5 s another replica is tried")
-    rt.add_argument("--max-request-bytes", type=parse_bytes, default=4 << 20,
-                    help="largest request body (default 4MiB); larger ones get 413 without being read whole")
-    rt.add_argument("--header-timeout", type=float, default=30.0,
-                    help="seconds a connection may take to send a request head, and the longest pause inside a body")
+    add_connection_flags(rt)
     rt.add_argument("--cache-threshold", type=float, default=0.5, help="share of the prompt that must match to follow the cache")
     rt.add_argument("--balance-abs-threshold", type=int, default=32, help="loads are uneven past this many requests apart...")
     rt.add_argument("--balance-rel-threshold", type=float, default=1.0001, help="...and this ratio: then the least loaded replica is used")
