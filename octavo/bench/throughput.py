@@ -133,7 +133,9 @@ def _load_hf(model_dir: Path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    from octavo.models.loader import dense_weights
+
+    return AutoModelForCausalLM.from_pretrained(str(dense_weights(model_dir)), dtype=torch.float32).eval()
 
 
 def run_hf(

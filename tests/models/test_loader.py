@@ -43,3 +43,25 @@ def test_unpermute_inverts_the_gguf_rope_permutation():
     w = np.arange(heads * head_dim * cols, dtype=np.float32).reshape(heads * head_dim, cols)
     permuted = w.reshape(heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(w.shape)
     assert np.array_equal(_unpermute_rope(permuted, heads), w)
+
+
+def test_a_gguf_converts_without_float32_weights_until_asked(tmp_path, monkeypatch):
+    """The first start reads the GGUF's config, tokenizer and blocks only; float32 safetensors are
+    written when something needs them (here --quantization none), and then load the same model."""
+    import torch
+
+    from octavo.cache import cache_dir
+    from octavo.models.loader import DENSE_WEIGHTS_FILE, dense_weights, load_model
+
+    (tmp_path / "kernels").symlink_to(cache_dir() / "kernels")  # built already: only the model is new
+    monkeypatch.setenv("OCTAVO_CACHE_DIR", str(tmp_path))
+    model_dir = resolve_model(None)
+    assert model_dir.is_relative_to(tmp_path)
+    assert not (model_dir / DENSE_WEIGHTS_FILE).exists()
+    quantized, _ = load_model(model_dir, quantization="auto")
+    assert not (model_dir / DENSE_WEIGHTS_FILE).exists()
+    dense, _ = load_model(model_dir, quantization="none")
+    assert (model_dir / DENSE_WEIGHTS_FILE).stat().st_size > 500e6
+    assert dense_weights(model_dir) == model_dir
+    ids = torch.tensor([1, 504, 3458, 282, 4649, 314])
+    assert torch.equal(quantized.embed_tokens(ids), dense.embed_tokens(ids))
