@@ -33,7 +33,8 @@ from octavo.request import (
     child_request_id,
 )
 from octavo.sampling.params import BeamSearchParams, RequestOutputKind, SamplingParams
-from octavo.scheduler import Scheduler, SchedulerStats
+from octavo.outputs import EngineStats
+from octavo.scheduler import Scheduler
 from octavo.structured.manager import StructuredOutputManager
 from octavo.threads import ThreadGovernor
 from octavo.tokenizer import encode_prompt, load_tokenizer
@@ -41,16 +42,6 @@ from octavo.tokenizer import encode_prompt, load_tokenizer
 logger = logging.getLogger("octavo")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """Scheduler snapshot after the last step plus cumulative token counters, for logs and metrics."""
-
-    scheduler: SchedulerStats
-    num_prompt_tokens_total: int  # prompt tokens computed (prefix hits excluded, recomputes included)
-    num_generation_tokens_total: int
-    num_steps: int
 
 
 @dataclass(slots=True)

@@ -22,7 +22,7 @@ from octavo.lora.slots import LoRASlots
 from octavo.memory import keep_freed_memory_mapped
 from octavo.models.llama import LlamaForCausalLM
 from octavo.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from octavo.request import TokenLogprob
+from octavo.sampling.logprobs import TokenLogprob
 from octavo.sampling.sampler import SamplingRow, sample
 
 logger = logging.getLogger("octavo")

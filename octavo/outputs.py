@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from octavo.request import TokenLogprob
+from octavo.sampling.logprobs import TokenLogprob
 from octavo.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from octavo.scheduler import SchedulerStats
 
 
 @dataclass(slots=True)
@@ -59,3 +63,13 @@ class ModelRunnerOutput:
     # request id -> logprobs of the prompt tokens at positions [start, start + len) computed this
     # step, as (start, entries); only for requests asking prompt_logprobs
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Scheduler snapshot after the last step plus cumulative token counters, for logs and metrics."""
+
+    scheduler: SchedulerStats
+    num_prompt_tokens_total: int  # prompt tokens computed (prefix hits excluded, recomputes included)
+    num_generation_tokens_total: int
+    num_steps: int

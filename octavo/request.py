@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from octavo.beam_search import BeamGroup
+from octavo.sampling.logprobs import TokenLogprob
 from octavo.sampling.params import SamplingParams
 
 
@@ -20,15 +21,6 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"
-
-
-@dataclass(slots=True)
-class TokenLogprob:
-    """The sampled token's logprob and the top-k alternatives at that position."""
-
-    token_id: int
-    logprob: float
-    top: dict[int, float]
 
 
 @dataclass(slots=True)

@@ -214,7 +214,7 @@ def auto_dtype(model: torch.nn.Module, device: str) -> str:
     Dense weights on a CPU with bf16 units (AVX512_BF16 or AMX-BF16, detected): bfloat16 if this
     torch's bf16 linear measures faster than float32 on the model's widest layer, both at 1 row
     (one user: >= 1.2x) and at 64 (no slower); else float32. On CUDA: bfloat16."""
-    from octavo.kernels.cpu import bf16_matmul_speedups, cpu_has_bf16
+    from octavo.cpu_features import bf16_matmul_speedups, cpu_has_bf16
 
     if any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules()):
         return "float32"

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from octavo.request import TokenLogprob
+from octavo.sampling.logprobs import TokenLogprob
 from octavo.sampling.params import SamplingParams
 
 

@@ -20,13 +20,17 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from octavo.engine import LLMEngine
 from octavo.lora.request import LoRARequest
 from octavo.metrics import EngineMetrics
 from octavo.request import CompletionOutput, RequestOutput
 from octavo.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from octavo.config import EngineConfig
+    from octavo.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger("octavo.server")
 
@@ -205,6 +209,25 @@ class AsyncEngine:
         self._stop.set()
         self._commands.put(None)
         self._thread.join(timeout_s)
+
+    # ---- what the routes read (the engine's fixed parts; safe from any thread) --------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def grammar_cache(self) -> StructuredOutputManager:
+        """The engine's compiled-grammar cache (thread-safe; the routes fill and hold entries)."""
+        return self.engine.structured
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters loaded when asked (the admin routes keep their own map in step after)."""
+        return self.engine.list_loras()
 
     @property
     def is_healthy(self) -> bool:

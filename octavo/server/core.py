@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import Request
 
 from octavo.lora.request import LoRARequest
+from octavo.sampling.logprobs import TokenLogprob
 from octavo.sampling.params import StructuredOutputsParams
 from octavo.server.async_engine import (
     AsyncEngine,
@@ -74,18 +75,18 @@ class OpenAIServer:
     def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
                  limits: ServerLimits | None = None) -> None:
         self.engine = engine
-        self.tokenizer = engine.engine.tokenizer
+        self.tokenizer = engine.tokenizer
         self.model_name = served_model_name
         self.api_key = api_key
         self.limits = limits or ServerLimits()
-        config = engine.engine.config
+        config = engine.config
         self.max_model_len = config.scheduler.max_model_len
         self.vocab_size = config.model_config.vocab_size
         self.priority_enabled = config.scheduler.policy == "priority"
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="octavo-tokenize")
-        self.grammars = IsolatedCompiler(engine.engine.structured, self.limits.grammar_compile_timeout_s)
+        self.grammars = IsolatedCompiler(engine.grammar_cache, self.limits.grammar_compile_timeout_s)
         # adapters by the name a request's `model` field selects (kept in step with the engine)
-        self.loras: dict[str, LoRARequest] = {r.lora_name: r for r in engine.engine.list_loras()}
+        self.loras: dict[str, LoRARequest] = {r.lora_name: r for r in engine.list_loras()}
         self._token_text: dict[int, str] = {}
         # No token decodes to more characters than its vocabulary entry has (byte-level entries
         # spell each byte with one character), so a prompt longer than max_model_len times the
@@ -180,7 +181,7 @@ class OpenAIServer:
         if constraint is None:
             yield
             return
-        manager = self.engine.engine.structured
+        manager = self.engine.grammar_cache
         holder = new_id("grammar")
         try:
             grammar = manager.lookup(constraint)
@@ -265,3 +266,19 @@ def sampling_params(req: Any, default_max_tokens: int, logprobs: int | None) -> 
             param = req.structured_param()
             raise APIError(400, f"{param}: {exc}", "BadRequestError", param) from exc
         raise APIError(400, str(exc), "BadRequestError", param) from exc
+
+
+def vllm_prompt_logprobs(server: OpenAIServer, lps: list[TokenLogprob | None] | None) -> list | None:
+    """vLLM's prompt_logprobs: per prompt position None (the first) or {token id: {logprob, decoded_token}}
+    for the prompt's own token and its top alternatives."""
+    if lps is None:
+        return None
+    out: list[dict | None] = []
+    for lp in lps:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(t): {"logprob": v, "decoded_token": server.token_text(t)} for t, v in lp.top.items()}
+        entry[str(lp.token_id)] = {"logprob": lp.logprob, "decoded_token": server.token_text(lp.token_id)}
+        out.append(entry)
+    return out

@@ -34,5 +34,5 @@ def add_debug_routes(app: FastAPI, server: OpenAIServer) -> None:
 
     @app.get("/debug/grammars")
     async def grammars() -> dict:
-        return {**server.engine.engine.structured.stats(), "num_compiling": server.grammars.num_compiling,
+        return {**server.engine.grammar_cache.stats(), "num_compiling": server.grammars.num_compiling,
                 "num_compile_timeouts": server.grammars.num_timeouts}

@@ -8,50 +8,10 @@ import logging
 import os
 from types import ModuleType
 
-from octavo.kernels.cpu.build import MODULE_NAME, build_dir, cflags, cpu_flags_line, ensure_built  # noqa: F401
+from octavo.cpu_features import bf16_matmul_speedups, cpu_flags, cpu_has_bf16  # noqa: F401
+from octavo.kernels.cpu.build import MODULE_NAME, build_dir, cflags, ensure_built  # noqa: F401
 
 logger = logging.getLogger(__name__)
-
-
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags as the kernel reports them (/proc/cpuinfo; empty where unreadable)."""
-    line = cpu_flags_line()
-    return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
-
-
-def cpu_has_bf16() -> bool:
-    """Whether the CPU has bfloat16 arithmetic units (AVX512_BF16 or AMX-BF16): detected, never assumed."""
-    flags = cpu_flags()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def bf16_matmul_speedups(in_features: int, out_features: int, rows: tuple[int, ...] = (1, 64)) -> dict[int, float]:
-    """float32 time / bfloat16 time of this torch's linear on this CPU, per row count, for a layer
-    of this shape (8 copies, so that one row reads weights from memory as a decode step does).
-
-    Measured, because having bf16 units is not enough: with torch 2.13 on a Xeon with AVX512_BF16
-    the bf16 product was no faster at 1 row and slower at 64 (docs/BENCHMARKS.md). ~0.1-0.3 s.
-    """
-    import time
-
-    import torch
-
-    weights = [torch.randn(out_features, in_features) for _ in range(8)]
-    out: dict[int, float] = {}
-    for n in rows:
-        x = torch.randn(n, in_features)
-        times = []
-        for dtype in (torch.float32, torch.bfloat16):
-            ws, xs = [w.to(dtype) for w in weights], x.to(dtype)
-            best = float("inf")
-            for _ in range(3):
-                start = time.perf_counter()
-                for w in ws:
-                    torch.nn.functional.linear(xs, w)
-                best = min(best, time.perf_counter() - start)
-            times.append(best)
-        out[n] = times[0] / times[1]
-    return out
 
 
 @functools.cache

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from octavo.cache import cache_dir, exclusive, move_into_place, remove_leftovers, temporary_folder, wait_timeout_s
+from octavo.cpu_features import cpu_flags_line
 
 logger = logging.getLogger("octavo.kernels.cpu")
 
@@ -54,17 +55,6 @@ def cflags() -> list[str]:
     if isa not in ISA_FLAGS:
         raise ValueError(f"OCTAVO_CPU_ISA must be one of {', '.join(ISA_FLAGS)}, got {isa!r}")
     return CFLAGS + ISA_FLAGS[isa]
-
-
-def cpu_flags_line() -> str:
-    """The 'flags' line of /proc/cpuinfo (the processor name where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def build_dir() -> Path:

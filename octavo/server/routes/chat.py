@@ -10,10 +10,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from octavo.request import CompletionOutput, RequestOutput, TokenLogprob
-from octavo.server.core import APIError, OpenAIServer, sampling_params
+from octavo.server.core import APIError, OpenAIServer, sampling_params, vllm_prompt_logprobs
 from octavo.server.generation import run_request
 from octavo.server.protocol import ChatCompletionRequest
-from octavo.server.routes.completions import vllm_prompt_logprobs
 from octavo.server.tools import HermesStream, ParsedCall, forced_call_constraint, parse_forced_calls, parse_hermes
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from octavo.request import CompletionOutput, RequestOutput, TokenLogprob
-from octavo.server.core import APIError, OpenAIServer, param_of, sampling_params
+from octavo.server.core import APIError, OpenAIServer, param_of, sampling_params, vllm_prompt_logprobs
 from octavo.server.generation import run_request
 from octavo.server.protocol import MAX_PROMPTS_PER_REQUEST, CompletionRequest
 
@@ -30,22 +30,6 @@ def completion_logprobs(server: OpenAIServer, lps: list[TokenLogprob] | None, of
         "top_logprobs": [{server.token_text(t): v for t, v in lp.top.items()} if lp.top is not None else None for lp in lps],
         "text_offset": offsets,
     }
-
-
-def vllm_prompt_logprobs(server: OpenAIServer, lps: list[TokenLogprob | None] | None) -> list | None:
-    """vLLM's prompt_logprobs: per prompt position None (the first) or {token id: {logprob, decoded_token}}
-    for the prompt's own token and its top alternatives."""
-    if lps is None:
-        return None
-    out: list[dict | None] = []
-    for lp in lps:
-        if lp is None:
-            out.append(None)
-            continue
-        entry = {str(t): {"logprob": v, "decoded_token": server.token_text(t)} for t, v in lp.top.items()}
-        entry[str(lp.token_id)] = {"logprob": lp.logprob, "decoded_token": server.token_text(lp.token_id)}
-        out.append(entry)
-    return out
 
 
 class CompletionChoices:

@@ -1,0 +1,59 @@
+"""What this CPU can do, detected at run time: its feature flags, bf16 units, and whether this torch's
+bf16 linear is faster than float32 here. A leaf: the kernel build, the loader and the tools read it."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+
+def cpu_flags_line() -> str:
+    """The 'flags' line of /proc/cpuinfo (the processor name where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as the kernel reports them (/proc/cpuinfo; empty where unreadable)."""
+    line = cpu_flags_line()
+    return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
+
+
+def cpu_has_bf16() -> bool:
+    """Whether the CPU has bfloat16 arithmetic units (AVX512_BF16 or AMX-BF16): detected, never assumed."""
+    flags = cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def bf16_matmul_speedups(in_features: int, out_features: int, rows: tuple[int, ...] = (1, 64)) -> dict[int, float]:
+    """float32 time / bfloat16 time of this torch's linear on this CPU, per row count, for a layer
+    of this shape (8 copies, so that one row reads weights from memory as a decode step does).
+
+    Measured, because having bf16 units is not enough: with torch 2.13 on a Xeon with AVX512_BF16
+    the bf16 product was no faster at 1 row and slower at 64 (docs/BENCHMARKS.md). ~0.1-0.3 s.
+    """
+    import time
+
+    import torch
+
+    weights = [torch.randn(out_features, in_features) for _ in range(8)]
+    out: dict[int, float] = {}
+    for n in rows:
+        x = torch.randn(n, in_features)
+        times = []
+        for dtype in (torch.float32, torch.bfloat16):
+            ws, xs = [w.to(dtype) for w in weights], x.to(dtype)
+            best = float("inf")
+            for _ in range(3):
+                start = time.perf_counter()
+                for w in ws:
+                    torch.nn.functional.linear(xs, w)
+                best = min(best, time.perf_counter() - start)
+            times.append(best)
+        out[n] = times[0] / times[1]
+    return out
