@@ -15,8 +15,14 @@ each timed and logged on its own (a failing stage is reported and the others sti
   throughput  8B, the same requests for Octavo, transformers `generate` (static batch 16) and its
               continuous batching (skipped when the time left is too short)
 
-The summary table comes last; full logs and results.json go to --log-dir. `--smoke` runs every
-stage on tiny shapes on the CPU (reference kernels; no CUDA) so the script itself is tested in CI.
+  tests       the GPU tests (compiled Triton kernels, CUDA graphs, memory profiling), without -x
+
+Each stage runs in a child process of its own under the run's deadline (--budget-s): a CUDA fault,
+a hang or a kill in one stage ends that stage alone, and the others still run. After every stage
+--log-dir holds the whole story so far, in at most 6 files: summary.txt (the table), results.json,
+gpu_check.log (this process's log) and logs.tar.gz (each stage's own log and traceback, env.txt);
+an outside kill at the time limit leaves the table of the stages done. `--smoke` runs every stage
+on tiny shapes on the CPU (reference kernels; no CUDA) so the script itself is tested in CI.
 """
 
 from __future__ import annotations
@@ -24,10 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
+import subprocess
 import sys
+import tarfile
+import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -54,48 +63,46 @@ log = logging.getLogger("gpu_check")
 
 
 class Check:
-    """Collects the summary rows, times stages, and keeps going when a stage fails."""
+    """A stage's rows and results, written to `work_dir` as they come (a stage killed midway keeps
+    the rows it made); the parent reads them back."""
 
-    def __init__(self, log_dir: Path, budget_s: float) -> None:
+    def __init__(self, work_dir: Path, stage: str, deadline: float) -> None:
         self.rows: list[tuple[str, str, str, str]] = []
         self.results: dict[str, Any] = {}
-        self.log_dir = log_dir
-        self.deadline = time.monotonic() + budget_s
+        self.deadline = deadline  # time.time() the whole run must end by
+        self.rows_file = work_dir / f"{stage}.rows.jsonl"
+        self.results_file = work_dir / f"{stage}.results.json"
 
     def left_s(self) -> float:
-        return self.deadline - time.monotonic()
+        return self.deadline - time.time()
 
     def row(self, stage: str, what: str, value: str, target: str = "") -> None:
         self.rows.append((stage, what, value, target))
+        with open(self.rows_file, "a") as fh:
+            fh.write(json.dumps([stage, what, value, target]) + "\n")
         log.info("%-10s %-46s %s %s", stage, what, value, target)
 
-    def stage(self, name: str, fn: Callable[[], None]) -> None:
-        start = time.monotonic()
-        log.info("=== %s (%.0f s left)", name, self.left_s())
-        try:
-            fn()
-        except Exception as exc:  # a failing stage is a result, not the end of the run
-            self.row(name, "FAILED", f"{type(exc).__name__}: {str(exc)[:120]}")
-            (self.log_dir / f"{name}_error.txt").write_text(traceback.format_exc())
-            log.error("stage %s failed:\n%s", name, traceback.format_exc())
-        finally:
-            self.results.setdefault("stage_seconds", {})[name] = round(time.monotonic() - start, 1)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+    def save_results(self) -> None:
+        self.results_file.write_text(json.dumps(self.results, indent=2, default=str))
 
-    def table(self) -> str:
-        widths = [max(len(r[i]) for r in self.rows + [("stage", "measure", "value", "target")]) for i in range(4)]
-        lines = ["  ".join(h.ljust(w) for h, w in zip(("stage", "measure", "value", "target"), widths))]
-        lines.append("  ".join("-" * w for w in widths))
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in self.rows]
-        return "\n".join(lines)
+
+def table(rows: list[tuple[str, str, str, str]]) -> str:
+    header = ("stage", "measure", "value", "target")
+    widths = [max(len(r[i]) for r in [*rows, header]) for i in range(4)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
 
 
 # ---- models -----------------------------------------------------------------------------------
 
 
 def hf_model(shape: str, dtype: torch.dtype, device: str, seed: int = 0):
-    """A transformers Llama of `shape` with seeded random weights, built on `device` in `dtype`."""
+    """A transformers Llama of `shape` with seeded random weights, built in `dtype` on `device`.
+
+    Built in its dtype, as from_pretrained(dtype=...) does, never built in float32 and cast: a cast
+    takes the RoPE `inv_freq` buffer to bf16 too (transformers #25681) and the bf16 rows would
+    measure against a degraded reference. The weights are those of the float32 build (same seed)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     s = dict(SHAPES[shape])
@@ -104,7 +111,7 @@ def hf_model(shape: str, dtype: torch.dtype, device: str, seed: int = 0):
                       rope_parameters={"rope_type": "default", "rope_theta": theta})
     torch.manual_seed(seed)
     with torch.device(device):
-        model = LlamaForCausalLM(cfg).to(dtype).eval()
+        model = LlamaForCausalLM._from_config(cfg, dtype=dtype).eval()
     return model
 
 
@@ -353,26 +360,155 @@ def stage_decode_and_throughput(c: Check, device: str, smoke: bool, args: argpar
     c.results["throughput"] = {k: v.to_dict() for k, v in res.items()}
 
 
+def stage_tests(c: Check, device: str, smoke: bool) -> None:
+    """The GPU tests, all of them (no -x), in pytest's own process; their count as a row."""
+    files = ["tests/kernels/test_triton_kernels.py", "tests/engine/test_triton_backend.py", "tests/engine/test_cuda_path.py"]
+    if smoke:  # the script's plumbing, not the GPU: one quick file
+        files = ["tests/test_import_layers.py"]
+    env = {k: v for k, v in os.environ.items() if not (device == "cuda" and k == "TRITON_INTERPRET")}
+    log_file = c.rows_file.parent / "pytest.log"
+    with open(log_file, "w") as fh:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files],
+                              stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=max(10.0, c.left_s() - 5))
+    last = [ln for ln in log_file.read_text(errors="replace").splitlines() if ln.strip()][-1:] or ["(no output)"]
+    c.row("tests", f"pytest {len(files)} files (exit {proc.returncode})", last[0][:70], "all passed")
+
+
+# The most seconds each stage may take on a GPU, within the run's deadline (a hang loses one stage).
+STAGE_CAP_S = {"kernels": 90, "oracle": 120, "graphs": 120, "decode": 240, "tests": 240}
+
+STAGES: dict[str, Callable[[Check, str, bool, argparse.Namespace], None]] = {
+    "kernels": lambda c, device, smoke, args: stage_kernels(c, device, smoke),
+    "oracle": lambda c, device, smoke, args: stage_oracle(c, device, smoke),
+    "graphs": lambda c, device, smoke, args: stage_graphs(c, device, smoke),
+    "decode": stage_decode_and_throughput,
+    "tests": lambda c, device, smoke, args: stage_tests(c, device, smoke),
+}
+
+
+def run_stage_here(args: argparse.Namespace) -> int:
+    """A child: run one stage, its rows and results written to the work folder as they come."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    c = Check(args.work_dir, args.run_stage, args.deadline)
+    if args.fault == args.run_stage:  # the test of fault containment: die as a CUDA fault does
+        c.row(args.run_stage, "before the fault", "ok")
+        os.abort()
+    try:
+        STAGES[args.run_stage](c, device, args.smoke, args)
+    finally:
+        c.save_results()
+    return 0
+
+
+class Run:
+    """The parent: runs each stage in a child under the deadline; after each, rewrites the table,
+    the results and the log tarball, so that what is in --log-dir is always whole."""
+
+    def __init__(self, log_dir: Path, work_dir: Path, budget_s: float) -> None:
+        self.log_dir, self.work_dir = log_dir, work_dir
+        self.deadline = time.time() + budget_s
+        self.rows: list[tuple[str, str, str, str]] = []
+        self.results: dict[str, Any] = {"stage_seconds": {}, "stage_exit": {}}
+
+    def stage(self, name: str, argv: list[str]) -> None:
+        left = min(self.deadline - time.time(), STAGE_CAP_S[name])
+        log.info("=== %s (%.0f s given)", name, left)
+        start = time.monotonic()
+        if left < 5:
+            self.rows.append((name, "SKIPPED", f"no time left ({left:.0f} s)", ""))
+            self.write()
+            return
+        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--run-stage", name,
+               "--work-dir", str(self.work_dir), "--deadline", str(time.time() + left)]
+        with open(self.work_dir / f"{name}.log", "w") as fh:
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                code: int | str = proc.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+                code = "timeout"
+        self.collect(name, code)
+        self.results["stage_seconds"][name] = round(time.monotonic() - start, 1)
+        self.write()
+
+    def collect(self, name: str, code: int | str) -> None:
+        rows_file = self.work_dir / f"{name}.rows.jsonl"
+        if rows_file.is_file():
+            self.rows += [tuple(json.loads(line)) for line in rows_file.read_text().splitlines() if line.strip()]
+        results_file = self.work_dir / f"{name}.results.json"
+        if results_file.is_file():
+            self.results.update(json.loads(results_file.read_text()))
+        self.results["stage_exit"][name] = code
+        for row in self.rows[-8:]:
+            log.info("%-10s %-46s %s %s", *row)
+        if code != 0:
+            tail = [ln for ln in (self.work_dir / f"{name}.log").read_text(errors="replace").splitlines() if ln.strip()]
+            why = "ran past the deadline" if code == "timeout" else f"exit {code}"
+            self.rows.append((name, "FAILED", f"{why}: {(tail[-1] if tail else '')[:100]}", ""))
+            log.error("stage %s failed (%s); its log (in logs.tar.gz) ends:\n%s", name, why, "\n".join(tail[-15:]))
+
+    def write(self) -> None:
+        """The table, the results and the tarball of every stage's log, each replaced whole."""
+        text = table(self.rows) + "\n"
+        for file_name, content in (("summary.txt", text), ("results.json", json.dumps(self.results, indent=2, default=str))):
+            tmp = self.log_dir / f".{file_name}.tmp"
+            tmp.write_text(content)
+            os.replace(tmp, self.log_dir / file_name)
+        tmp = self.log_dir / ".logs.tar.gz.tmp"
+        with tarfile.open(tmp, "w:gz") as tar:
+            tar.add(self.work_dir, arcname="logs")
+        os.replace(tmp, self.log_dir / "logs.tar.gz")
+
+    @property
+    def failed(self) -> bool:
+        return any(r[1] in ("FAILED", "SKIPPED") for r in self.rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--log-dir", type=Path, default=Path("gpu_check_logs"))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: tests the script, measures nothing")
-    ap.add_argument("--budget-s", type=float, default=420.0, help="seconds this script may take (stages check it)")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="seconds the whole run may take (stages stop at it)")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--stages", default="kernels,oracle,graphs,decode")
+    ap.add_argument("--stages", default="kernels,oracle,graphs,decode,tests")
+    ap.add_argument("--fault", default=None, help=argparse.SUPPRESS)  # a stage that aborts (tests)
+    ap.add_argument("--run-stage", default=None, help=argparse.SUPPRESS)  # a child runs this stage
+    ap.add_argument("--work-dir", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.run_stage is not None:
+        return run_stage_here(args)
     args.log_dir.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
                         handlers=[logging.StreamHandler(), logging.FileHandler(args.log_dir / "gpu_check.log")])
-    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    if not args.smoke and device != "cuda":
+    if not args.smoke and not torch.cuda.is_available():
         log.error("no CUDA device: run with --smoke to test the script on the CPU")
         return 2
-    c = Check(args.log_dir, args.budget_s)
-    if device == "cuda":
+    unknown = [s for s in args.stages.split(",") if s not in STAGES]
+    if unknown:
+        log.error("unknown stages %s (known: %s)", unknown, ", ".join(STAGES))
+        return 2
+    work_dir = Path(tempfile.mkdtemp(prefix="gpu_check-"))  # outside --log-dir: one tarball goes there
+    env_file = args.log_dir / "env.txt"  # gpu_check.sh's facts about the machine travel in the tarball
+    if env_file.is_file():
+        os.replace(env_file, work_dir / "env.txt")
+    run = Run(args.log_dir, work_dir, args.budget_s)
+    run.rows.append(("env", "torch / triton / transformers", _versions(), ""))
+    if torch.cuda.is_available() and not args.smoke:
         props = torch.cuda.get_device_properties(0)
-        c.row("env", "GPU", f"{props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs")
+        run.rows.append(("env", "GPU", f"{props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs", ""))
+    run.write()
+    child_argv = [a for a in (argv if argv is not None else sys.argv[1:])]
+    for name in args.stages.split(","):
+        run.stage(name, child_argv)
+    print("\n" + table(run.rows), flush=True)
+    return 1 if run.failed else 0
+
+
+def _versions() -> str:
     import transformers
 
     try:
@@ -381,20 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "absent"
-    c.row("env", "torch / triton / transformers", f"{torch.__version__} / {triton_version} / {transformers.__version__}")
-    stages = {
-        "kernels": lambda: stage_kernels(c, device, args.smoke),
-        "oracle": lambda: stage_oracle(c, device, args.smoke),
-        "graphs": lambda: stage_graphs(c, device, args.smoke),
-        "decode": lambda: stage_decode_and_throughput(c, device, args.smoke, args),
-    }
-    for name in args.stages.split(","):
-        c.stage(name, stages[name])
-    (args.log_dir / "results.json").write_text(json.dumps(c.results, indent=2, default=str))
-    table = c.table()
-    (args.log_dir / "summary.txt").write_text(table + "\n")
-    print("\n" + table, flush=True)
-    return 1 if any(r[1] == "FAILED" for r in c.rows) else 0
+    return f"{torch.__version__} / {triton_version} / {transformers.__version__}"
 
 
 if __name__ == "__main__":
