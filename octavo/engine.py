@@ -7,14 +7,12 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from octavo.beam_search import BeamGroup
 from octavo.config import EngineConfig
-from octavo.detokenizer import IncrementalDetokenizer
 from octavo.distributed.executor import TensorParallelGroup, WorkerSpec, torchrun_rank
 from octavo.distributed.layers import check_divisible, local_config, shard_model
 from octavo.engine_args import EngineArgs, resolve_device
@@ -23,16 +21,9 @@ from octavo.lora.request import LoRARequest
 from octavo.memory import CUDA_GRAPH_RESERVE_BYTES, KVSizing, size_kv_cache
 from octavo.model_runner import ModelRunner, profile_activation_peak
 from octavo.models.loader import auto_dtype, describe_weights, load_model, resolve_model, weight_bytes
-from octavo.request import (
-    CompletionOutput,
-    FinishReason,
-    Request,
-    RequestMetrics,
-    RequestOutput,
-    TokenLogprob,
-    child_request_id,
-)
-from octavo.sampling.params import BeamSearchParams, RequestOutputKind, SamplingParams
+from octavo.output_processor import OutputProcessor
+from octavo.request import FinishReason, Request, RequestOutput, child_request_id
+from octavo.sampling.params import BeamSearchParams, SamplingParams
 from octavo.outputs import EngineStats
 from octavo.scheduler import Scheduler
 from octavo.structured.manager import StructuredOutputManager
@@ -42,41 +33,6 @@ from octavo.tokenizer import encode_prompt, load_tokenizer
 logger = logging.getLogger("octavo")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(slots=True)
-class _Completion:
-    detokenizer: IncrementalDetokenizer
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
-    cumulative_logprob: float | None = None  # beam search
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    num_sent_tokens: int = 0  # DELTA outputs: tokens (and logprobs) already handed out
-    reported_finish: bool = False  # DELTA outputs: the finish reason was already handed out
-
-
-@dataclass(slots=True)
-class _RequestState:
-    """What the engine keeps per user request to build its outputs."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-    completions: list[_Completion]
-    num_cached_tokens: int = 0
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    num_preemptions: int = 0
-    beam: BeamGroup | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    sent_prompt_logprobs: bool = False  # DELTA outputs carry them once
-
-    @property
-    def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.completions)
 
 
 class LLMEngine:
@@ -127,7 +83,7 @@ class LLMEngine:
         )
         self.structured = StructuredOutputManager(tokenizer, config.model_config.vocab_size, self.eos_token_ids,
                                                   config.grammar_cache_bytes)
-        self._states: dict[str, _RequestState] = {}
+        self.outputs = OutputProcessor(tokenizer)
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._num_steps = 0
@@ -248,7 +204,7 @@ class LLMEngine:
         if isinstance(params, BeamSearchParams):
             beam = BeamGroup(params, self.eos_token_ids)
             params = params.sequence_params()
-        if request_id in self._states:
+        if request_id in self.outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string (or absent)")
@@ -290,24 +246,7 @@ class LLMEngine:
         self.scheduler.add_request(request)
         if params.structured_outputs is not None:  # cached above; kept until the request ends
             self.structured.hold(request_id, params.structured_outputs)
-        self._states[request_id] = _RequestState(
-            request_id=request_id,
-            prompt=text,
-            prompt_token_ids=token_ids,
-            params=params,
-            arrival_time=arrival,
-            completions=[
-                _Completion(
-                    IncrementalDetokenizer(
-                        self.tokenizer, token_ids, params.skip_special_tokens, params.stop,
-                        params.include_stop_str_in_output,
-                    ),
-                    logprobs=[] if params.logprobs is not None else None,
-                )
-                for _ in range(params.n if beam is None else beam.width)
-            ],
-            beam=beam,
-        )
+        self.outputs.add_request(request_id, text, token_ids, params, arrival, beam)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """End requests now, wherever they are; their blocks are freed at once."""
@@ -316,7 +255,7 @@ class LLMEngine:
             self.scheduler.finish_requests(sequences, FinishReason.ABORT)
             self.structured.forget(sequences)
             self.structured.release(rid)
-            self._states.pop(rid, None)
+            self.outputs.abort_request(rid)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -353,135 +292,25 @@ class LLMEngine:
         self._num_prompt_tokens += sum(
             max(0, min(e.start_pos + e.num_tokens, len(e.prompt_token_ids)) - e.start_pos) for e in sched_out.scheduled
         )
-        return self._process(changed)
+        processed = self.outputs.process(changed)
+        if processed.stopped_seq_ids:
+            self.scheduler.finish_requests(processed.stopped_seq_ids, FinishReason.STOP)
+        self.structured.forget(processed.ended_seq_ids)
+        for rid in processed.finished_request_ids:
+            self.structured.release(rid)
+        return processed.outputs
 
     def _grammar_masks(self, sched_out) -> tuple[list[str], torch.Tensor] | None:
         """The token bitmask of every sequence that samples this step under a structured-output
         grammar (an n > 1 request's new sequences start from the prompt, with no output yet)."""
         rows = [
-            (sid, e.sampling_params.structured_outputs, e.output_token_ids if i == 0 else [])
+            (sample.seq_id, e.sampling_params.structured_outputs, sample.output_token_ids)
             for e in sched_out.scheduled if e.sampling_params.structured_outputs is not None
-            for i, sid in enumerate(e.sample_ids)
+            for sample in e.samples
         ]
         if not rows:
             return None
         return [sid for sid, _, _ in rows], self.structured.bitmask(rows)
-
-    def _process(self, changed: list[Request]) -> list[RequestOutput]:
-        touched: dict[str, _RequestState] = {}
-        for seq in changed:
-            state = self._states.get(seq.user_request_id)
-            if state is None:
-                continue
-            if state.beam is not None:
-                if state.beam.done and not state.finished:
-                    self._finish_search(state, seq)
-                    touched[state.request_id] = state
-                continue
-            if state.prompt_logprobs is None and seq.sampling_params.prompt_logprobs is not None:
-                state.prompt_logprobs = [None, *seq.prompt_logprobs]
-            comp = state.completions[seq.sample_index]
-            token = seq.output_token_ids[-1]
-            comp.token_ids.append(token)
-            if comp.logprobs is not None and seq.output_logprobs:
-                comp.logprobs.append(seq.output_logprobs[-1])
-            comp.detokenizer.add_token(token)
-            if comp.detokenizer.stop_reason is not None:
-                if not seq.is_finished:
-                    self.scheduler.finish_requests([seq.request_id], FinishReason.STOP)
-                comp.finish_reason, comp.stop_reason = FinishReason.STOP.value, comp.detokenizer.stop_reason
-                self.structured.forget([seq.request_id])
-            elif seq.is_finished:
-                self.structured.forget([seq.request_id])
-                comp.finish_reason = seq.finish_reason.value
-                if seq.finish_reason is FinishReason.STOP and token in seq.sampling_params.stop_token_ids:
-                    comp.stop_reason = token
-            if state.first_token_time is None:
-                state.first_token_time = seq.first_token_time
-                state.first_scheduled_time = seq.first_scheduled_time
-                state.num_cached_tokens = seq.num_cached_tokens or 0
-            state.num_preemptions = max(state.num_preemptions, seq.num_preemptions)
-            touched[state.request_id] = state
-        outputs = []
-        for state in touched.values():
-            finished = state.finished
-            if finished:
-                del self._states[state.request_id]
-                self.structured.release(state.request_id)
-            if finished or state.params.output_kind is not RequestOutputKind.FINAL_ONLY:
-                outputs.append(self._output(state, finished))
-        return outputs
-
-    @staticmethod
-    def _finish_search(state: _RequestState, seq: Request) -> None:
-        """A beam search is over: its completions become the best hypotheses, best first."""
-        results = state.beam.results()
-        state.completions = state.completions[: len(results)]
-        for comp, hyp in zip(state.completions, results):
-            for token in hyp.token_ids:
-                comp.token_ids.append(token)
-                comp.detokenizer.add_token(token)
-            comp.cumulative_logprob = hyp.cum_logprob
-            comp.finish_reason = (FinishReason.STOP if hyp.ended_on_eos else FinishReason.LENGTH).value
-        state.first_token_time = seq.first_token_time
-        state.first_scheduled_time = seq.first_scheduled_time
-        state.num_cached_tokens = seq.num_cached_tokens or 0
-        state.num_preemptions = max(state.num_preemptions, seq.num_preemptions)
-
-    def _output(self, state: _RequestState, finished: bool) -> RequestOutput:
-        """Cumulative (and final-only) outputs copy everything so far; DELTA outputs carry only
-        what is new since the last output, so a long stream costs O(its length) in all."""
-        if state.params.output_kind is RequestOutputKind.DELTA:
-            completions = [self._delta(i, c) for i, c in enumerate(state.completions)]
-        else:
-            completions = [
-                CompletionOutput(
-                    index=i,
-                    text=c.detokenizer.visible_text(c.finish_reason is not None),
-                    token_ids=list(c.token_ids),
-                    finish_reason=c.finish_reason,
-                    logprobs=list(c.logprobs) if c.logprobs is not None else None,
-                    stop_reason=c.stop_reason,
-                    cumulative_logprob=c.cumulative_logprob,
-                )
-                for i, c in enumerate(state.completions)
-            ]
-        prompt_logprobs = state.prompt_logprobs
-        if state.params.output_kind is RequestOutputKind.DELTA:
-            prompt_logprobs = None if state.sent_prompt_logprobs else prompt_logprobs
-            state.sent_prompt_logprobs = state.sent_prompt_logprobs or prompt_logprobs is not None
-        return RequestOutput(
-            request_id=state.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            num_cached_tokens=state.num_cached_tokens,
-            metrics=RequestMetrics(
-                arrival_time=state.arrival_time,
-                first_scheduled_time=state.first_scheduled_time,
-                first_token_time=state.first_token_time,
-                finish_time=time.time() if finished else None,
-                num_preemptions=state.num_preemptions,
-            ),
-            prompt_logprobs=prompt_logprobs,
-        )
-
-    @staticmethod
-    def _delta(index: int, c: _Completion) -> CompletionOutput:
-        done = c.finish_reason is not None
-        start = c.num_sent_tokens
-        c.num_sent_tokens = len(c.token_ids)
-        newly_finished = done and not c.reported_finish
-        c.reported_finish = done
-        return CompletionOutput(
-            index=index,
-            text=c.detokenizer.take_delta(done),
-            token_ids=c.token_ids[start:],
-            finish_reason=c.finish_reason if newly_finished else None,
-            logprobs=c.logprobs[start:] if c.logprobs is not None else None,
-            stop_reason=c.stop_reason if newly_finished else None,
-        )
 
     def get_stats(self) -> EngineStats:
         return EngineStats(

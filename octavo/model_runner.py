@@ -204,23 +204,22 @@ class ModelRunner:
         entries = sorted(sched.scheduled, key=lambda e: e.num_tokens != 1)  # stable: decodes first
         input_ids, positions, meta = self.prepare(entries)
 
-        last_rows: list[int] = []
+        last_rows: list[int] = []  # the hidden-state row each sample reads: its request's last token
         rows: list[SamplingRow] = []
         seq_ids: list[str] = []
         offset = 0
         for e in entries:
             offset += e.num_tokens
-            for index, sid in enumerate(e.sample_ids):
+            for row in e.samples:
                 last_rows.append(offset - 1)
-                seq_ids.append(sid)
-                sample_index = index if len(e.sample_ids) > 1 else e.sample_index
+                seq_ids.append(row.seq_id)
                 rows.append(
                     SamplingRow(
                         params=e.sampling_params,
                         prompt_token_ids=e.prompt_token_ids,
-                        output_token_ids=e.output_token_ids if index == 0 else [],
+                        output_token_ids=row.output_token_ids,
                         eos_token_ids=self.eos_token_ids,
-                        generator=self._generator(sid, e.sampling_params.seed, sample_index),
+                        generator=self._generator(row.seq_id, e.sampling_params.seed, row.sample_index),
                     )
                 )
         row_index = torch.tensor(last_rows, dtype=torch.long, device=self.device) if rows else None

@@ -13,12 +13,25 @@ if TYPE_CHECKING:
 
 
 @dataclass(slots=True)
+class SampleRow:
+    """One row of a step's sampling: the sequence that receives the token sampled from its
+    request's last position, and what the sampler, its seed and its grammar read for it.
+
+    An n > 1 request's prompt feeds n rows at once when it forks: row 0 is the request itself
+    (its own output so far), rows 1..n-1 the new sequences (nothing generated yet). The runner,
+    the sampler's penalties and the grammar masks all read these rows, never re-derive them."""
+
+    seq_id: str
+    sample_index: int = 0  # which of the user's n completions it is (seeds differ by it)
+    output_token_ids: list[int] = field(default_factory=list)  # the scheduler's own list: read only
+
+
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: compute `token_ids` at positions starting at `start_pos`.
 
-    `sample_ids` is empty for a prefill chunk that does not reach the end of the known tokens;
-    otherwise it names the sequences that receive a sampled token from this request's last
-    position: one id normally, n ids when an n > 1 request forks after its prompt.
+    `samples` is empty for a prefill chunk that does not reach the end of the known tokens;
+    otherwise it holds the rows that sample from this request's last position (see SampleRow).
     The list fields are references to the scheduler's own lists: read them, never write them.
     """
 
@@ -27,15 +40,17 @@ class ScheduledRequest:
     start_pos: int
     block_ids: list[int]
     sampling_params: SamplingParams
-    sample_ids: list[str]
+    samples: list[SampleRow]
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    sample_index: int = 0  # which of the user's n completions this sequence is (seeds differ by it)
     lora_id: int | None = None  # the LoRA adapter its tokens run with
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def sample_ids(self) -> list[str]:
+        return [row.seq_id for row in self.samples]
 
 
 @dataclass(slots=True)
@@ -56,7 +71,7 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """Sampled token per sequence id (see ScheduledRequest.sample_ids), with logprobs if asked."""
+    """Sampled token per sequence id (see ScheduledRequest.samples), with logprobs if asked."""
 
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from octavo.beam_search import BeamGroup, Continuation
 from octavo.config import SchedulerConfig
 from octavo.kv_cache.manager import Allocation, KVCacheManager
-from octavo.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from octavo.outputs import ModelRunnerOutput, SampleRow, ScheduledRequest, SchedulerOutput
 from octavo.request import FinishReason, Request, RequestStatus, child_request_id
 from octavo.request_queue import make_waiting_queue
 
@@ -230,25 +230,20 @@ class Scheduler:
     ) -> tuple[ScheduledRequest, list[tuple[int, int]]]:
         start = request.num_computed_tokens
         request.num_computed_tokens = start + num_new
-        sample_ids: list[str] = []
+        samples: list[SampleRow] = []
         if request.num_computed_tokens == request.num_tokens:
-            if request.num_samples_pending > 1:
+            samples = [SampleRow(request.request_id, request.sample_index, request.output_token_ids)]
+            if request.num_samples_pending > 1:  # forks now: the new sequences sample from the prompt too
                 parent = request.user_request_id
-                sample_ids = [request.request_id] + [
-                    child_request_id(parent, i) for i in range(1, request.num_samples_pending)
-                ]
-            else:
-                sample_ids = [request.request_id]
+                samples += [SampleRow(child_request_id(parent, i), i) for i in range(1, request.num_samples_pending)]
         entry = ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start : start + num_new],
             start_pos=start,
             block_ids=allocation.block_ids,
             sampling_params=request.sampling_params,
-            sample_ids=sample_ids,
+            samples=samples,
             prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
-            sample_index=request.sample_index,
             lora_id=request.lora_id,
         )
         return entry, allocation.copies

@@ -20,7 +20,7 @@ from octavo.engine_args import EngineArgs
 from octavo.llm import LLM
 from octavo.model_runner import ModelRunner
 from octavo.models.loader import load_model, quantize_model, resolve_model, weight_bytes
-from octavo.outputs import ScheduledRequest
+from octavo.outputs import SampleRow, ScheduledRequest
 from octavo.quantization import Q4_0
 from octavo.sampling.params import SamplingParams
 from octavo.tokenizer import load_tokenizer
@@ -31,7 +31,7 @@ def perplexity(model, cfg, token_ids: list[int]) -> float:
     """exp(mean negative log-likelihood) of each token given the ones before it, in one prefill."""
     blocks = (len(token_ids) + 15) // 16
     runner = ModelRunner(model, cfg, CacheConfig(block_size=16, num_blocks=blocks + 1), eos_token_ids=())
-    req = ScheduledRequest("t", token_ids, 0, list(range(blocks)), SamplingParams(temperature=0), ["t"], [], [])
+    req = ScheduledRequest("t", token_ids, 0, list(range(blocks)), SamplingParams(temperature=0), [SampleRow("t")], [])
     ids, pos, meta = runner.prepare([req])
     with torch.inference_mode():
         logits = model.compute_logits(model(ids, pos, runner.kv_caches, meta))  # [n, vocab]

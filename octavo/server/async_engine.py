@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 from octavo.engine import LLMEngine
 from octavo.lora.request import LoRARequest
 from octavo.metrics import EngineMetrics
-from octavo.request import CompletionOutput, RequestOutput
+from octavo.output_processor import merge_deltas
+from octavo.request import RequestOutput
 from octavo.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -89,39 +90,6 @@ class OutputCollector:
         if self._error is not None:
             raise self._error
         return []
-
-
-def merge_deltas(items: list[tuple[int, RequestOutput]]) -> list[tuple[int, RequestOutput]]:
-    """Fold consecutive DELTA outputs of the same prompt into one; O(total size)."""
-    by_index: dict[int, list[RequestOutput]] = {}
-    for index, out in items:
-        by_index.setdefault(index, []).append(out)
-    merged = []
-    for index in sorted(by_index):
-        outs = by_index[index]
-        if len(outs) == 1:
-            merged.append((index, outs[0]))
-            continue
-        last = outs[-1]
-        completions = []
-        for k in range(len(last.outputs)):
-            parts = [o.outputs[k] for o in outs]
-            lps = [lp for p in parts if p.logprobs is not None for lp in p.logprobs]
-            reason = next((p for p in parts if p.finish_reason is not None), None)
-            completions.append(CompletionOutput(
-                index=k,
-                text="".join(p.text for p in parts),
-                token_ids=[t for p in parts for t in p.token_ids],
-                finish_reason=reason.finish_reason if reason else None,
-                logprobs=lps if parts[0].logprobs is not None else None,
-                stop_reason=reason.stop_reason if reason else None,
-            ))
-        merged.append((index, RequestOutput(
-            request_id=last.request_id, prompt=last.prompt, prompt_token_ids=last.prompt_token_ids,
-            outputs=completions, finished=last.finished, num_cached_tokens=last.num_cached_tokens,
-            metrics=last.metrics, prompt_logprobs=next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None),
-        )))
-    return merged
 
 
 @dataclass(slots=True)

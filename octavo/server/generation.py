@@ -13,7 +13,8 @@ from fastapi.responses import StreamingResponse
 
 from octavo.lora.request import LoRARequest
 from octavo.request import CompletionOutput, RequestOutput
-from octavo.server.async_engine import EngineDeadError, EngineOverloadedError, EngineStopped, OutputCollector, merge_deltas
+from octavo.output_processor import merge_deltas
+from octavo.server.async_engine import EngineDeadError, EngineOverloadedError, EngineStopped, OutputCollector
 from octavo.server.core import APIError, DisconnectWatch, OpenAIServer, engine_error
 from octavo.server.guard import error_body
 from octavo.server.protocol import new_id, now

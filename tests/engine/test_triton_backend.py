@@ -83,7 +83,7 @@ def test_padded_decode_buffers_equal_the_plain_forward():
     with rows of context 0 and slot -1. The real rows' hidden states equal the plain forward's, and
     the padding writes nothing into the KV cache."""
     from octavo.cuda_graphs import DecodeBuffers, graph_batch_sizes
-    from octavo.outputs import ScheduledRequest
+    from octavo.outputs import SampleRow, ScheduledRequest
 
     assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20] and graph_batch_sizes(3) == [1, 2, 3]
     hf = tiny_llama(4, 2)
@@ -94,7 +94,7 @@ def test_padded_decode_buffers_equal_the_plain_forward():
         layer[0].normal_()
         layer[1].normal_()
     entries = [
-        ScheduledRequest(f"r{i}", [7 + i], start, blocks, SamplingParams(temperature=0), [f"r{i}"], [], [])
+        ScheduledRequest(f"r{i}", [7 + i], start, blocks, SamplingParams(temperature=0), [SampleRow(f"r{i}")], [])
         for i, (start, blocks) in enumerate([(5, [3]), (17, [4, 9, 2]), (0, [11])])
     ]
     ids, pos, meta = runner.prepare(entries)

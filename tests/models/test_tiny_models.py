@@ -10,7 +10,7 @@ from octavo.config import CacheConfig
 from octavo.kernels import cpu
 from octavo.model_runner import ModelRunner
 from octavo.models.loader import load_model
-from octavo.outputs import ScheduledRequest
+from octavo.outputs import SampleRow, ScheduledRequest
 from octavo.sampling.params import SamplingParams
 
 BS = 4
@@ -55,7 +55,7 @@ def pair(request, tmp_path_factory):
 
 
 def entry(rid, tokens, start, block_ids):
-    return ScheduledRequest(rid, tokens, start, block_ids, SamplingParams(temperature=0), [rid], [], [])
+    return ScheduledRequest(rid, tokens, start, block_ids, SamplingParams(temperature=0), [SampleRow(rid)], [])
 
 
 def run(runner, entries):
