@@ -535,7 +535,8 @@ def _torchrun_worker(args: argparse.Namespace) -> bool:
 
     device = resolve_device(args.device)
     dtype = ("bfloat16" if device.startswith("cuda") else "float32") if args.dtype == "auto" else args.dtype
-    run_worker_from_env(str(resolve_model(args.model)), dtype, args.tensor_parallel_size, device)
+    quantization = "none" if device.startswith("cuda") and args.quantization == "auto" else args.quantization
+    run_worker_from_env(str(resolve_model(args.model)), dtype, args.tensor_parallel_size, device, quantization)
     # The worker left the group cleanly. Skip the interpreter's teardown: gloo's C++ threads can
     # abort the process in static destructors, and under torchrun a worker that exits non-zero makes
     # its node's agent skip the exit barrier, leaving the other nodes waiting for it (300 s).

@@ -13,14 +13,21 @@ import torch
 
 from octavo.beam_search import BeamGroup
 from octavo.config import EngineConfig
-from octavo.distributed.executor import TensorParallelGroup, WorkerSpec, torchrun_rank
-from octavo.distributed.layers import check_divisible, local_config, shard_model
+from octavo.distributed.executor import (
+    TensorParallelExecutor,
+    TensorParallelGroup,
+    WorkerSpec,
+    load_shard,
+    torchrun_rank,
+)
+from octavo.distributed.layers import check_divisible
 from octavo.engine_args import EngineArgs, resolve_device
 from octavo.kv_cache.manager import KVCacheManager
 from octavo.lora.request import LoRARequest
 from octavo.memory import CUDA_GRAPH_RESERVE_BYTES, KVSizing, size_kv_cache
-from octavo.model_runner import ModelRunner, profile_activation_peak
-from octavo.models.loader import auto_dtype, describe_weights, load_model, resolve_model, weight_bytes
+from octavo.model_runner import ModelRunner, RunnerOptions
+from octavo.models.loader import auto_dtype, describe_weights, gguf_source, load_model, resolve_model, weight_bytes
+from octavo.models.registry import load_model_config
 from octavo.output_processor import OutputProcessor
 from octavo.request import FinishReason, Request, RequestOutput, child_request_id
 from octavo.sampling.params import BeamSearchParams, SamplingParams
@@ -39,21 +46,21 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, tokenizer: Any, weight_bytes: int,
                  tensor_parallel: TensorParallelGroup | None = None) -> None:
         """`model` is this process's (for tensor parallelism, rank 0's shard, with `config` holding
-        one rank's share of the heads); `tensor_parallel` the group of the other ranks."""
-        kv_dtype = _DTYPES[config.dtype]
-        on_cuda = config.device.startswith("cuda")
-        peak = None
-        if on_cuda and config.cache.num_blocks is None and config.cache.kv_cache_memory is None:
-            peak = profile_activation_peak(
-                model, config.model_config, config.scheduler, config.cache.block_size, config.device, kv_dtype,
-                config.attention_backend,
-            )
-            logger.info("profiling step (%d tokens): activation peak %.2f GiB",
-                        config.scheduler.max_num_batched_tokens, peak / 2**30)
-        sizing = size_kv_cache(
-            config.cache, config.scheduler, config.model_config, weight_bytes, kv_dtype.itemsize, config.device,
-            activation_peak=peak, graph_bytes=CUDA_GRAPH_RESERVE_BYTES if on_cuda and not config.enforce_eager else 0,
+        one rank's share of the heads); `tensor_parallel` the group of the other ranks, whose
+        runners make every call this one makes (octavo.distributed.executor)."""
+        self.tokenizer = tokenizer
+        eos = config.model_config.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
+        self.eos_token_ids: tuple[int, ...] = tuple(eos)
+        options = RunnerOptions(
+            block_size=config.cache.block_size, eos_token_ids=self.eos_token_ids, device=config.device,
+            kv_dtype=config.dtype, attention_backend=config.attention_backend, enforce_eager=config.enforce_eager,
+            max_num_seqs=config.scheduler.max_num_seqs, max_model_len=config.scheduler.max_model_len,
+            max_loras=config.scheduler.max_loras, max_lora_rank=config.max_lora_rank,
         )
+        self.runner = options.build(model, config.model_config)
+        self.executor: ModelRunner | TensorParallelExecutor = (
+            self.runner if tensor_parallel is None else TensorParallelExecutor(self.runner, tensor_parallel, options))
+        sizing = self._size_kv_cache(config, weight_bytes)
         self.config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, num_blocks=sizing.num_blocks))
         self.kv_sizing: KVSizing = sizing
         logger.info(sizing.describe())
@@ -61,26 +68,9 @@ class LLMEngine:
             logger.info("tensor parallel %d: each rank holds %d of the model's KV heads in a cache of this size, "
                         "so the cache holds %d x the tokens one rank's memory would", tensor_parallel.world,
                         config.model_config.num_kv_heads, tensor_parallel.world)
-        self.tokenizer = tokenizer
-        eos = config.model_config.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
-        self.eos_token_ids: tuple[int, ...] = tuple(eos)
+        self.executor.init_kv_cache(sizing.num_blocks)
         kv = KVCacheManager(sizing.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, kv)
-        self.runner = ModelRunner(
-            model,
-            config.model_config,
-            self.config.cache,
-            self.eos_token_ids,
-            config.device,
-            kv_dtype,
-            config.attention_backend,
-            enforce_eager=config.enforce_eager,
-            max_num_seqs=config.scheduler.max_num_seqs,
-            max_model_len=config.scheduler.max_model_len,
-            max_loras=config.scheduler.max_loras,
-            max_lora_rank=config.max_lora_rank,
-            tensor_parallel=tensor_parallel,
-        )
         self.structured = StructuredOutputManager(tokenizer, config.model_config.vocab_size, self.eos_token_ids,
                                                   config.grammar_cache_bytes)
         self.outputs = OutputProcessor(tokenizer)
@@ -94,6 +84,22 @@ class LLMEngine:
                     and os.environ.get("OCTAVO_ADAPTIVE_THREADS", "1") != "0")
         self._threads = ThreadGovernor(torch.get_num_threads()) if adaptive else None
 
+
+    def _size_kv_cache(self, config: EngineConfig, weight_bytes: int) -> KVSizing:
+        """Blocks for the KV cache; on CUDA, from a profiled worst-case step unless given."""
+        on_cuda = config.device.startswith("cuda")
+        peak = None
+        if on_cuda and config.cache.num_blocks is None and config.cache.kv_cache_memory is None:
+            peak = self.executor.profile_activation_peak(config.scheduler.max_num_batched_tokens,
+                                                         config.scheduler.max_num_seqs)
+            logger.info("profiling step (%d tokens): activation peak %.2f GiB",
+                        config.scheduler.max_num_batched_tokens, peak / 2**30)
+        return size_kv_cache(
+            config.cache, config.scheduler, config.model_config, weight_bytes, _DTYPES[config.dtype].itemsize,
+            config.device, activation_peak=peak,
+            graph_bytes=CUDA_GRAPH_RESERVE_BYTES if on_cuda and not config.enforce_eager else 0,
+        )
+
     @classmethod
     def from_args(cls, args: EngineArgs | None = None, **kwargs: Any) -> LLMEngine:
         """Load the model (the embedded default when args.model is None) and build an engine."""
@@ -104,36 +110,24 @@ class LLMEngine:
         quantization = args.quantization
         if device.startswith("cuda") and quantization == "auto":
             quantization = "none"  # no GPU kernels for GGUF blocks: they are dequantized to the dtype
-        world = args.tensor_parallel_size
-        if world > 1:
-            if device.startswith("cuda") and torch_rank_count() < world and torchrun_rank() is None:
-                raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs here, torch sees {torch_rank_count()}; "
-                                 "start the ranks with torchrun across machines, or lower it")
-            if quantization != "none":
-                logger.info("tensor parallel: weights are sharded dense (--quantization none)")
-            quantization = "none"
         dtype = ("bfloat16" if device.startswith("cuda") else "float32") if args.dtype == "auto" else args.dtype
-        model, model_config = load_model(model_dir, dtype=_DTYPES[dtype], device=device, quantization=quantization)
-        if args.dtype == "auto" and world == 1:
-            dtype = auto_dtype(model, device)
-            model = model.to(_DTYPES[dtype])
         group = None
-        if world > 1:
-            check_divisible(model_config, world)
-            launched = torchrun_rank()
-            if launched is not None:  # torchrun started every rank, maybe on several machines
-                if launched != (0, world):
-                    raise ValueError(f"under torchrun the engine is rank 0 of {world}; this is {launched}")
-                group = TensorParallelGroup(world, WorkerSpec(str(model_dir), dtype, device=device), "env://", spawn=False)
-            else:
-                threads = max(1, torch.get_num_threads() // world)  # the ranks share the cores
-                group = TensorParallelGroup(world, WorkerSpec(str(model_dir), dtype, threads, device))
-                torch.set_num_threads(threads)
-            model = shard_model(model, 0, world)
-            model_config = local_config(model_config, world)
+        if args.tensor_parallel_size > 1:
+            model, model_config, group = _load_tensor_parallel(args, model_dir, WorkerSpec(
+                str(model_dir), dtype, device=device, quantization=quantization))
+        else:
+            model, model_config = load_model(model_dir, dtype=_DTYPES[dtype], device=device, quantization=quantization)
+            if args.dtype == "auto":
+                dtype = auto_dtype(model, device)
+                model = model.to(_DTYPES[dtype])
         config = dataclasses.replace(args, dtype=dtype, device=device).to_config(model_config)
         logger.info(describe_weights(model))
-        engine = cls(config, model, load_tokenizer(model_dir), weight_bytes(model), group)
+        try:
+            engine = cls(config, model, load_tokenizer(model_dir), weight_bytes(model), group)
+        except BaseException:
+            if group is not None:
+                group.close()
+            raise
         for lora_id, module in enumerate(args.lora_modules, start=1):
             name, path = module.split("=", 1)
             engine.add_lora(LoRARequest(name, lora_id, path))
@@ -142,8 +136,8 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any, and the grammar-compiling threads."""
         self.structured.close()
-        if self.runner.tp is not None:
-            self.runner.tp.close()
+        if isinstance(self.executor, TensorParallelExecutor):
+            self.executor.close()
 
     # ---- LoRA adapters -----------------------------------------------------------------------
 
@@ -285,7 +279,7 @@ class LLMEngine:
         if self._threads is not None:
             self._threads.tick()
         sched_out = self.scheduler.schedule()
-        result = self.runner.execute(sched_out, self._grammar_masks(sched_out))
+        result = self.executor.execute(sched_out, self._grammar_masks(sched_out))
         changed = self.scheduler.update(sched_out, result)
         self._num_steps += 1
         self._num_generation_tokens += len(result.sampled)
@@ -324,3 +318,32 @@ class LLMEngine:
 def torch_rank_count() -> int:
     """GPUs torch sees on this node (0 without CUDA)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _load_tensor_parallel(args: EngineArgs, model_dir, spec: WorkerSpec):
+    """(rank 0's shard, its config, the group): the other ranks are spawned here, or were started
+    by torchrun (maybe on other machines); every rank loads and shards the same way (load_shard)."""
+    world = args.tensor_parallel_size
+    launched = torchrun_rank()
+    if spec.device.startswith("cuda") and torch_rank_count() < world and launched is None:
+        raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs here, torch sees {torch_rank_count()}; "
+                         "start the ranks with torchrun across machines, or lower it")
+    quantized = spec.quantization in ("int8", "int4") or (spec.quantization == "auto" and gguf_source(model_dir) is not None)
+    check_divisible(load_model_config(model_dir), world, quantized)
+    if launched is not None:  # torchrun started every rank, maybe on several machines
+        if launched != (0, world):
+            raise ValueError(f"under torchrun the engine is rank 0 of {world}; this is {launched}")
+        group = TensorParallelGroup(world, spec, "env://", spawn=False)
+    else:
+        threads = max(1, torch.get_num_threads() // world)  # the ranks share the cores
+        group = TensorParallelGroup(world, dataclasses.replace(spec, threads=threads))
+        torch.set_num_threads(threads)
+    try:
+        model, model_config = load_shard(spec, 0, world)
+    except BaseException:
+        try:
+            group.close()
+        except Exception:  # the workers failed the same way and left: the load's error is the one to see
+            logger.exception("closing the tensor-parallel group after a failed load")
+        raise
+    return model, model_config, group

@@ -6,15 +6,14 @@ It holds the weights, the KV-cache tensors (per layer K and V of shape
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import mmap
+from dataclasses import dataclass
 
 import torch
 
-from octavo.config import CacheConfig, ModelConfig, SchedulerConfig
+from octavo.config import CacheConfig, ModelConfig
 from octavo.cuda_graphs import CudaGraphRunner, graph_batch_sizes
-from octavo.distributed.executor import TensorParallelGroup
 from octavo.kernels import dispatch
 from octavo.kernels.metadata import AttentionMetadata, LoRAMapping, gather_contexts
 from octavo.lora.layers import apply_lora
@@ -22,6 +21,7 @@ from octavo.lora.slots import LoRASlots
 from octavo.memory import keep_freed_memory_mapped
 from octavo.models.llama import LlamaForCausalLM
 from octavo.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from octavo.sampling.params import SamplingParams
 from octavo.sampling.logprobs import TokenLogprob
 from octavo.sampling.sampler import SamplingRow, sample
 
@@ -55,6 +55,31 @@ def allocate_kv_caches(model_config: ModelConfig, num_blocks: int, block_size: i
     return [(views[2 * i], views[2 * i + 1]) for i in range(model_config.num_layers)]
 
 
+@dataclass(frozen=True, slots=True)
+class RunnerOptions:
+    """How every rank builds its ModelRunner: rank 0 builds its own from these and sends them to
+    the other ranks of a tensor-parallel group, so that all runners are the same."""
+
+    block_size: int
+    eos_token_ids: tuple[int, ...]
+    device: str = "cpu"
+    kv_dtype: str = "float32"
+    attention_backend: str = "auto"
+    enforce_eager: bool = True
+    max_num_seqs: int = 1
+    max_model_len: int = 1
+    max_loras: int | None = None
+    max_lora_rank: int = 16
+
+    def build(self, model: LlamaForCausalLM, model_config: ModelConfig, rank: int = 0, device: str | None = None) -> ModelRunner:
+        """This rank's runner over its model (shard); `device`: the rank's own (cuda:r), if not the options'."""
+        return ModelRunner(model, model_config, CacheConfig(block_size=self.block_size), self.eos_token_ids,
+                           device or self.device, getattr(torch, self.kv_dtype), self.attention_backend,
+                           enforce_eager=self.enforce_eager, max_num_seqs=self.max_num_seqs,
+                           max_model_len=self.max_model_len, max_loras=self.max_loras,
+                           max_lora_rank=self.max_lora_rank, rank=rank)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -70,40 +95,51 @@ class ModelRunner:
         max_model_len: int = 1,
         max_loras: int | None = None,
         max_lora_rank: int = 16,
-        tensor_parallel: TensorParallelGroup | None = None,
+        rank: int = 0,
     ) -> None:
-        """Allocates the KV cache; with enforce_eager False on CUDA with the Triton kernels, also
-        captures CUDA graphs of decode steps of up to `max_num_seqs` requests of `max_model_len`."""
-        if cache_config.num_blocks is None:
-            raise ValueError("the cache must be sized (cache_config.num_blocks) before the runner starts")
+        """The KV cache comes with `init_kv_cache` (at once if `cache_config.num_blocks` is set).
+        `rank` > 0: a tensor-parallel rank's runner; it runs every step as rank 0's does (the
+        collectives inside the sharded layers keep them together) but does not sample."""
         self.model = model
         self.model_config = model_config
         self.block_size = cache_config.block_size
         self.device = torch.device(device)
         self.eos_token_ids = eos_token_ids
-        self.kv_caches = allocate_kv_caches(model_config, cache_config.num_blocks, self.block_size, kv_dtype, self.device)
+        self.rank = rank
+        self.kv_caches: KVCaches = []
         self._generators: dict[str, torch.Generator] = {}
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self._kv_dtype = kv_dtype
+        self._max_num_seqs, self._max_model_len = max_num_seqs, max_model_len
         self.attention_backend = dispatch.select_attention_backend(attention_backend, self.device, kv_dtype)
         if self.device.type == "cpu":
             keep_freed_memory_mapped()
-        self.tp = tensor_parallel  # ranks 1..N-1 mirror every step (octavo.distributed.executor)
-        if self.tp is not None:
-            self.tp.send(("init", cache_config.num_blocks, self.block_size))
         self.lora: LoRASlots | None = None
         if max_loras is not None:  # wraps the model's projections in place (see octavo.lora.layers)
             layers = apply_lora(model, model_config, max_loras, max_lora_rank)
             self.lora = LoRASlots(layers, model_config, max_loras, max_lora_rank)
         self.graphs: CudaGraphRunner | None = None
+        self._capture_graphs = False
         if not enforce_eager and self.lora is not None:
             logger.warning("CUDA graphs are not captured with LoRA on: running eagerly")
         elif not enforce_eager and self.device.type == "cuda" and self.attention_backend == "triton":
-            max_blocks = -(-max_model_len // self.block_size)
-            self.graphs = CudaGraphRunner(model, self.kv_caches, graph_batch_sizes(max_num_seqs), max_blocks, self.device)
+            self._capture_graphs = True
         elif not enforce_eager:
             logger.warning("CUDA graphs need CUDA and the triton backend (here %s, %s): running eagerly",
                            self.device.type, self.attention_backend)
+        if cache_config.num_blocks is not None:
+            self.init_kv_cache(cache_config.num_blocks)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache of `num_blocks` blocks (once); with CUDA graphs on, capture decode
+        steps of up to max_num_seqs requests of max_model_len over it."""
+        if self.kv_caches:
+            raise ValueError("the KV cache is already allocated")
+        self.kv_caches = allocate_kv_caches(self.model_config, num_blocks, self.block_size, self._kv_dtype, self.device)
+        if self._capture_graphs:
+            max_blocks = -(-self._max_model_len // self.block_size)
+            self.graphs = CudaGraphRunner(self.model, self.kv_caches, graph_batch_sizes(self._max_num_seqs), max_blocks,
+                                          self.device)
 
     def _decode_workspace(self, num_elements: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Scratch for the decode gathers, grown (by half again) when a step needs more."""
@@ -198,8 +234,6 @@ class ModelRunner:
             self._generators.pop(rid, None)
         dispatch.copy_blocks(self.kv_caches, sched.copies)
         if not sched.scheduled:
-            if self.tp is not None and sched.copies:
-                self.tp.send(("step", sched.copies, None))
             return ModelRunnerOutput(sampled={})
         entries = sorted(sched.scheduled, key=lambda e: e.num_tokens != 1)  # stable: decodes first
         input_ids, positions, meta = self.prepare(entries)
@@ -219,13 +253,10 @@ class ModelRunner:
                         prompt_token_ids=e.prompt_token_ids,
                         output_token_ids=row.output_token_ids,
                         eos_token_ids=self.eos_token_ids,
-                        generator=self._generator(row.seq_id, e.sampling_params.seed, row.sample_index),
+                        generator=self._generator(row.seq_id, e.sampling_params.seed, row.sample_index) if self.rank == 0 else None,
                     )
                 )
         row_index = torch.tensor(last_rows, dtype=torch.long, device=self.device) if rows else None
-        if self.tp is not None:  # the other ranks run the same forward on their shards
-            worker_meta = dataclasses.replace(meta, gathered=None)
-            self.tp.send(("step", sched.copies, (input_ids, positions, worker_meta, row_index)))
         if self.graphs is not None and self.graphs.can_run(input_ids.shape[0], meta):
             hidden = self.graphs.run(input_ids, positions, meta)  # [num_tokens, hidden]
         else:
@@ -234,6 +265,8 @@ class ModelRunner:
         if not rows:
             return ModelRunnerOutput(sampled={}, prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[row_index])  # [num_rows, vocab] float32
+        if self.rank != 0:  # the logits' gather is a collective every rank joins; rank 0 samples
+            return ModelRunnerOutput(sampled={})
         allowed = None
         if grammar is not None and grammar[0]:
             position = {sid: i for i, sid in enumerate(seq_ids)}
@@ -272,67 +305,40 @@ class ModelRunner:
             offset += e.num_tokens
         return out
 
-
-@torch.inference_mode()
-def profile_activation_peak(
-    model: LlamaForCausalLM,
-    model_config: ModelConfig,
-    sched: SchedulerConfig,
-    block_size: int,
-    device: str,
-    kv_dtype: torch.dtype,
-    attention_backend: str,
-) -> int | None:
-    """Run one worst-case step (max_num_batched_tokens prompt tokens in requests of at most
-    max_model_len, and logits for max_num_seqs rows) on a scratch KV cache just big enough, and
-    return the activation peak in bytes beyond the weights and that scratch (CUDA; on the CPU the
-    step runs and None is returned: there is no allocator peak to read)."""
-    dev = torch.device(device)
-    attention_backend = dispatch.select_attention_backend(attention_backend, dev, kv_dtype)
-    num_tokens = sched.max_num_batched_tokens
-    lens = [min(sched.max_model_len, num_tokens - start) for start in range(0, num_tokens, sched.max_model_len)]
-    num_blocks = sum(-(-n // block_size) for n in lens)
-    shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
-    if dev.type == "cuda":
+    @torch.inference_mode()
+    def profile_activation_peak(self, max_num_batched_tokens: int, max_num_seqs: int) -> int | None:
+        """Run one worst-case step through `prepare` (max_num_batched_tokens prompt tokens in
+        requests of at most max_model_len, and logits for max_num_seqs rows) on a scratch KV cache
+        just big enough, and return the activation peak in bytes beyond the weights and that
+        scratch (CUDA; on the CPU the step runs and None is returned: there is no allocator peak
+        to read). Every rank of a tensor-parallel group runs it (its collectives)."""
+        dev, bs = self.device, self.block_size
+        lens = [min(self._max_model_len, max_num_batched_tokens - start)
+                for start in range(0, max_num_batched_tokens, self._max_model_len)]
+        entries, next_block = [], 0
+        for i, n in enumerate(lens):
+            nb = -(-n // bs)
+            tokens = torch.randint(0, self.model_config.vocab_size, (n,)).tolist()
+            entries.append(ScheduledRequest(f"profile-{i}", tokens, 0, list(range(next_block, next_block + nb)),
+                                            SamplingParams(), [], tokens))
+            next_block += nb
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev)
+        kv = allocate_kv_caches(self.model_config, next_block, bs, self._kv_dtype, dev)
+        kv_bytes = 2 * self.model_config.num_layers * kv[0][0].numel() * kv[0][0].element_size()
+        input_ids, positions, meta = self.prepare(sorted(entries, key=lambda e: e.num_tokens != 1))
+        hidden = self.model(input_ids, positions, kv, meta)  # [num_tokens, hidden]
+        rows = torch.arange(max_num_seqs, device=dev) % max_num_batched_tokens
+        logits = self.model.compute_logits(hidden[rows])  # [max_num_seqs, vocab] float32
+        torch.sort(logits, dim=-1, descending=True)  # the top-p sort's copies, as a sampling step makes
+        if dev.type != "cuda":
+            return None
         torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base - kv_bytes
+        del kv, hidden, logits
+        self._workspace = None
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
-        base = torch.cuda.memory_allocated(dev)
-    kv = [(torch.zeros(shape, dtype=kv_dtype, device=dev), torch.zeros(shape, dtype=kv_dtype, device=dev))
-          for _ in range(model_config.num_layers)]
-    kv_bytes = 2 * model_config.num_layers * kv[0][0].numel() * kv[0][0].element_size()
-    tables, starts, next_block, offset = [], [], 0, 0
-    width = max(-(-n // block_size) for n in lens)
-    for n in lens:
-        nb = -(-n // block_size)
-        tables.append(list(range(next_block, next_block + nb)) + [0] * (width - nb))
-        starts.append(offset)
-        next_block, offset = next_block + nb, offset + n
-    slots = torch.cat([torch.arange(n, device=dev) + tables[i][0] * block_size for i, n in enumerate(lens)])
-    as_int = dict(dtype=torch.int32, device=dev)
-    meta = AttentionMetadata(
-        slot_mapping=slots,
-        block_tables=torch.tensor(tables, **as_int),
-        query_starts=torch.tensor(starts, **as_int),
-        query_lens=torch.tensor(lens, **as_int),
-        context_lens=torch.tensor(lens, **as_int),
-        num_decode_tokens=sum(1 for n in lens if n == 1),
-        backend=attention_backend,
-        max_query_len=max(lens),
-        max_context_len=max(lens),
-    )
-    if attention_backend == "reference":
-        meta.gathered = gather_contexts(meta, block_size)
-    ids = torch.randint(0, model_config.vocab_size, (num_tokens,), device=dev)
-    positions = torch.cat([torch.arange(n, device=dev) for n in lens])
-    hidden = model(ids, positions, kv, meta)
-    rows = torch.arange(sched.max_num_seqs, device=dev) % num_tokens
-    logits = model.compute_logits(hidden[rows])  # [max_num_seqs, vocab] float32
-    torch.sort(logits, dim=-1, descending=True)  # the top-p sort's copies, as a sampling step makes
-    if dev.type != "cuda":
-        return None
-    torch.cuda.synchronize(dev)
-    peak = torch.cuda.max_memory_allocated(dev) - base - kv_bytes
-    del kv, hidden, logits
-    torch.cuda.empty_cache()
-    return max(0, peak)
+        return max(0, peak)

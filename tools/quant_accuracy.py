@@ -19,7 +19,7 @@ from octavo.engine import LLMEngine
 from octavo.engine_args import EngineArgs
 from octavo.llm import LLM
 from octavo.model_runner import ModelRunner
-from octavo.models.loader import load_model, quantize_model, resolve_model, weight_bytes
+from octavo.models.loader import load_model, prepare_quantized_layers, quantize_model, resolve_model, weight_bytes
 from octavo.outputs import SampleRow, ScheduledRequest
 from octavo.quantization import Q4_0
 from octavo.sampling.params import SamplingParams
@@ -54,6 +54,7 @@ def main() -> None:
         if quantization == "q4_0":  # not a --quantization choice: int4 without a zero point, for contrast
             model, cfg = load_model(model_dir, quantization="none")
             quantize_model(model, Q4_0)
+            prepare_quantized_layers(model)
         else:
             model, cfg = load_model(model_dir, quantization=quantization)
         config = EngineArgs(dtype="float32", kv_cache_memory=256 << 20).to_config(cfg)

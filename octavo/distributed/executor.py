@@ -1,11 +1,13 @@
-"""TensorParallelGroup: the worker processes that hold ranks 1..N-1 of a tensor-parallel model,
-and the one message per step that keeps them in lock-step with the engine (rank 0).
+"""Tensor parallelism's ranks: every rank runs the same ModelRunner over its shard of the model.
 
-torch.distributed with gloo on the CPU (a torchrun-style TCP rendezvous). The scheduler and the
-KV-cache manager stay single, in the engine; rank 0's ModelRunner broadcasts each step's inputs
-(token ids, positions, the attention metadata, block copies, which rows to sample), then every
-rank runs the same forward on its shard; the all-reduces inside the row-parallel layers and the
-logits gather keep them together. A worker that dies makes the next step raise, never hang.
+`TensorParallelGroup` starts ranks 1..N-1 as worker processes (or joins ranks torchrun started,
+on this machine or others) over torch.distributed: gloo on the CPU, NCCL on GPUs (unverified).
+The scheduler and the KV-cache manager stay single, in the engine; `TensorParallelExecutor` is
+rank 0's face of the group: each runner call (build the KV cache, the profiling step, a step's
+`SchedulerOutput`) is broadcast once as a typed `RunnerCall`, then run here; each worker runs the
+same call on its own runner, and the all-reduces inside the row-parallel layers and the logits
+gather keep the ranks together. Only rank 0 samples. A worker that dies makes the next call
+raise, never hang.
 """
 
 from __future__ import annotations
@@ -17,11 +19,18 @@ import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from octavo.config import ModelConfig
+from octavo.model_runner import ModelRunner, RunnerOptions
+from octavo.outputs import ModelRunnerOutput, SampleRow, SchedulerOutput
+
+if TYPE_CHECKING:
+    from octavo.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger("octavo")
 TIMEOUT = datetime.timedelta(seconds=120)  # a collective that waits longer than this fails the engine
@@ -35,6 +44,40 @@ class WorkerSpec:
     dtype: str
     threads: int = 1
     device: str = "cpu"  # "cuda": NCCL, one GPU per rank (rank r on cuda:r of its node)
+    quantization: str = "none"  # "auto": a GGUF's quantized blocks, sharded by whole blocks
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerCall:
+    """One call every rank's runner makes, in the same order: what rank 0 broadcasts."""
+
+    method: str  # "init_kv_cache" | "profile_activation_peak" | "execute"
+    args: tuple = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StartRunner:
+    """The first message: how to build the runner (the same options as rank 0's)."""
+
+    options: RunnerOptions
+
+
+_WORKER_CALLS = ("init_kv_cache", "profile_activation_peak", "execute")
+
+
+def load_shard(spec: WorkerSpec, rank: int, world: int) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """This rank's shard of the model and the config it sees (its share of the heads), built the
+    same way on every rank: load (quantized blocks left in GGUF layout), shard, then pack."""
+    from octavo.distributed.layers import check_divisible, local_config, shard_model
+    from octavo.models.loader import load_model, prepare_quantized_layers
+
+    device = rank_device(spec.device, rank)
+    model, cfg = load_model(Path(spec.model_dir), dtype=getattr(torch, spec.dtype), device=str(device),
+                            quantization=spec.quantization, prepare_quantized=False)
+    check_divisible(cfg, world)
+    shard_model(model, rank, world)
+    prepare_quantized_layers(model)
+    return model, local_config(cfg, world)
 
 
 def backend_for(device: str) -> str:
@@ -48,16 +91,6 @@ def rank_device(device: str, rank: int) -> torch.device:
     local = int(os.environ.get("LOCAL_RANK", rank)) % max(1, torch.cuda.device_count())
     torch.cuda.set_device(local)
     return torch.device("cuda", local)
-
-
-def on_device(step: tuple, device: torch.device) -> tuple:
-    """A step's tensors moved to `device` (steps travel between ranks as CPU tensors: a pickled GPU
-    tensor would come back on the sender's GPU)."""
-    ids, positions, meta, rows = step
-    fields = {f: getattr(meta, f).to(device) for f in ("slot_mapping", "block_tables", "query_starts", "query_lens",
-                                                         "context_lens")}
-    meta = dataclasses.replace(meta, gathered=None, **fields)
-    return ids.to(device), positions.to(device), meta, None if rows is None else rows.to(device)
 
 
 def _free_port() -> int:
@@ -92,12 +125,9 @@ class TensorParallelGroup:
         if dead:
             raise RuntimeError(f"tensor-parallel worker {dead[0][0]} died (exit code {dead[0][1]}): the engine cannot continue")
 
-    def send(self, message: tuple) -> None:
-        """Every worker receives `message` (the same broadcast they wait in); a step's tensors go as
-        CPU tensors."""
+    def broadcast(self, message: StartRunner | RunnerCall) -> None:
+        """Every worker receives `message` (the same broadcast they wait in)."""
         self.check_workers()
-        if message[0] == "step" and message[2] is not None and self.device.type != "cpu":
-            message = (message[0], message[1], on_device(message[2], torch.device("cpu")))
         dist.broadcast_object_list([message], src=0)
 
     def close(self) -> None:
@@ -121,22 +151,15 @@ class TensorParallelGroup:
 
 
 def worker_main(rank: int, world: int, init_method: str, spec: WorkerSpec) -> None:
-    """A worker's whole life: join, build its shard, then mirror rank 0's steps until told to stop."""
-    from octavo.distributed.layers import local_config, shard_model
-    from octavo.kernels import dispatch
-    from octavo.kernels.metadata import gather_contexts
-    from octavo.models.loader import load_model
-
+    """A worker's whole life: join, build its shard and its runner as rank 0 did, then make every
+    runner call rank 0 makes, in the same order, until told to stop."""
     torch.set_num_threads(spec.threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
     device = rank_device(spec.device, rank)
     dist.init_process_group(backend_for(spec.device), init_method=init_method, rank=rank, world_size=world, timeout=TIMEOUT)
-    dtype = getattr(torch, spec.dtype)
-    model, cfg = load_model(Path(spec.model_dir), dtype=dtype, device=str(device), quantization="none")
-    shard_model(model, rank, world)
-    local = local_config(cfg, world)
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
+        model, local = load_shard(spec, rank, world)
+        runner: ModelRunner | None = None
         while True:
             box = [None]
             dist.broadcast_object_list(box, src=0)
@@ -144,25 +167,54 @@ def worker_main(rank: int, world: int, init_method: str, spec: WorkerSpec) -> No
             if message is None:
                 dist.barrier()  # see TensorParallelGroup.close
                 break
-            if message[0] == "init":
-                num_blocks, block_size = message[1], message[2]
-                shape = (num_blocks, block_size, local.num_kv_heads, local.head_dim)
-                kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                             for _ in range(local.num_layers)]
-                continue
-            _, copies, step = message
-            dispatch.copy_blocks(kv_caches, copies)
-            if step is None:
-                continue
-            ids, positions, meta, rows = on_device(step, device)
-            if meta.backend == "reference":
-                meta.gathered = gather_contexts(meta, kv_caches[0][0].shape[1])
-            with torch.inference_mode():
-                hidden = model(ids, positions, kv_caches, meta)
-                if rows is not None:
-                    model.compute_logits(hidden[rows])
+            if isinstance(message, StartRunner):
+                runner = message.options.build(model, local, rank, str(device))
+            elif isinstance(message, RunnerCall) and message.method in _WORKER_CALLS and runner is not None:
+                getattr(runner, message.method)(*message.args)
+            else:
+                raise RuntimeError(f"tensor-parallel worker {rank}: unexpected message {message!r}")
     finally:
         dist.destroy_process_group()
+
+
+class TensorParallelExecutor:
+    """Rank 0's runner with the group behind it: each call goes to every rank, then runs here.
+    The engine calls it as it would call its ModelRunner."""
+
+    def __init__(self, runner: ModelRunner, group: TensorParallelGroup, options: RunnerOptions) -> None:
+        self.runner, self.group = runner, group
+        group.broadcast(StartRunner(options))
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.group.broadcast(RunnerCall("init_kv_cache", (num_blocks,)))
+        self.runner.init_kv_cache(num_blocks)
+
+    def profile_activation_peak(self, max_num_batched_tokens: int, max_num_seqs: int) -> int | None:
+        self.group.broadcast(RunnerCall("profile_activation_peak", (max_num_batched_tokens, max_num_seqs)))
+        return self.runner.profile_activation_peak(max_num_batched_tokens, max_num_seqs)
+
+    def execute(self, sched: SchedulerOutput, grammar: Any = None) -> ModelRunnerOutput:
+        """The step goes to every rank without what only sampling reads (outputs so far, prompts
+        of requests not scoring them): the other ranks run the forward, not the sampler."""
+        self.group.broadcast(RunnerCall("execute", (for_other_ranks(sched),)))
+        return self.runner.execute(sched, grammar)
+
+    def close(self) -> None:
+        self.group.close()
+
+
+def for_other_ranks(sched: SchedulerOutput) -> SchedulerOutput:
+    """The step as ranks > 0 need it: each sample row without its output so far (penalties and
+    grammars are rank 0's), and prompts only where prompt logprobs are scored; a step's message
+    then grows with the tokens it computes, not with every scheduled request's whole history."""
+    return dataclasses.replace(sched, scheduled=[
+        dataclasses.replace(
+            e,
+            samples=[SampleRow(row.seq_id, row.sample_index) for row in e.samples],
+            prompt_token_ids=e.prompt_token_ids if e.sampling_params.prompt_logprobs is not None else [],
+        )
+        for e in sched.scheduled
+    ])
 
 
 def torchrun_rank() -> tuple[int, int] | None:
@@ -174,9 +226,10 @@ def torchrun_rank() -> tuple[int, int] | None:
     return int(os.environ["RANK"]), world
 
 
-def run_worker_from_env(model_dir: str, dtype: str, tensor_parallel_size: int, device: str = "cpu") -> None:
+def run_worker_from_env(model_dir: str, dtype: str, tensor_parallel_size: int, device: str = "cpu",
+                        quantization: str = "none") -> None:
     """A rank > 0 started by torchrun (on this node or another): be a worker of rank 0's engine."""
     rank, world = torchrun_rank()
     if world != tensor_parallel_size:
         raise ValueError(f"torchrun started {world} ranks but --tensor-parallel-size is {tensor_parallel_size}")
-    worker_main(rank, world, "env://", WorkerSpec(model_dir, dtype, torch.get_num_threads(), device))
+    worker_main(rank, world, "env://", WorkerSpec(model_dir, dtype, torch.get_num_threads(), device, quantization))

@@ -31,12 +31,22 @@ class QuantLinear(nn.Module):
     """A linear layer whose weight stays quantized: given as GGUF-layout blocks (octavo.quantization),
     held in the layout the kernel dispatch chose (`layout`)."""
 
-    def __init__(self, qweight: torch.Tensor, fmt: QuantFormat, in_features: int, bias: torch.Tensor | None) -> None:
+    def __init__(self, qweight: torch.Tensor, fmt: QuantFormat, in_features: int, bias: torch.Tensor | None,
+                 prepare: bool = True) -> None:
+        """`qweight`: GGUF-layout blocks [out_features, row_bytes]. With prepare False they stay in
+        that layout (a loader that shards them first calls `prepare()` after)."""
         super().__init__()
         self.fmt, self.in_features, self.out_features = fmt, in_features, qweight.shape[0]
-        data, self.layout = dispatch.prepare_quant_weight(qweight, fmt)
-        self.register_buffer("qweight", data)
+        self.layout = "gguf"
+        self.register_buffer("qweight", qweight)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        if prepare:
+            self.prepare()
+
+    def prepare(self) -> None:
+        """Put the blocks in the layout the kernels read (dispatch.prepare_quant_weight); idempotent."""
+        if self.layout == "gguf":
+            self.qweight, self.layout = dispatch.prepare_quant_weight(self.qweight, self.fmt)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
         return dispatch.quant_linear(x, self.qweight, self.layout, self.fmt, self.in_features, self.out_features, self.bias)
@@ -49,8 +59,8 @@ class QuantEmbedding(QuantLinear):
     """Token embedding kept quantized: looked-up rows are rebuilt in the activation dtype. As the
     layer of a tied LM head it is also a QuantLinear [vocab, dim]."""
 
-    def __init__(self, qweight: torch.Tensor, fmt: QuantFormat, dim: int, dtype: torch.dtype) -> None:
-        super().__init__(qweight, fmt, dim, None)
+    def __init__(self, qweight: torch.Tensor, fmt: QuantFormat, dim: int, dtype: torch.dtype, prepare: bool = True) -> None:
+        super().__init__(qweight, fmt, dim, None, prepare)
         self.embedding_dim, self.dtype = dim, dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]

@@ -182,14 +182,16 @@ def model_from_hf(hf_model: torch.nn.Module, dtype: torch.dtype, device: str) ->
 
 
 def load_model(
-    model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu", quantization: str = "none"
+    model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu", quantization: str = "none",
+    prepare_quantized: bool = True,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """The model of `model_dir` in `dtype` on `device`.
 
     quantization: "none" = every weight dense in `dtype`; "auto" = the quantized tensors of the
     GGUF the directory was converted from stay in their blocks (a plain HF directory holds none:
     same as "none"); "int8" / "int4" = quantize every linear layer at load to Q8_0 / Q4_1 (the
-    token embedding, and a tied LM head, to Q8_0).
+    token embedding, and a tied LM head, to Q8_0). prepare_quantized False leaves quantized
+    layers' blocks in GGUF layout (to be sharded, then `prepare_quantized_layers`).
     """
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}")
@@ -206,7 +208,16 @@ def load_model(
     for module in model.modules():
         if isinstance(module, QuantEmbedding):
             module.dtype = dtype
+    if prepare_quantized:
+        prepare_quantized_layers(model)
     return model, cfg
+
+
+def prepare_quantized_layers(model: torch.nn.Module) -> None:
+    """Every quantized layer's blocks into the layout the kernels read (see QuantLinear.prepare)."""
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.prepare()
 
 
 def auto_dtype(model: torch.nn.Module, device: str) -> str:
@@ -271,10 +282,11 @@ def quantize_model(model: LlamaForCausalLM, fmt: QuantFormat) -> None:
         for child_name, child in list(parent.named_children()):
             if isinstance(child, torch.nn.Linear) and can_quantize(child.in_features):
                 bias = None if child.bias is None else child.bias.detach().clone()
-                setattr(parent, child_name, QuantLinear(quantize(child.weight, fmt), fmt, child.in_features, bias))
+                setattr(parent, child_name, QuantLinear(quantize(child.weight, fmt), fmt, child.in_features, bias, prepare=False))
     emb = model.embed_tokens
     if isinstance(emb, torch.nn.Embedding) and can_quantize(emb.embedding_dim):
-        model.embed_tokens = QuantEmbedding(quantize(emb.weight, Q8_0), Q8_0, emb.embedding_dim, emb.weight.dtype)
+        model.embed_tokens = QuantEmbedding(quantize(emb.weight, Q8_0), Q8_0, emb.embedding_dim, emb.weight.dtype,
+                                            prepare=False)
 
 
 GGUF_BLOCKS_FILE = "gguf-blocks/blocks.safetensors"  # a subdirectory: never taken for HF weights
@@ -375,11 +387,11 @@ def _set_quantized(model: LlamaForCausalLM, module_name: str, qweight: torch.Ten
     parent = model.get_submodule(parent_name) if parent_name else model
     old = getattr(parent, child_name)
     if isinstance(old, torch.nn.Embedding):
-        new: torch.nn.Module = QuantEmbedding(qweight, fmt, old.embedding_dim, torch.float32)
+        new: torch.nn.Module = QuantEmbedding(qweight, fmt, old.embedding_dim, torch.float32, prepare=False)
     else:
         if old.bias is not None:
             raise ValueError(f"{module_name}: quantized GGUF layers with a bias are not supported")
-        new = QuantLinear(qweight, fmt, old.in_features, None)
+        new = QuantLinear(qweight, fmt, old.in_features, None, prepare=False)
     setattr(parent, child_name, new)
 
 

@@ -32,8 +32,8 @@ def tiny_dir(tmp_path_factory):
 
 
 def run(model: str | None, tp: int, prompts, **kwargs):
-    engine = LLMEngine.from_args(EngineArgs(model=model, tensor_parallel_size=tp, dtype="float32", quantization="none",
-                                            **kwargs))
+    kwargs.setdefault("quantization", "none")
+    engine = LLMEngine.from_args(EngineArgs(model=model, tensor_parallel_size=tp, dtype="float32", **kwargs))
     try:
         outs = LLM.from_engine(engine).generate(prompts, PARAMS, use_tqdm=False)
         stats = engine.get_stats().scheduler
@@ -70,6 +70,27 @@ def test_tp3_equals_tp1_on_the_embedded_model(smol_tokenizer):
     assert_same_or_near_tie(got, expected)
 
 
+def test_tp3_with_quantized_gguf_shards_equals_tp1_quantized(smol_tokenizer):
+    """The embedded model's Q4_1 / Q8_0 blocks sharded by whole blocks (no dense copy on any rank)."""
+    prompts = ["The capital of France is", "def fib(n):", "Once upon a time"]
+    expected, _ = run(None, 1, prompts, kv_cache_memory=64 << 20, quantization="auto")
+    engine = LLMEngine.from_args(EngineArgs(tensor_parallel_size=3, dtype="float32", quantization="auto",
+                                            kv_cache_memory=64 << 20, max_num_batched_tokens=8))
+    try:
+        from octavo.models.llama import QuantLinear
+
+        assert sum(isinstance(m, QuantLinear) for m in engine.runner.model.modules()) >= 120
+        outs = LLM.from_engine(engine).generate(prompts, PARAMS, use_tqdm=False)
+    finally:
+        engine.close()
+    assert_same_or_near_tie([o.outputs[0] for o in outs], expected)
+
+
+def test_quantized_shares_off_the_block_grid_are_refused_by_name(tiny_dir):
+    with pytest.raises(ValueError, match="down_proj, not whole quantized blocks of 32"):
+        LLMEngine.from_args(EngineArgs(model=str(tiny_dir), tensor_parallel_size=2, dtype="float32", quantization="int8"))
+
+
 def test_head_counts_that_do_not_divide_are_refused(tiny_dir):
     with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide"):
         LLMEngine.from_args(EngineArgs(model=str(tiny_dir), tensor_parallel_size=3, dtype="float32"))
@@ -80,7 +101,7 @@ def test_a_dead_worker_fails_the_step(tiny_dir):
     try:
         engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
         engine.step()
-        worker = engine.runner.tp.procs[0]
+        worker = engine.executor.group.procs[0]
         worker.kill()
         worker.join(10)
         with pytest.raises(RuntimeError, match="worker .* died"):
