@@ -100,7 +100,9 @@ class EngineArgs:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and self.enable_lora:
-            raise ValueError("LoRA with tensor parallelism is not supported yet: use one of them")
+            raise ValueError("LoRA with tensor parallelism is not supported: each rank would need its share of every "
+                             "adapter (B cut by output rows like q|k|v and gate|up, A by input columns like o and "
+                             "down), which the adapter loader does not do; use one of them")
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and {self.max_lora_rank}")
         if self.grammar_cache_bytes < 1 << 20:

@@ -111,7 +111,7 @@ class TensorParallelGroup:
         if spawn:
             ctx = mp.get_context("spawn")
             for r in range(1, world):
-                p = ctx.Process(target=worker_main, args=(r, world, init_method, spec), daemon=True,
+                p = ctx.Process(target=serve_rank, args=(r, world, init_method, spec), daemon=True,
                                 name=f"octavo-tp-worker-{r}")
                 p.start()
                 self.procs.append(p)
@@ -150,7 +150,7 @@ class TensorParallelGroup:
             torch.set_num_threads(self.threads_before)
 
 
-def worker_main(rank: int, world: int, init_method: str, spec: WorkerSpec) -> None:
+def serve_rank(rank: int, world: int, init_method: str, spec: WorkerSpec) -> None:
     """A worker's whole life: join, build its shard and its runner as rank 0 did, then make every
     runner call rank 0 makes, in the same order, until told to stop."""
     torch.set_num_threads(spec.threads)
@@ -232,4 +232,4 @@ def run_worker_from_env(model_dir: str, dtype: str, tensor_parallel_size: int, d
     rank, world = torchrun_rank()
     if world != tensor_parallel_size:
         raise ValueError(f"torchrun started {world} ranks but --tensor-parallel-size is {tensor_parallel_size}")
-    worker_main(rank, world, "env://", WorkerSpec(model_dir, dtype, torch.get_num_threads(), device, quantization))
+    serve_rank(rank, world, "env://", WorkerSpec(model_dir, dtype, torch.get_num_threads(), device, quantization))

@@ -110,3 +110,19 @@ def test_paged_prefill_chunked_prefill_and_decode_match_transformers(pair, backe
     out = run(runner, [entry("a", [3], 11, tables["a"]), entry("b", [5], 8, tables["b"])])
     torch.testing.assert_close(out["a"], ref_a[11:12], atol=ATOL, rtol=0)
     torch.testing.assert_close(out["b"], ref_b[8:9], atol=ATOL, rtol=0)
+
+
+def test_the_profiling_step_goes_through_prepare_and_allocates_no_cache(pair, monkeypatch):
+    """The worst-case step is synthetic requests fed through `prepare` (the one builder of a step's
+    metadata) on a scratch cache; the runner's own cache comes later, from init_kv_cache."""
+    _, _, model, cfg = pair
+    runner = ModelRunner(model, cfg, CacheConfig(block_size=BS), eos_token_ids=(), max_num_seqs=4, max_model_len=24)
+    seen = []
+    real_prepare = runner.prepare
+    monkeypatch.setattr(runner, "prepare", lambda entries: seen.append([e.num_tokens for e in entries]) or real_prepare(entries))
+    assert runner.profile_activation_peak(max_num_batched_tokens=60, max_num_seqs=4) is None  # CPU: no allocator peak
+    assert seen == [[24, 24, 12]] and runner.kv_caches == []
+    runner.init_kv_cache(8)
+    assert len(runner.kv_caches) == cfg.num_layers and runner.kv_caches[0][0].shape[0] == 8
+    with pytest.raises(ValueError, match="already allocated"):
+        runner.init_kv_cache(8)
