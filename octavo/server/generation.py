@@ -1,11 +1,17 @@
-"""Running a completions or chat request on the engine and answering it: whole (JSON) or streamed
-(SSE), with disconnects aborting the engine work. How each choice is written is the route's
-`Choices` object (text for completions, messages and tool calls for chat)."""
+"""A request's life on the engine, one for every route: `submitted` adds its prompts (engine
+refusals become the right HTTP errors) and watches for the client leaving (which aborts the
+engine work); then `collect_all` waits for the whole answer (499 if the client left), or
+`guarded_stream` passes a stream's pieces on (the engine dying mid-stream becomes the route's
+error event; what is left is aborted). `run_request` answers completions and chat with these,
+through the route's `Choices` (text for completions, messages and tool calls for chat);
+routes/responses.py writes the Responses API's events with the same three."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from fastapi import Request
@@ -50,31 +56,79 @@ def sse(data: Any) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
+@dataclass(slots=True)
+class Submitted:
+    """One HTTP request's prompts in the engine."""
+
+    rid: str  # the response's id; prompt i runs as f"{rid}-{i}" (one prompt: rid itself, if asked)
+    request_ids: list[str]
+    collector: OutputCollector
+    watch: DisconnectWatch
+
+
+@contextlib.asynccontextmanager
+async def submitted(server: OpenAIServer, request: Request, prompts: list[list[int]], params: Any, priority: int,
+                    cache_salt: str | None, lora: LoRARequest | None, id_prefix: str,
+                    one_id: bool = False) -> AsyncIterator[Submitted]:
+    """Add the prompts; while open, a client that leaves aborts them. A refusal (bad input, full
+    queue, engine stopped or dead) raises the APIError that says so, and nothing stays queued."""
+    rid = new_id(id_prefix)
+    request_ids = [rid] if one_id and len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+    async with DisconnectWatch(request, lambda: server.engine.abort(request_ids)) as watch:
+        try:
+            collector = await server.engine.add(request_ids, prompts, params, priority, cache_salt, lora)
+        except (ValueError, EngineOverloadedError, EngineStopped, EngineDeadError) as exc:
+            raise engine_error(exc, server.limits) from exc
+        yield Submitted(rid, request_ids, collector, watch)
+
+
+async def collect_all(server: OpenAIServer, sub: Submitted) -> dict[int, RequestOutput]:
+    """Every prompt's whole output. 503 if the engine dies or stops, 499 if the client left; what
+    is left in the engine is aborted either way."""
+    try:
+        items = await collect(sub.collector)
+    except (EngineDeadError, EngineStopped) as exc:
+        raise engine_error(exc, server.limits) from exc
+    finally:
+        if sub.collector.num_open:  # cancelled or failed midway: free what is left
+            server.engine.abort(sub.request_ids)
+    if sub.watch.disconnected or len(items) < len(sub.request_ids) or not all(o.finished for o in items.values()):
+        raise APIError(499, "client disconnected", "ClientClosedRequest")
+    return items
+
+
+async def guarded_stream(server: OpenAIServer, sub: Submitted, pieces: AsyncIterator[str],
+                         on_engine_error: Callable[[Exception], list[str]]) -> AsyncIterator[str]:
+    """A stream's pieces as they come. If the engine dies or the server stops mid-stream, the
+    client gets `on_engine_error`'s pieces (an error event, then the end) rather than a reset
+    connection; a client that goes away frees its blocks here."""
+    try:
+        async for piece in pieces:
+            yield piece
+    except (EngineDeadError, EngineStopped) as exc:
+        for piece in on_engine_error(exc):
+            yield piece
+    finally:
+        if sub.collector.num_open:
+            server.engine.abort(sub.request_ids)
+
+
 async def run_request(server: OpenAIServer, request: Request, req: Any, prompts: list[list[int]], params: Any,
                       choices: Choices, id_prefix: str, lora: LoRARequest | None = None) -> Any:
     """Add the prompts, then answer with the whole body or a stream of chunks."""
-    rid = new_id(id_prefix)
-    request_ids = [f"{rid}-{i}" for i in range(len(prompts))]
-    async with DisconnectWatch(request, lambda: server.engine.abort(request_ids)) as watch:
-        try:
-            collector = await server.engine.add(request_ids, prompts, params, req.priority, req.cache_salt, lora)
-        except (ValueError, EngineOverloadedError, EngineStopped, EngineDeadError) as exc:
-            raise engine_error(exc, server.limits) from exc
+    async with submitted(server, request, prompts, params, req.priority, req.cache_salt, lora, id_prefix) as sub:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = _stream(server, rid, request_ids, collector, prompts, params, choices, include_usage)
+            pieces = _stream_pieces(server, sub.rid, sub.collector, prompts, params, choices, include_usage)
+            body = guarded_stream(server, sub, pieces, _sse_error)
             return StreamingResponse(body, media_type="text/event-stream")
-        try:
-            items = await collect(collector)
-        except (EngineDeadError, EngineStopped) as exc:
-            raise engine_error(exc, server.limits) from exc
-        finally:
-            if collector.num_open:  # cancelled or failed midway: free what is left
-                server.engine.abort(request_ids)
-        if watch.disconnected or len(items) < len(prompts) or not all(o.finished for o in items.values()):
-            raise APIError(499, "client disconnected", "ClientClosedRequest")
+        items = await collect_all(server, sub)
     # decoding logprob tokens and parsing tool calls is work: off the event loop
-    return await server.off_loop(_final_body, server, rid, prompts, items, params, choices)
+    return await server.off_loop(_final_body, server, sub.rid, prompts, items, params, choices)
+
+
+def _sse_error(exc: Exception) -> list[str]:
+    return [sse(error_body(503, str(exc), "ServiceUnavailableError")), "data: [DONE]\n\n"]
 
 
 async def collect(collector: OutputCollector) -> dict[int, RequestOutput]:
@@ -91,20 +145,6 @@ def _final_body(server: OpenAIServer, rid: str, prompts, finals: dict[int, Reque
     return {"id": rid, "object": choices.object_name, "created": now(), "model": server.model_name,
             "choices": body_choices, "usage": usage(server, prompts, num_completion, list(finals.values())),
             **choices.extra_fields(finals)}
-
-
-async def _stream(server, rid, request_ids, collector, prompts, params, choices: Choices, include_usage: bool) -> AsyncIterator[str]:
-    """SSE chunks of the deltas. If the engine dies or the server stops mid-stream, the client gets
-    an error event and [DONE] rather than a reset connection."""
-    try:
-        async for piece in _stream_pieces(server, rid, collector, prompts, params, choices, include_usage):
-            yield piece
-    except (EngineDeadError, EngineStopped) as exc:
-        yield sse(error_body(503, str(exc), "ServiceUnavailableError"))
-        yield "data: [DONE]\n\n"
-    finally:
-        if collector.num_open:  # a client that went away frees its blocks here
-            server.engine.abort(request_ids)
 
 
 async def _stream_pieces(server, rid, collector: OutputCollector, prompts, params, choices: Choices,

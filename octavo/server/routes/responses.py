@@ -15,9 +15,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import Field, field_validator
 
 from octavo.sampling.params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-from octavo.server.async_engine import EngineDeadError, EngineOverloadedError, EngineStopped
-from octavo.server.core import APIError, DisconnectWatch, OpenAIServer, engine_error, param_of
-from octavo.server.generation import collect
+from octavo.server.core import APIError, OpenAIServer, param_of
+from octavo.server.generation import collect_all, guarded_stream, submitted
 from octavo.server.guard import error_body
 from octavo.server.protocol import INT32_MAX, MAX_MESSAGES, MAX_USER_CHARS, _Body, new_id, now
 
@@ -190,25 +189,15 @@ def build_router(server: OpenAIServer) -> APIRouter:
         except ValueError as exc:
             raise APIError(400, str(exc), "BadRequestError", param_of(str(exc)) or "text") from exc
         async with server.grammar_held(params.structured_outputs, "text.format", request):
-            rid, item_id = new_id("resp"), new_id("msg")
-            request_ids = [rid]
-            async with DisconnectWatch(request, lambda: server.engine.abort(request_ids)) as watch:
-                try:
-                    collector = await server.engine.add(request_ids, [ids], params, req.priority, req.cache_salt, lora)
-                except (ValueError, EngineOverloadedError, EngineStopped, EngineDeadError) as exc:
-                    raise engine_error(exc, server.limits) from exc
-                context = (req, rid, item_id, ids, conversation, store)
+            async with submitted(server, request, [ids], params, req.priority, req.cache_salt, lora, "resp",
+                                 one_id=True) as sub:
+                context = (req, sub.rid, new_id("msg"), ids, conversation, store)
                 if req.stream:
-                    return StreamingResponse(_events(server, collector, request_ids, context), media_type="text/event-stream")
-                try:
-                    items = await collect(collector)
-                except (EngineDeadError, EngineStopped) as exc:
-                    raise engine_error(exc, server.limits) from exc
-                finally:
-                    if collector.num_open:
-                        server.engine.abort(request_ids)
-                if watch.disconnected or not items or not items[0].finished:
-                    raise APIError(499, "client disconnected", "ClientClosedRequest")
+                    numbered = [0]  # events sent: an error event mid-stream takes the next number
+                    body = guarded_stream(server, sub, _events(sub.collector, context, numbered),
+                                          lambda exc: _error_event(exc, numbered[0]))
+                    return StreamingResponse(body, media_type="text/event-stream")
+                items = await collect_all(server, sub)
             c = items[0].outputs[0]
             return _finish(context, now(), c.text, len(c.token_ids), c.finish_reason)
 
@@ -228,40 +217,42 @@ def _finish(context: tuple, created: int, text: str, num_output: int, finish_rea
     return body
 
 
-async def _events(server: OpenAIServer, collector, request_ids: list[str], context: tuple) -> AsyncIterator[str]:
-    """The Responses API's streamed events, each an SSE `event:` line with its JSON."""
+def _event(kind: str, seq: int, **fields: Any) -> str:
+    """One of the Responses API's streamed events: an SSE `event:` line with its JSON."""
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq, **fields})}\n\n"
+
+
+def _error_event(exc: Exception, seq: int) -> list[str]:
+    return [_event("error", seq, **error_body(503, str(exc), "ServiceUnavailableError")["error"])]
+
+
+async def _events(collector, context: tuple, numbered: list[int]) -> AsyncIterator[str]:
+    """The Responses API's streamed events, in order, numbered (`numbered[0]`: how many so far)."""
     req, rid, item_id = context[0], context[1], context[2]
-    created, seq = now(), 0
+    created = now()
 
     def event(kind: str, **fields: Any) -> str:
-        nonlocal seq
-        seq += 1
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **fields})}\n\n"
+        numbered[0] += 1
+        return _event(kind, numbered[0] - 1, **fields)
 
     part = {"item_id": item_id, "output_index": 0, "content_index": 0}
     pending = _response_body(req, rid, created, "in_progress", [], None, None)
-    try:
-        yield event("response.created", response=pending)
-        yield event("response.in_progress", response=pending)
-        yield event("response.output_item.added", output_index=0, item=_message_item(item_id, "", "in_progress"))
-        yield event("response.content_part.added", **part, part={"type": "output_text", "text": "", "annotations": []})
-        text, num_output, finish = [], 0, None
-        while batch := await collector.next_batch():
-            for _, out in batch:
-                c = out.outputs[0]
-                num_output += len(c.token_ids)
-                finish = c.finish_reason or finish
-                if c.text:
-                    text.append(c.text)
-                    yield event("response.output_text.delta", **part, delta=c.text, logprobs=[])
-        full = "".join(text)
-        yield event("response.output_text.done", **part, text=full, logprobs=[])
-        yield event("response.content_part.done", **part, part={"type": "output_text", "text": full, "annotations": []})
-        yield event("response.output_item.done", output_index=0, item=_message_item(item_id, full, "completed"))
-        body = _finish(context, created, full, num_output, finish)
-        yield event("response.incomplete" if body["status"] == "incomplete" else "response.completed", response=body)
-    except (EngineDeadError, EngineStopped) as exc:
-        yield event("error", **error_body(503, str(exc), "ServiceUnavailableError")["error"])
-    finally:
-        if collector.num_open:
-            server.engine.abort(request_ids)
+    yield event("response.created", response=pending)
+    yield event("response.in_progress", response=pending)
+    yield event("response.output_item.added", output_index=0, item=_message_item(item_id, "", "in_progress"))
+    yield event("response.content_part.added", **part, part={"type": "output_text", "text": "", "annotations": []})
+    text, num_output, finish = [], 0, None
+    while batch := await collector.next_batch():
+        for _, out in batch:
+            c = out.outputs[0]
+            num_output += len(c.token_ids)
+            finish = c.finish_reason or finish
+            if c.text:
+                text.append(c.text)
+                yield event("response.output_text.delta", **part, delta=c.text, logprobs=[])
+    full = "".join(text)
+    yield event("response.output_text.done", **part, text=full, logprobs=[])
+    yield event("response.content_part.done", **part, part={"type": "output_text", "text": full, "annotations": []})
+    yield event("response.output_item.done", output_index=0, item=_message_item(item_id, full, "completed"))
+    body = _finish(context, created, full, num_output, finish)
+    yield event("response.incomplete" if body["status"] == "incomplete" else "response.completed", response=body)
