@@ -393,9 +393,8 @@ def add_connection_flags(parser: argparse.ArgumentParser) -> None:
                              "limit, raised to its hard limit, less 256)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="octavo", description="Serve LLMs with a paged KV cache and continuous batching.")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_generate(sub) -> None:
+    """`octavo generate`."""
     gen = sub.add_parser("generate", help="answer a few chat prompts offline and print engine statistics")
     add_engine_flags(gen)
     gen.add_argument("--prompt", action="append", help="a user message (repeatable; default: four sample questions)")
@@ -405,6 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print answers and timings as JSON")
     gen.set_defaults(func=cmd_generate)
 
+
+def _add_serve(sub) -> None:
+    """`octavo serve`."""
     serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     add_engine_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -435,6 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_connection_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
+
+def _add_router(sub) -> None:
+    """`octavo router`."""
     rt = sub.add_parser("router", help="one OpenAI endpoint in front of several `octavo serve` replicas")
     rt.add_argument("--worker", action="append", required=True, metavar="URL",
                     help="a replica's base URL, e.g. http://10.0.0.2:8000 (repeat for each)")
@@ -453,6 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--balance-rel-threshold", type=float, default=1.0001, help="...and this ratio: then the least loaded replica is used")
     rt.set_defaults(func=cmd_router)
 
+
+def _add_plan(sub) -> None:
+    """`octavo plan`."""
     plan = sub.add_parser("plan", help="KV-cache capacity from a model's config.json: bytes per token, sequences that fit")
     plan.add_argument("config", nargs="?", default=None, help="config.json or a model directory (default: the embedded model)")
     plan.add_argument("--device-memory", type=parse_bytes, default=parse_bytes("80GiB"), help="device memory, e.g. 80GiB, 24GB (default 80GiB)")
@@ -466,6 +474,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print JSON")
     plan.set_defaults(func=cmd_plan)
 
+
+def _add_simulate(sub) -> None:
+    """`octavo simulate`."""
     sim = sub.add_parser("simulate", help="replay a workload through the real scheduler with a step-cost model")
     sim.add_argument("--workload", choices=["random", "shared-prefix", "trace"], default="random")
     sim.add_argument("--trace", default=None, help="JSON trace: prompt_token_ids|prompt_len, max_tokens|output_len, arrival_time")
@@ -490,6 +501,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--plot", default=None, help="write a PNG: KV memory and resident sequences over time per policy")
     sim.set_defaults(func=cmd_simulate)
 
+
+def _add_bench(sub) -> None:
+    """`octavo bench throughput` and `octavo bench serve`."""
     bench = sub.add_parser("bench", help="benchmarks: offline throughput, online serving latency")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     tp = bench_sub.add_parser("throughput", help="offline tokens/s of Octavo, transformers generate (hf) and its continuous batching (hf-cb)")
@@ -517,6 +531,13 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--json", default=None)
     sv.add_argument("--plot", default=None, help="PNG of latency distributions and throughput over time")
     sv.set_defaults(func=cmd_bench_serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="octavo", description="Serve LLMs with a paged KV cache and continuous batching.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_generate, _add_serve, _add_router, _add_plan, _add_simulate, _add_bench):
+        add(sub)
     return parser
 
 

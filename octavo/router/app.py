@@ -75,54 +75,54 @@ def _passed_headers(request: Request) -> dict[str, str]:
     return headers
 
 
-def build_router_app(router: Router, health_interval: float = 2.0, request_timeout_s: float = 1800.0,
-                     max_connections_per_replica: int = 256, pool_timeout_s: float = 5.0,
-                     max_request_bytes: int = 4 << 20) -> FastAPI:
-    metrics = RouterMetrics()
-    for r in router.replicas:
-        metrics.healthy.labels(r.url).set(1)
-    # read=None: a stream may pause between tokens for as long as the replica queues it; the wait for
-    # a response's head is bounded by request_timeout_s in forward()
-    clients = {r.url: httpx.AsyncClient(
-        timeout=httpx.Timeout(None, connect=5.0, pool=pool_timeout_s),
-        limits=httpx.Limits(max_connections=max_connections_per_replica, max_keepalive_connections=32),
-    ) for r in router.replicas}
-    health_client = httpx.AsyncClient(timeout=5.0)
+class _Proxy:
+    """The router's state and its forwarding: a pool of connections per replica, health checks,
+    metrics; one POST is sent to the chosen replica and its answer streamed back."""
 
-    async def check_health() -> None:
+    def __init__(self, router: Router, health_interval: float, request_timeout_s: float,
+                 max_connections_per_replica: int, pool_timeout_s: float) -> None:
+        self.router, self.health_interval, self.request_timeout_s = router, health_interval, request_timeout_s
+        self.metrics = RouterMetrics()
+        for r in router.replicas:
+            self.metrics.healthy.labels(r.url).set(1)
+        # read=None: a stream may pause between tokens for as long as the replica queues it; the wait
+        # for a response's head is bounded by request_timeout_s in forward()
+        self.clients = {r.url: httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=5.0, pool=pool_timeout_s),
+            limits=httpx.Limits(max_connections=max_connections_per_replica, max_keepalive_connections=32),
+        ) for r in router.replicas}
+        self.health_client = httpx.AsyncClient(timeout=5.0)
+
+    async def check_health(self) -> None:
         while True:
-            for r in router.replicas:
+            for r in self.router.replicas:
                 try:
-                    ok = (await health_client.get(f"{r.url}/health")).status_code == 200
+                    ok = (await self.health_client.get(f"{r.url}/health")).status_code == 200
                 except httpx.HTTPError:
                     ok = False
                 if ok != r.healthy:
                     logger.warning("replica %s is %s", r.url, "back" if ok else "down")
                 r.healthy = ok
-                metrics.healthy.labels(r.url).set(int(ok))
-            await asyncio.sleep(health_interval)
+                self.metrics.healthy.labels(r.url).set(int(ok))
+            await asyncio.sleep(self.health_interval)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        task = asyncio.create_task(check_health())
-        yield
-        task.cancel()
-        for c in [*clients.values(), health_client]:
+    async def close(self) -> None:
+        for c in [*self.clients.values(), self.health_client]:
             await c.aclose()
 
-    app = FastAPI(title="Octavo router", lifespan=lifespan)
-    app.add_middleware(RequestGuard, max_body_bytes=max_request_bytes)
-
+    @staticmethod
     def no_replica(why: str = "no healthy replica") -> JSONResponse:
         return error_json(503, why, "ServiceUnavailableError", headers={"Retry-After": "1"})
 
-    async def send_until_disconnect(request: Request, replica_url: str, upstream: httpx.Request) -> httpx.Response | None:
+    async def send_until_disconnect(self, request: Request, replica_url: str,
+                                    upstream: httpx.Request) -> httpx.Response | None:
         """The replica's response (its head), or None if the client left first (the upstream
         request is then cancelled, which closes its connection). TimeoutError past request_timeout_s."""
-        sending = asyncio.ensure_future(clients[replica_url].send(upstream, stream=True))
+        sending = asyncio.ensure_future(self.clients[replica_url].send(upstream, stream=True))
         leaving = asyncio.ensure_future(_client_leaves(request))
         try:
-            done, _ = await asyncio.wait({sending, leaving}, timeout=request_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({sending, leaving}, timeout=self.request_timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
         finally:
             leaving.cancel()
             if not sending.done():
@@ -133,7 +133,7 @@ def build_router_app(router: Router, health_interval: float = 2.0, request_timeo
             return None
         raise TimeoutError
 
-    async def forward(path: str, request: Request) -> Response:
+    async def forward(self, path: str, request: Request) -> Response:
         raw = await request.body()
         try:
             body = json.loads(raw)
@@ -142,29 +142,31 @@ def build_router_app(router: Router, health_interval: float = 2.0, request_timeo
         text = prompt_text(body)
         tried: set[str] = set()
         while True:
-            choice = router.choose(text, exclude=tried)
+            choice = self.router.choose(text, exclude=tried)
             if choice is None:
-                return no_replica("no healthy replica" if not tried else f"no replica answered (tried {len(tried)})")
+                return self.no_replica("no healthy replica" if not tried else f"no replica answered (tried {len(tried)})")
             replica = choice.replica
             tried.add(replica.url)
-            upstream = clients[replica.url].build_request("POST", f"{replica.url}{path}", content=raw,
-                                                          headers=_passed_headers(request))
+            upstream = self.clients[replica.url].build_request("POST", f"{replica.url}{path}", content=raw,
+                                                               headers=_passed_headers(request))
             try:
-                response = await send_until_disconnect(request, replica.url, upstream)
+                response = await self.send_until_disconnect(request, replica.url, upstream)
             except httpx.PoolTimeout:  # its connections are all busy (hung?): another replica, if any
                 logger.warning("replica %s has no free connection; trying another", replica.url)
                 continue
             except httpx.TransportError:  # connection refused or reset: out until a health check says otherwise
                 replica.healthy = False
-                metrics.healthy.labels(replica.url).set(0)
+                self.metrics.healthy.labels(replica.url).set(0)
                 continue
             except TimeoutError:
-                return error_json(504, f"the replica did not answer within {request_timeout_s:g} s", "GatewayTimeoutError")
+                return error_json(504, f"the replica did not answer within {self.request_timeout_s:g} s",
+                                  "GatewayTimeoutError")
             if response is None:
                 return Response(status_code=499)  # nobody is there to read it
-            return stream_back(replica, choice, response)
+            return self.stream_back(replica, choice, response)
 
-    def stream_back(replica, choice: Choice, response: httpx.Response) -> StreamingResponse:
+    def stream_back(self, replica, choice: Choice, response: httpx.Response) -> StreamingResponse:
+        metrics = self.metrics
         replica.in_flight += 1
         metrics.requests.labels(replica.url).inc()
         metrics.in_flight.labels(replica.url).set(replica.in_flight)
@@ -184,20 +186,35 @@ def build_router_app(router: Router, health_interval: float = 2.0, request_timeo
         kept = {k: v for k, v in response.headers.items() if k.lower() in ("content-type", "retry-after")}
         return StreamingResponse(body(), status_code=response.status_code, headers=kept)
 
+
+def build_router_app(router: Router, health_interval: float = 2.0, request_timeout_s: float = 1800.0,
+                     max_connections_per_replica: int = 256, pool_timeout_s: float = 5.0,
+                     max_request_bytes: int = 4 << 20) -> FastAPI:
+    proxy = _Proxy(router, health_interval, request_timeout_s, max_connections_per_replica, pool_timeout_s)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(proxy.check_health())
+        yield
+        task.cancel()
+        await proxy.close()
+
+    app = FastAPI(title="Octavo router", lifespan=lifespan)
+    app.add_middleware(RequestGuard, max_body_bytes=max_request_bytes)
     for route in ROUTES:
         async def handler(request: Request, _route: str = route) -> Response:
-            return await forward(_route, request)
+            return await proxy.forward(_route, request)
         app.post(route)(handler)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         for r in router.healthy():
             try:
-                resp = await clients[r.url].get(f"{r.url}/v1/models", headers=_passed_headers(request), timeout=10.0)
+                resp = await proxy.clients[r.url].get(f"{r.url}/v1/models", headers=_passed_headers(request), timeout=10.0)
                 return Response(resp.content, status_code=resp.status_code, media_type="application/json")
             except httpx.HTTPError:
                 continue
-        return no_replica()
+        return proxy.no_replica()
 
     @app.get("/health")
     async def health() -> Response:
@@ -205,7 +222,7 @@ def build_router_app(router: Router, health_interval: float = 2.0, request_timeo
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(proxy.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/workers")
     async def workers() -> dict[str, Any]:
