@@ -1,4 +1,5 @@
-"""LLMEngine: add_request, step, abort_request; turns scheduler and runner results into RequestOutputs."""
+"""LLMEngine: add_request, step, abort_request: one step schedules, runs the model, updates the
+requests and hands the changed ones to the output processor."""
 
 from __future__ import annotations
 
@@ -13,23 +14,15 @@ import torch
 
 from octavo.beam_search import BeamGroup
 from octavo.config import EngineConfig
-from octavo.distributed.executor import (
-    TensorParallelExecutor,
-    TensorParallelGroup,
-    WorkerSpec,
-    load_shard,
-    torchrun_rank,
-)
-from octavo.distributed.layers import check_divisible
+from octavo.distributed.executor import TensorParallelExecutor, TensorParallelGroup, WorkerSpec, start_tensor_parallel
 from octavo.engine_args import EngineArgs, resolve_device
 from octavo.kv_cache.manager import KVCacheManager
 from octavo.lora.request import LoRARequest
 from octavo.memory import CUDA_GRAPH_RESERVE_BYTES, KVSizing, size_kv_cache
 from octavo.model_runner import ModelRunner, RunnerOptions
-from octavo.models.loader import auto_dtype, describe_weights, gguf_source, load_model, resolve_model, weight_bytes
-from octavo.models.registry import load_model_config
+from octavo.models.loader import auto_dtype, describe_weights, load_model, resolve_model, weight_bytes
 from octavo.output_processor import OutputProcessor
-from octavo.request import FinishReason, Request, RequestOutput, child_request_id
+from octavo.request import FinishReason, Request, RequestOutput, check_inputs, child_request_id
 from octavo.sampling.params import BeamSearchParams, SamplingParams
 from octavo.outputs import EngineStats
 from octavo.scheduler import Scheduler
@@ -113,7 +106,7 @@ class LLMEngine:
         dtype = ("bfloat16" if device.startswith("cuda") else "float32") if args.dtype == "auto" else args.dtype
         group = None
         if args.tensor_parallel_size > 1:
-            model, model_config, group = _load_tensor_parallel(args, model_dir, WorkerSpec(
+            model, model_config, group = start_tensor_parallel(args.tensor_parallel_size, model_dir, WorkerSpec(
                 str(model_dir), dtype, device=device, quantization=quantization))
         else:
             model, model_config = load_model(model_dir, dtype=_DTYPES[dtype], device=device, quantization=quantization)
@@ -156,9 +149,7 @@ class LLMEngine:
 
     def has_lora(self, lora_request: LoRARequest) -> bool:
         """Whether exactly this adapter (id, name and path) is loaded now."""
-        slots = self.runner.lora
-        adapter = None if slots is None else slots.adapters.get(lora_request.lora_int_id)
-        return adapter is not None and adapter.name == lora_request.lora_name and slots.paths[adapter.lora_id] == lora_request.lora_path
+        return self.runner.lora is not None and self.runner.lora.holds(lora_request)
 
     def remove_lora(self, lora_id: int) -> None:
         """Unload an adapter; refused (ValueError) while a request still runs with it."""
@@ -170,10 +161,7 @@ class LLMEngine:
 
     def list_loras(self) -> list[LoRARequest]:
         """The adapters loaded, in id order."""
-        if self.runner.lora is None:
-            return []
-        slots = self.runner.lora
-        return [LoRARequest(a.name, i, slots.paths[i]) for i, a in sorted(slots.adapters.items())]
+        return [] if self.runner.lora is None else self.runner.lora.requests()
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -200,25 +188,8 @@ class LLMEngine:
             params = params.sequence_params()
         if request_id in self.outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError("cache_salt must be a non-empty string (or absent)")
-        vocab = self.config.model_config.vocab_size
-        bad_stops = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad_stops:
-            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}); got {bad_stops[:5]}")
-        bad_bias = [t for t, _ in getattr(params, "logit_bias", ()) if not 0 <= t < vocab]
-        if bad_bias:
-            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}); got {bad_bias[:5]}")
-        if isinstance(prompt, str):
-            text, token_ids = prompt, encode_prompt(self.tokenizer, prompt)
-        else:
-            text = None
-            if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
-                raise ValueError("prompt token ids must be integers")
-            token_ids = list(prompt)
-            bad = [t for t in token_ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        text, token_ids = (prompt, encode_prompt(self.tokenizer, prompt)) if isinstance(prompt, str) else (None, prompt)
+        token_ids = check_inputs(token_ids, params, cache_salt, self.config.model_config.vocab_size)
         if params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)  # GrammarError (a ValueError) if it cannot be used
         lora_cache_key = None if lora_request is None else self.add_lora(lora_request)
@@ -313,37 +284,3 @@ class LLMEngine:
             num_generation_tokens_total=self._num_generation_tokens,
             num_steps=self._num_steps,
         )
-
-
-def torch_rank_count() -> int:
-    """GPUs torch sees on this node (0 without CUDA)."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _load_tensor_parallel(args: EngineArgs, model_dir, spec: WorkerSpec):
-    """(rank 0's shard, its config, the group): the other ranks are spawned here, or were started
-    by torchrun (maybe on other machines); every rank loads and shards the same way (load_shard)."""
-    world = args.tensor_parallel_size
-    launched = torchrun_rank()
-    if spec.device.startswith("cuda") and torch_rank_count() < world and launched is None:
-        raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs here, torch sees {torch_rank_count()}; "
-                         "start the ranks with torchrun across machines, or lower it")
-    quantized = spec.quantization in ("int8", "int4") or (spec.quantization == "auto" and gguf_source(model_dir) is not None)
-    check_divisible(load_model_config(model_dir), world, quantized)
-    if launched is not None:  # torchrun started every rank, maybe on several machines
-        if launched != (0, world):
-            raise ValueError(f"under torchrun the engine is rank 0 of {world}; this is {launched}")
-        group = TensorParallelGroup(world, spec, "env://", spawn=False)
-    else:
-        threads = max(1, torch.get_num_threads() // world)  # the ranks share the cores
-        group = TensorParallelGroup(world, dataclasses.replace(spec, threads=threads))
-        torch.set_num_threads(threads)
-    try:
-        model, model_config = load_shard(spec, 0, world)
-    except BaseException:
-        try:
-            group.close()
-        except Exception:  # the workers failed the same way and left: the load's error is the one to see
-            logger.exception("closing the tensor-parallel group after a failed load")
-        raise
-    return model, model_config, group

@@ -91,6 +91,25 @@ class Request:
         return self.num_prompt_tokens + (max_tokens if max_tokens is not None else 0)
 
 
+def check_inputs(prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None, vocab_size: int) -> list[int]:
+    """A request's token ids (a copy) if they, its stop token ids, its logit_bias keys and its
+    cache salt can be used with a vocabulary of `vocab_size`; else ValueError naming what not."""
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise ValueError("cache_salt must be a non-empty string (or absent)")
+    bad_stops = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
+    if bad_stops:
+        raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}); got {bad_stops[:5]}")
+    bad_bias = [t for t, _ in getattr(params, "logit_bias", ()) if not 0 <= t < vocab_size]
+    if bad_bias:
+        raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}); got {bad_bias[:5]}")
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt_token_ids):
+        raise ValueError("prompt token ids must be integers")
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size}); got {bad[:5]}")
+    return list(prompt_token_ids)
+
+
 def child_request_id(parent_id: str, index: int) -> str:
     """Internal id of completion `index` of an n > 1 request (index 0 keeps the parent's own sequence)."""
     return f"{parent_id}#{index}"

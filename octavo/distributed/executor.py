@@ -233,3 +233,40 @@ def run_worker_from_env(model_dir: str, dtype: str, tensor_parallel_size: int, d
     if world != tensor_parallel_size:
         raise ValueError(f"torchrun started {world} ranks but --tensor-parallel-size is {tensor_parallel_size}")
     serve_rank(rank, world, "env://", WorkerSpec(model_dir, dtype, torch.get_num_threads(), device, quantization))
+
+
+def start_tensor_parallel(world: int, model_dir: Path, spec: WorkerSpec) -> tuple[LlamaForCausalLM, ModelConfig, TensorParallelGroup]:
+    """(rank 0's shard, its config, the group): the other ranks are spawned here, or were started
+    by torchrun (maybe on other machines); every rank loads and shards the same way (load_shard)."""
+    from octavo.distributed.layers import check_divisible
+    from octavo.models.loader import gguf_source
+    from octavo.models.registry import load_model_config
+
+    launched = torchrun_rank()
+    if spec.device.startswith("cuda") and torch_rank_count() < world and launched is None:
+        raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs here, torch sees {torch_rank_count()}; "
+                         "start the ranks with torchrun across machines, or lower it")
+    quantized = spec.quantization in ("int8", "int4") or (spec.quantization == "auto" and gguf_source(model_dir) is not None)
+    check_divisible(load_model_config(model_dir), world, quantized)
+    if launched is not None:  # torchrun started every rank, maybe on several machines
+        if launched != (0, world):
+            raise ValueError(f"under torchrun the engine is rank 0 of {world}; this is {launched}")
+        group = TensorParallelGroup(world, spec, "env://", spawn=False)
+    else:
+        threads = max(1, torch.get_num_threads() // world)  # the ranks share the cores
+        group = TensorParallelGroup(world, dataclasses.replace(spec, threads=threads))
+        torch.set_num_threads(threads)
+    try:
+        model, model_config = load_shard(spec, 0, world)
+    except BaseException:
+        try:
+            group.close()
+        except Exception:  # the workers failed the same way and left: the load's error is the one to see
+            logger.exception("closing the tensor-parallel group after a failed load")
+        raise
+    return model, model_config, group
+
+
+def torch_rank_count() -> int:
+    """GPUs torch sees on this node (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -38,6 +38,15 @@ class LoRASlots:
         self.paths[adapter.lora_id] = request.lora_path
         return adapter
 
+    def holds(self, request: LoRARequest) -> bool:
+        """Whether exactly this adapter (id, name and path) is loaded now."""
+        adapter = self.adapters.get(request.lora_int_id)
+        return adapter is not None and adapter.name == request.lora_name and self.paths[adapter.lora_id] == request.lora_path
+
+    def requests(self) -> list[LoRARequest]:
+        """The adapters loaded, in id order, as the requests that name them."""
+        return [LoRARequest(a.name, i, self.paths[i]) for i, a in sorted(self.adapters.items())]
+
     def remove(self, lora_id: int) -> None:
         """Forget an adapter (the caller makes sure no request still runs with it)."""
         if lora_id not in self.adapters:
