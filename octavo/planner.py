@@ -26,6 +26,36 @@ class PlanFields:
     gated_mlp: bool
     tie_word_embeddings: bool
     used: dict[str, str] = field(default_factory=dict)
+    sliding_window: int | None = None  # tokens a sliding-window layer attends to (None: no such layers)
+    num_window_layers: int = 0  # layers that attend only within the window (the rest are global)
+
+
+def _window_layers(cfg: dict[str, Any], num_layers: int, used: dict[str, str]) -> tuple[int | None, int]:
+    """(sliding window, how many layers use it), from `layer_types` (Gemma 3, newer transformers),
+    else `sliding_window_pattern` (every Nth layer global, Gemma 2/3), else a Mistral-style window
+    on every layer; Qwen2/3 only when `use_sliding_window` is true (on its layers from
+    `max_window_layers` on, as transformers builds them)."""
+    window = cfg.get("sliding_window")
+    if not window:
+        return None, 0
+    used["sliding_window"] = "sliding_window"
+    if isinstance(cfg.get("layer_types"), list):
+        used["num_window_layers"] = "layer_types (sliding_attention entries)"
+        return int(window), sum(t == "sliding_attention" for t in cfg["layer_types"])
+    if cfg.get("sliding_window_pattern"):
+        pattern = int(cfg["sliding_window_pattern"])
+        used["num_window_layers"] = f"sliding_window_pattern {pattern}: every {pattern}th layer global"
+        return int(window), sum(1 for i in range(num_layers) if (i + 1) % pattern)
+    model_type = str(cfg.get("model_type", ""))
+    if model_type.startswith("qwen"):
+        if not cfg.get("use_sliding_window"):
+            used["sliding_window"] = "sliding_window ignored: use_sliding_window is false"
+            return None, 0
+        first = int(cfg.get("max_window_layers", num_layers))
+        used["num_window_layers"] = "use_sliding_window, layers from max_window_layers"
+        return int(window), max(0, num_layers - first)
+    used["num_window_layers"] = "sliding_window on every layer (Mistral style)"
+    return int(window), num_layers
 
 
 def _first(cfg: dict[str, Any], keys: tuple[str, ...], what: str) -> tuple[Any, str]:
@@ -62,8 +92,9 @@ def read_fields(hf: dict[str, Any]) -> PlanFields:
     else:
         inter, used["intermediate_size"] = 4 * hidden, f"4 x {used['hidden_size']} (no FFN size field)"
     tie = bool(cfg.get("tie_word_embeddings", model_type in ("gpt2", "opt")))
+    window, num_window_layers = _window_layers(cfg, int(num_layers), used)
     return PlanFields(int(num_layers), int(hidden), int(num_heads), int(num_kv), int(head_dim), int(vocab),
-                      int(inter), gated, tie, used)
+                      int(inter), gated, tie, used, window, num_window_layers)
 
 
 def estimate_num_params(f: PlanFields) -> int:
@@ -98,6 +129,11 @@ class Plan:
     waste_paged: float  # share of allocated slots left empty by the last, partial block
     paged_over_reserved: float
     fields: dict[str, str]
+    # Sliding-window models: per context length, sequences that fit when window layers keep only
+    # the blocks their window can still read, and when every layer keeps every block (window-blind)
+    sliding_window: int | None = None
+    num_window_layers: int = 0
+    seqs_by_context: dict[int, tuple[int, int]] = field(default_factory=dict)  # context -> (aware, blind)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -152,7 +188,26 @@ def make_plan(
         waste_paged=1 - typical_len / (blocks_typical * block_size),
         paged_over_reserved=seqs_paged / seqs_reserved if seqs_reserved else float("inf"),
         fields=dict(f.used),
+        sliding_window=f.sliding_window,
+        num_window_layers=f.num_window_layers,
+        seqs_by_context={n: (max(0, kv_memory) // window_aware_bytes(f, n, block_size, kv_dtype),
+                             max(0, kv_memory) // (-(-n // block_size) * bytes_per_block))
+                         for n in HYBRID_CONTEXTS} if f.sliding_window else {},
     )
+
+
+HYBRID_CONTEXTS = (4096, 8192, 32768)
+
+
+def window_aware_bytes(f: PlanFields, num_tokens: int, block_size: int, kv_dtype: str) -> int:
+    """KV bytes one sequence of `num_tokens` holds when its window layers keep only the blocks their
+    window can still read (window / block_size + 1 at most: the window rarely starts on a block
+    edge) and its global layers keep every block."""
+    per_layer_block = 2 * f.num_kv_heads * f.head_dim * DTYPE_BYTES[kv_dtype] * block_size
+    blocks = -(-num_tokens // block_size)
+    window_blocks = min(blocks, -(-f.sliding_window // block_size) + 1) if f.sliding_window else blocks
+    num_global = f.num_layers - f.num_window_layers
+    return (num_global * blocks + f.num_window_layers * window_blocks) * per_layer_block
 
 
 def _human(num_bytes: float) -> str:
@@ -177,6 +232,11 @@ def format_plan(plan: Plan, model: str) -> str:
         (f"sequences paged at {plan.typical_len}", f"{plan.seqs_paged:,} (waste {plan.waste_paged:.1%}: last block)"),
         ("paged / reserved", f"{plan.paged_over_reserved:.2f}x"),
     ]
+    if plan.sliding_window:
+        rows.append(("sliding window", f"{plan.sliding_window} tokens on {plan.num_window_layers} of the layers"))
+        for n, (aware, blind) in plan.seqs_by_context.items():
+            rows.append((f"sequences of {n} tokens", f"{aware:,} keeping only window blocks, {blind:,} window-blind "
+                                                        f"({aware / blind:.2f}x)" if blind else f"{aware:,} (window-blind: 0)"))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
     lines.append("config fields used: " + "; ".join(f"{k} <- {v}" for k, v in plan.fields.items()))

@@ -74,3 +74,49 @@ def test_cli_prints_table_and_json(tmp_path):
     assert data["bytes_per_token"] == 36864 and data["seqs_paged"] == 1820
     table = subprocess.run([sys.executable, "-m", "octavo.cli", "plan", str(tmp_path)], capture_output=True, text=True, check=True).stdout
     assert "KV bytes per token" in table and "paged / reserved" in table and "config fields used" in table
+
+
+GEMMA3_270M = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "num_hidden_layers": 18,
+               "hidden_size": 640, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+               "intermediate_size": 2048, "vocab_size": 262144, "tie_word_embeddings": True,
+               "sliding_window": 512, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]
+               + ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 5 + ["full_attention"]}
+
+
+def test_a_sliding_window_model_holds_about_a_fifth_of_a_window_blind_cache_at_8k():
+    """Gemma 3 270M: 15 of 18 layers attend within 512 tokens. At 8k tokens a sequence holds 512
+    blocks per global layer and 33 per window layer: (3 x 512 + 15 x 33) / (18 x 512) = 22.0%."""
+    from octavo.planner import window_aware_bytes
+
+    f = read_fields(GEMMA3_270M)
+    assert (f.sliding_window, f.num_window_layers) == (512, 15) and "layer_types" in f.used["num_window_layers"]
+    per_layer_block = 2 * 1 * 256 * 2 * 16  # K and V, 1 KV head of 256, fp16, 16 tokens
+    assert window_aware_bytes(f, 8192, 16, "float16") == (3 * 512 + 15 * 33) * per_layer_block
+    assert window_aware_bytes(f, 100, 16, "float16") == 18 * 7 * per_layer_block  # inside the window: no saving
+    plan = make_plan(f, device_memory=2**30, memory_fraction=1.0, kv_dtype="float16", weight_bytes=0, block_size=16)
+    aware, blind = plan.seqs_by_context[8192]
+    assert blind == 2**30 // (512 * 18 * per_layer_block) == 7
+    assert aware == 2**30 // ((3 * 512 + 15 * 33) * per_layer_block) == 32
+    assert plan.seqs_by_context[32768][0] / plan.seqs_by_context[32768][1] > 4
+
+
+def test_window_layers_from_the_pattern_and_mistral_and_qwen_rules():
+    pattern = {**GEMMA3_270M, "sliding_window_pattern": 6}
+    del pattern["layer_types"]
+    assert read_fields(pattern).num_window_layers == 15
+    mistral = {**SMOL, "model_type": "mistral", "sliding_window": 4096}
+    assert (read_fields(mistral).sliding_window, read_fields(mistral).num_window_layers) == (4096, 30)
+    qwen_off = {**SMOL, "model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False}
+    assert read_fields(qwen_off).sliding_window is None and make_plan(read_fields(qwen_off), 2**30).seqs_by_context == {}
+    qwen_on = {**qwen_off, "use_sliding_window": True, "max_window_layers": 20}
+    assert read_fields(qwen_on).num_window_layers == 10
+
+
+def test_plan_cli_prints_the_window_rows(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(GEMMA3_270M))
+    out = subprocess.run([sys.executable, "-m", "octavo.cli", "plan", str(path), "--device-memory", "1GiB",
+                          "--memory-fraction", "1", "--weight-bytes", "0"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "512 tokens on 15 of the layers" in out.stdout, out.stdout
+    assert "32 keeping only window blocks, 7 window-blind (4.57x)" in out.stdout, out.stdout
