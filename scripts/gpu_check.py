@@ -501,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         props = torch.cuda.get_device_properties(0)
         run.rows.append(("env", "GPU", f"{props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs", ""))
     run.write()
-    child_argv = [a for a in (argv if argv is not None else sys.argv[1:])]
+    child_argv = list(argv if argv is not None else sys.argv[1:])
     for name in args.stages.split(","):
         run.stage(name, child_argv)
     print("\n" + table(run.rows), flush=True)
