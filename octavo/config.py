@@ -49,12 +49,34 @@ class ModelConfig:
     qk_norm: bool = False
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_tanh"
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    # Sliding-window attention: `sliding_window` keys (the query's own included) for the layers
+    # marked "sliding" in `layer_types` (empty: every layer global). `local_rope`: those layers'
+    # rotary embedding where it differs from `rope` (Gemma 3's local base).
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    local_rope: RopeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"hidden_act must be 'silu' or 'gelu_tanh', got {self.hidden_act!r}")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types names {len(self.layer_types)} layers; the model has {self.num_layers}")
+        if set(self.layer_types) - {"full", "sliding"}:
+            raise ValueError(f"layer_types may hold 'full' and 'sliding' only, got {sorted(set(self.layer_types))}")
+        if "sliding" in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
+            raise ValueError("sliding layers need a sliding_window >= 1")
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The number of keys layer `layer_idx` attends to (None: all earlier tokens)."""
+        if self.layer_types and self.layer_types[layer_idx] == "sliding":
+            return self.sliding_window
+        return None
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V for one token over all layers."""

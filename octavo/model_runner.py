@@ -19,7 +19,7 @@ from octavo.kernels.metadata import AttentionMetadata, LoRAMapping, gather_conte
 from octavo.lora.layers import apply_lora
 from octavo.lora.slots import LoRASlots
 from octavo.memory import keep_freed_memory_mapped
-from octavo.models.llama import LlamaForCausalLM
+from octavo.models.layers import CausalLM
 from octavo.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from octavo.sampling.params import SamplingParams
 from octavo.sampling.logprobs import TokenLogprob
@@ -71,7 +71,7 @@ class RunnerOptions:
     max_loras: int | None = None
     max_lora_rank: int = 16
 
-    def build(self, model: LlamaForCausalLM, model_config: ModelConfig, rank: int = 0, device: str | None = None) -> ModelRunner:
+    def build(self, model: CausalLM, model_config: ModelConfig, rank: int = 0, device: str | None = None) -> ModelRunner:
         """This rank's runner over its model (shard); `device`: the rank's own (cuda:r), if not the options'."""
         return ModelRunner(model, model_config, CacheConfig(block_size=self.block_size), self.eos_token_ids,
                            device or self.device, getattr(torch, self.kv_dtype), self.attention_backend,
@@ -83,7 +83,7 @@ class RunnerOptions:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         model_config: ModelConfig,
         cache_config: CacheConfig,
         eos_token_ids: tuple[int, ...],

@@ -30,7 +30,7 @@ from octavo.model_runner import ModelRunner, RunnerOptions
 from octavo.outputs import ModelRunnerOutput, SampleRow, SchedulerOutput
 
 if TYPE_CHECKING:
-    from octavo.models.llama import LlamaForCausalLM
+    from octavo.models.layers import CausalLM
 
 logger = logging.getLogger("octavo")
 TIMEOUT = datetime.timedelta(seconds=120)  # a collective that waits longer than this fails the engine
@@ -65,7 +65,7 @@ class StartRunner:
 _WORKER_CALLS = ("init_kv_cache", "profile_activation_peak", "execute")
 
 
-def load_shard(spec: WorkerSpec, rank: int, world: int) -> tuple[LlamaForCausalLM, ModelConfig]:
+def load_shard(spec: WorkerSpec, rank: int, world: int) -> tuple[CausalLM, ModelConfig]:
     """This rank's shard of the model and the config it sees (its share of the heads), built the
     same way on every rank: load (quantized blocks left in GGUF layout), shard, then pack."""
     from octavo.distributed.layers import check_divisible, local_config, shard_model
@@ -235,7 +235,7 @@ def run_worker_from_env(model_dir: str, dtype: str, tensor_parallel_size: int, d
     serve_rank(rank, world, "env://", WorkerSpec(model_dir, dtype, torch.get_num_threads(), device, quantization))
 
 
-def start_tensor_parallel(world: int, model_dir: Path, spec: WorkerSpec) -> tuple[LlamaForCausalLM, ModelConfig, TensorParallelGroup]:
+def start_tensor_parallel(world: int, model_dir: Path, spec: WorkerSpec) -> tuple[CausalLM, ModelConfig, TensorParallelGroup]:
     """(rank 0's shard, its config, the group): the other ranks are spawned here, or were started
     by torchrun (maybe on other machines); every rank loads and shards the same way (load_shard)."""
     from octavo.distributed.layers import check_divisible

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from octavo.config import ModelConfig
-from octavo.models.llama import Linear, LlamaForCausalLM, QuantEmbedding, QuantLinear
+from octavo.models.layers import CausalLM, Linear, QuantEmbedding, QuantLinear
 from octavo.quantization import BLOCK
 
 
@@ -119,7 +119,7 @@ class VocabParallelEmbedding(nn.Module):
         return out
 
 
-def _vocab_shards(model: LlamaForCausalLM, start: int, end: int) -> tuple[nn.Module, nn.Module]:
+def _vocab_shards(model: CausalLM, start: int, end: int) -> tuple[nn.Module, nn.Module]:
     """(this rank's embedding rows, its LM head rows [start, end)), dense or quantized."""
     emb = model.embed_tokens
     head = emb if model.lm_head is None else model.lm_head
@@ -136,7 +136,7 @@ def _vocab_shards(model: LlamaForCausalLM, start: int, end: int) -> tuple[nn.Mod
     return rows, head_rows
 
 
-def shard_model(model: LlamaForCausalLM, rank: int, world: int) -> LlamaForCausalLM:
+def shard_model(model: CausalLM, rank: int, world: int) -> CausalLM:
     """Replace `model`'s layers by this rank's shards, in place; returns it. Dense weights, or
     quantized ones still in GGUF layout (then call loader.prepare_quantized_layers after)."""
     cfg = model.config

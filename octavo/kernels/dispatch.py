@@ -223,18 +223,33 @@ def _num_sms(device_index: int) -> int:
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention over the paged cache by the kernel the step's metadata names."""
+    """Causal attention over the paged cache (within `window` keys, for sliding-window layers) by
+    the kernel the step's metadata names."""
     if meta.backend == "triton":
         from octavo.kernels.triton import paged_attention as triton_attention
 
         if meta.allow_split_kv and meta.num_decode_tokens == q.shape[0] and q.is_cuda:
             max_context = meta.max_context_len if meta.max_context_len is not None else int(meta.context_lens.max())
+            if window is not None:
+                max_context = min(max_context, window)
             splits = num_kv_splits(q.shape[0], k_cache.shape[2], max_context, _num_sms(q.device.index or 0))
             if splits > 1:
-                return triton_attention.paged_attention_split_kv(q, k_cache, v_cache, meta, scale, splits)
-        return triton_attention.paged_attention(q, k_cache, v_cache, meta, scale)
+                return triton_attention.paged_attention_split_kv(q, k_cache, v_cache, meta, scale, splits, window)
+        return triton_attention.paged_attention(q, k_cache, v_cache, meta, scale, window)
     if meta.backend == "cpu":
-        return cpu.paged_attention(q, k_cache, v_cache, meta, scale)
-    return reference.paged_attention(q, k_cache, v_cache, meta, scale)
+        return cpu.paged_attention(q, k_cache, v_cache, meta, scale, window)
+    return reference.paged_attention(q, k_cache, v_cache, meta, scale, window)
+
+
+def act_and_mul(gate_up: torch.Tensor, act: str, backend: str = "reference") -> torch.Tensor:
+    """act(gate) * up for the gated MLP: "silu" (silu_and_mul) or "gelu_tanh" (GeGLU)."""
+    if act == "silu":
+        return silu_and_mul(gate_up, backend)
+    if backend == "triton":
+        from octavo.kernels.triton import silu_and_mul as triton_act
+
+        return triton_act.gelu_tanh_and_mul(gate_up)
+    return reference.gelu_tanh_and_mul(gate_up)

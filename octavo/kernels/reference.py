@@ -62,6 +62,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[num_tokens, 2 * inter] -> [num_tokens, inter]: gelu(gate, tanh approximation) * up (GeGLU)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -78,8 +84,11 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of every query token over its request's cached keys (this step's included).
+    """Causal attention of every query token over its request's cached keys (this step's included);
+    with a `window`, the query at position p sees keys p - window + 1 .. p only (sliding-window
+    layers; keys before that are never read, and their blocks may be gone).
 
     q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
     Decode-like requests are batched together (one gather, two batched matmuls); each multi-token
@@ -97,7 +106,15 @@ def paged_attention(
     nd = meta.num_decode_tokens
     if nd:
         max_len = gathered.decode_slots.shape[1]
-        slots = gathered.decode_slots.reshape(-1)
+        visible = gathered.decode_mask  # [nd, L]
+        decode_slots = gathered.decode_slots
+        if window is not None:  # the decode query sits at position context_len - 1
+            first = meta.context_lens[:nd, None].long() - 1 - window  # keys <= first are outside
+            visible = visible & (torch.arange(max_len, device=q.device)[None, :] > first)
+            # keys outside the window are read from the last key's slot instead: never a gone block
+            last = decode_slots.gather(1, meta.context_lens[:nd, None].long() - 1)  # [nd, 1]
+            decode_slots = torch.where(visible, decode_slots, last)
+        slots = decode_slots.reshape(-1)
         workspace = gathered.decode_workspace
         if workspace is not None and workspace[0].numel() >= slots.numel() * num_kv_heads * head_dim:
             size = slots.numel() * num_kv_heads * head_dim
@@ -106,10 +123,10 @@ def paged_attention(
             keys = torch.index_select(k_flat, 0, slots, out=k_buf).view(nd, max_len, num_kv_heads, head_dim)
             values = torch.index_select(v_flat, 0, slots, out=v_buf).view(nd, max_len, num_kv_heads, head_dim)
         else:
-            keys = k_flat[gathered.decode_slots]  # [nd, L, kvh, d]
-            values = v_flat[gathered.decode_slots]  # [nd, L, kvh, d]
+            keys = k_flat[decode_slots]  # [nd, L, kvh, d]
+            values = v_flat[decode_slots]  # [nd, L, kvh, d]
         qd = q[:nd].view(nd, num_kv_heads, group, head_dim)  # [nd, kvh, g, d]
-        hidden_mask = ~gathered.decode_mask[:, None, :]  # [nd, 1, L]
+        hidden_mask = ~visible[:, None, :]  # [nd, 1, L]
         for h in range(num_kv_heads):
             # Strided per-head views feed the batched GEMMs directly (no transposed copies).
             scores = torch.bmm(qd[:, h], keys[:, :, h, :].transpose(1, 2)) * scale  # [nd, g, L]
@@ -117,22 +134,30 @@ def paged_attention(
             out[:nd, h * group : (h + 1) * group] = torch.bmm(probs, values[:, :, h, :])  # [nd, g, d]
 
     for span in gathered.prefills:
-        qs = q[span.q_start : span.q_start + span.q_len].transpose(0, 1)  # [H, n, d]
-        keys = k_flat[span.context_slots].transpose(0, 1)  # [kvh, ctx, d]
-        values = v_flat[span.context_slots].transpose(0, 1)  # [kvh, ctx, d]
-        if span.q_len == span.context_len:
-            mask = None
-            causal = True
-        else:
-            past = span.context_len - span.q_len
-            rows = torch.arange(span.q_len, device=q.device)[:, None] + past
-            cols = torch.arange(span.context_len, device=q.device)[None, :]
-            mask, causal = cols <= rows, False  # [n, ctx]
-        o = F.scaled_dot_product_attention(
-            qs, keys, values, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=group > 1
-        )  # [H, n, d]
-        out[span.q_start : span.q_start + span.q_len] = o.transpose(0, 1)
+        out[span.q_start : span.q_start + span.q_len] = _span_attention(q, k_flat, v_flat, span, scale, window)
     return out
+
+
+def _span_attention(q, k_flat, v_flat, span, scale: float, window: int | None) -> torch.Tensor:
+    """One multi-token span: its queries over keys [lo, context_len), where lo is the first key
+    its first query may see (0 without a window). -> [q_len, H, d]"""
+    past = span.context_len - span.q_len
+    lo = 0 if window is None else max(0, past + 1 - window)
+    qs = q[span.q_start : span.q_start + span.q_len].transpose(0, 1)  # [H, n, d]
+    keys = k_flat[span.context_slots[lo:]].transpose(0, 1)  # [kvh, ctx - lo, d]
+    values = v_flat[span.context_slots[lo:]].transpose(0, 1)  # [kvh, ctx - lo, d]
+    if span.q_len == span.context_len and window is None:
+        mask, causal = None, True
+    else:
+        rows = torch.arange(span.q_len, device=q.device)[:, None] + past
+        cols = torch.arange(lo, span.context_len, device=q.device)[None, :]
+        mask, causal = cols <= rows, False  # [n, ctx - lo]
+        if window is not None:
+            mask &= cols > rows - window
+    o = F.scaled_dot_product_attention(
+        qs, keys, values, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=q.shape[1] > keys.shape[0]
+    )  # [H, n, d]
+    return o.transpose(0, 1)
 
 
 def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], copies: list[tuple[int, int]]) -> None:

@@ -6,171 +6,19 @@ nothing about requests, batching or scheduling. q/k/v and gate/up are fused into
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
-from octavo.config import ModelConfig, RopeConfig
-from octavo.kernels import dispatch
+from octavo.config import ModelConfig
 from octavo.kernels.metadata import AttentionMetadata
-from octavo.quantization import QuantFormat
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
-
-
-class Linear(nn.Linear):
-    """nn.Linear whose product goes through the kernel dispatch (oneDNN on float32 CPUs)."""
-
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
-        """x @ W.T + b. `meta` (the step's metadata) is for wrappers that need it (LoRA)."""
-        return dispatch.linear(x, self.weight, self.bias)
-
-
-class QuantLinear(nn.Module):
-    """A linear layer whose weight stays quantized: given as GGUF-layout blocks (octavo.quantization),
-    held in the layout the kernel dispatch chose (`layout`)."""
-
-    def __init__(self, qweight: torch.Tensor, fmt: QuantFormat, in_features: int, bias: torch.Tensor | None,
-                 prepare: bool = True) -> None:
-        """`qweight`: GGUF-layout blocks [out_features, row_bytes]. With prepare False they stay in
-        that layout (a loader that shards them first calls `prepare()` after)."""
-        super().__init__()
-        self.fmt, self.in_features, self.out_features = fmt, in_features, qweight.shape[0]
-        self.layout = "gguf"
-        self.register_buffer("qweight", qweight)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        if prepare:
-            self.prepare()
-
-    def prepare(self) -> None:
-        """Put the blocks in the layout the kernels read (dispatch.prepare_quant_weight); idempotent."""
-        if self.layout == "gguf":
-            self.qweight, self.layout = dispatch.prepare_quant_weight(self.qweight, self.fmt)
-
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
-        return dispatch.quant_linear(x, self.qweight, self.layout, self.fmt, self.in_features, self.out_features, self.bias)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}"
-
-
-class QuantEmbedding(QuantLinear):
-    """Token embedding kept quantized: looked-up rows are rebuilt in the activation dtype. As the
-    layer of a tied LM head it is also a QuantLinear [vocab, dim]."""
-
-    def __init__(self, qweight: torch.Tensor, fmt: QuantFormat, dim: int, dtype: torch.dtype, prepare: bool = True) -> None:
-        super().__init__(qweight, fmt, dim, None, prepare)
-        self.embedding_dim, self.dtype = dim, dtype
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return dispatch.quant_embedding(
-            ids, self.qweight, self.layout, self.fmt, self.embedding_dim, self.out_features, self.dtype
-        )  # [n, dim]
-
-    def as_linear(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, backend: str = "reference"):
-        """rms_norm(x); with a residual, (rms_norm(x + residual), x + residual) (may reuse x's and
-        residual's storage). `backend`: the step's kernel family (kernels/dispatch.py)."""
-        if residual is None:
-            return dispatch.rms_norm(x, self.weight, self.eps, backend)
-        return dispatch.add_rms_norm(x, residual, self.weight, self.eps, backend)
-
-
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], with Llama 3 or linear scaling applied."""
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if rope.scaling_type == "linear":
-        return inv_freq / rope.factor
-    if rope.scaling_type == "llama3":
-        # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
-        low_wavelen = rope.original_max_position / rope.low_freq_factor
-        high_wavelen = rope.original_max_position / rope.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-        smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
-            rope.high_freq_factor - rope.low_freq_factor
-        )
-        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    return inv_freq
-
-
-class RotaryEmbedding(nn.Module):
-    def __init__(self, rope: RopeConfig, head_dim: int, max_position: int) -> None:
-        super().__init__()
-        inv_freq = rope_inv_freq(rope, head_dim)
-        t = torch.arange(max_position, dtype=torch.int64).float()
-        freqs = torch.outer(t, inv_freq)  # [max_position, head_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions], self.sin[positions]  # [num_tokens, head_dim] each
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.scale = cfg.head_dim**-0.5
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        n = x.shape[0]
-        qkv = self.qkv_proj(x, meta)  # [n, q_size + 2 * kv_size]
-        k_cache, v_cache = kv_cache
-        if self.q_norm is None:
-            # one fused op: RoPE on q and k in place, k and v into the cache
-            dispatch.rotary_write_kv(
-                qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads, meta.backend
-            )
-            q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
-        else:
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim), backend=meta.backend)
-            k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim), backend=meta.backend)
-            q = dispatch.apply_rotary(q, cos, sin)
-            k = dispatch.apply_rotary(k, cos, sin)
-            v = v.view(n, self.num_kv_heads, self.head_dim)
-            dispatch.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.backend)
-        out = dispatch.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [n, H, d]
-        return self.o_proj(out.reshape(n, self.q_size), meta)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.down_proj(dispatch.silu_and_mul(self.gate_up_proj(x, meta), meta.backend), meta)
+from octavo.models.layers import MLP, Attention, CausalLM, KVCache, Linear, RMSNorm, RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -188,12 +36,12 @@ class DecoderLayer(nn.Module):
         return self.mlp(h, meta), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position)
@@ -213,11 +61,3 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
         return self.norm(x, residual, meta.backend)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_rows, hidden] -> float32 logits [num_rows, vocab]."""
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        if isinstance(self.embed_tokens, QuantEmbedding):  # tied, quantized
-            return self.embed_tokens.as_linear(hidden).float()
-        return dispatch.linear(hidden, self.embed_tokens.weight).float()

@@ -27,8 +27,9 @@ from safetensors.torch import save_file
 from octavo.cache import atomic_write_text, cache_dir, exclusive, move_into_place, remove_leftovers, temporary_folder
 from octavo.config import ModelConfig
 from octavo.engine_args import QUANTIZATION_CHOICES
-from octavo.models.llama import LlamaForCausalLM, QuantEmbedding, QuantLinear
-from octavo.models.registry import load_model_config, model_config_from_hf
+from octavo.models import gguf_arch
+from octavo.models.layers import CausalLM, QuantEmbedding, QuantLinear, RotaryEmbedding
+from octavo.models.registry import load_model_config, model_class, model_config_from_hf
 from octavo.quantization import (
     BY_GGUF_TYPE,
     FORMATS,
@@ -109,7 +110,7 @@ def _target(name: str) -> tuple[str, str | None]:
     return name, None
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
+def load_weights(model: CausalLM, model_dir: Path) -> None:
     """Copy every tensor of the directory's safetensors into `model`, fusing q/k/v and gate/up.
 
     Raises ValueError naming parameters the checkpoint did not provide.
@@ -124,7 +125,7 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
     load_hf_tensors(model, tensors(), str(model_dir))
 
 
-def load_hf_tensors(model: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Tensor]], source: str = "the checkpoint") -> None:
+def load_hf_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], source: str = "the checkpoint") -> None:
     """Copy (Hugging Face name, tensor) pairs into `model` (a safetensors directory's, or an HF
     model's `state_dict().items()`), fusing q/k/v and gate/up. ValueError names what is missing."""
     cfg = model.config
@@ -146,6 +147,8 @@ def load_hf_tensors(model: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.
         name, part = _target(hf_name)
         if name not in params:
             raise ValueError(f"checkpoint tensor {hf_name} has no place in {cfg.architecture}")
+        if name.endswith("norm.weight") and model.NORM_WEIGHT_OFFSET:
+            tensor = tensor.float() + model.NORM_WEIGHT_OFFSET
         with torch.no_grad():
             if part is None:
                 params[name].copy_(tensor)
@@ -161,16 +164,18 @@ def load_hf_tensors(model: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.
         raise ValueError(f"checkpoint in {source} lacks: {', '.join(missing[:8])}")
 
 
-def _empty_model(cfg: ModelConfig, device: str) -> LlamaForCausalLM:
+def _empty_model(cfg: ModelConfig, device: str) -> CausalLM:
     """The model with uninitialised weights on `device` (no time spent on a random init)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = model_class(cfg.architecture)(cfg)
     model = model.to_empty(device=device)
-    model.rotary = model.rotary.__class__(cfg.rope, cfg.head_dim, cfg.max_position).to(device)
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reset_tables(device)
     return model
 
 
-def model_from_hf(hf_model: torch.nn.Module, dtype: torch.dtype, device: str) -> tuple[LlamaForCausalLM, ModelConfig]:
+def model_from_hf(hf_model: torch.nn.Module, dtype: torch.dtype, device: str) -> tuple[CausalLM, ModelConfig]:
     """Octavo's model with the weights of a loaded transformers model (no files: random-weight
     models built in memory, e.g. on a GPU box with no checkpoint)."""
     hf_config = hf_model.config.to_dict()
@@ -184,7 +189,7 @@ def model_from_hf(hf_model: torch.nn.Module, dtype: torch.dtype, device: str) ->
 def load_model(
     model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu", quantization: str = "none",
     prepare_quantized: bool = True,
-) -> tuple[LlamaForCausalLM, ModelConfig]:
+) -> tuple[CausalLM, ModelConfig]:
     """The model of `model_dir` in `dtype` on `device`.
 
     quantization: "none" = every weight dense in `dtype`; "auto" = the quantized tensors of the
@@ -273,7 +278,7 @@ def describe_weights(model: torch.nn.Module) -> str:
     return line
 
 
-def quantize_model(model: LlamaForCausalLM, fmt: QuantFormat) -> None:
+def quantize_model(model: CausalLM, fmt: QuantFormat) -> None:
     """Replace every linear layer's weight by `fmt` blocks and the embedding by Q8_0 blocks, in place.
 
     Layers whose input width is not a multiple of 32 stay dense.
@@ -292,7 +297,7 @@ def quantize_model(model: LlamaForCausalLM, fmt: QuantFormat) -> None:
 GGUF_BLOCKS_FILE = "gguf-blocks/blocks.safetensors"  # a subdirectory: never taken for HF weights
 
 
-def load_gguf_weights(model: LlamaForCausalLM, gguf_path: Path, model_dir: Path | None = None) -> None:
+def load_gguf_weights(model: CausalLM, gguf_path: Path, model_dir: Path | None = None) -> None:
     """Load a Llama GGUF's tensors into `model`: Q4_0 / Q4_1 / Q8_0 tensors stay in their blocks
     (QuantLinear, QuantEmbedding); any other type is dequantized to float32 into the dense layer.
 
@@ -317,6 +322,8 @@ def load_gguf_weights(model: LlamaForCausalLM, gguf_path: Path, model_dir: Path 
         if fmt is not None:  # a linear layer or the embedding (norms are never block-quantized)
             _set_quantized(model, name.removesuffix(".weight"), data, fmt)
         else:
+            if name.endswith("norm.weight") and model.NORM_WEIGHT_OFFSET:
+                data = data + model.NORM_WEIGHT_OFFSET
             with torch.no_grad():
                 params[name].copy_(data)
         loaded.add(name)
@@ -356,17 +363,17 @@ def _gguf_tensors(
     from gguf.quants import dequantize as gguf_dequantize
 
     reader = reader or GGUFReader(str(gguf_path))
-    hf_config = _gguf_hf_config(reader)
+    hf_config = gguf_arch.hf_config(reader)
     out = []
     for t in reader.tensors:
-        hf_name = _hf_name(t.name)
+        hf_name = gguf_arch.hf_name(t.name, gguf_arch.architecture(reader))
         fmt = BY_GGUF_TYPE.get(int(t.tensor_type))
         if fmt is not None:
             data = np.asarray(t.data).reshape(int(t.shape[-1]) if len(t.shape) > 1 else 1, -1)  # [rows, row_bytes]
         else:
             data = np.asarray(gguf_dequantize(t.data, t.tensor_type), dtype=np.float32)
             data = data.reshape([int(d) for d in reversed(t.shape)])
-        data = _rotary_rows_to_hf(hf_name, data, hf_config)
+        data = gguf_arch.to_checkpoint(hf_name, data, hf_config, is_float=fmt is None)
         out.append((hf_name, torch.from_numpy(np.array(data, order="C")), fmt))  # own, writable copy
     if cache is not None:  # written whole or not at all: a unique temporary name, then an atomic replace
         cache.parent.mkdir(exist_ok=True)
@@ -381,7 +388,7 @@ def _gguf_tensors(
     return out
 
 
-def _set_quantized(model: LlamaForCausalLM, module_name: str, qweight: torch.Tensor, fmt: QuantFormat) -> None:
+def _set_quantized(model: CausalLM, module_name: str, qweight: torch.Tensor, fmt: QuantFormat) -> None:
     """Put a quantized module in place of the dense one at `module_name` (e.g. layers.3.mlp.down_proj)."""
     parent_name, _, child_name = module_name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
@@ -389,91 +396,13 @@ def _set_quantized(model: LlamaForCausalLM, module_name: str, qweight: torch.Ten
     if isinstance(old, torch.nn.Embedding):
         new: torch.nn.Module = QuantEmbedding(qweight, fmt, old.embedding_dim, torch.float32, prepare=False)
     else:
-        if old.bias is not None:
-            raise ValueError(f"{module_name}: quantized GGUF layers with a bias are not supported")
+        # the bias (Qwen2's q/k/v) stays the layer's parameter: it is loaded into it like any other
         new = QuantLinear(qweight, fmt, old.in_features, None, prepare=False)
+        new.bias = old.bias
     setattr(parent, child_name, new)
 
 
 # ---- GGUF conversion -------------------------------------------------------------------------
-
-_GGUF_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-
-def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo the row interleaving that GGUF conversion applies to Llama q/k weights.
-
-    GGUF stores each head's rotary pairs interleaved (x0, x_{d/2}, x1, ...); HF checkpoints keep the
-    halves apart (rotate-half). Rows go [head, pair, 2] -> [head, 2, pair].
-    """
-    rows = w.shape[0]
-    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _hf_name(gguf_name: str) -> str:
-    """A Llama GGUF tensor name -> the Hugging Face checkpoint's name."""
-    if gguf_name in _GGUF_NAMES:
-        return _GGUF_NAMES[gguf_name]
-    _, layer, kind, _ = gguf_name.split(".")
-    return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.weight"
-
-
-def _rotary_rows_to_hf(hf_name: str, rows: np.ndarray, hf_config: dict) -> np.ndarray:
-    """q/k weights (float rows or rows of blocks) in HF's rotary row order; others unchanged."""
-    if hf_name.endswith("q_proj.weight"):
-        return _unpermute_rope(rows, hf_config["num_attention_heads"])
-    if hf_name.endswith("k_proj.weight"):
-        return _unpermute_rope(rows, hf_config["num_key_value_heads"])
-    return rows
-
-
-def _gguf_field(reader, key: str):
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
-
-
-def _gguf_hf_config(reader) -> dict:
-    arch = _gguf_field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: llama")
-    g = lambda k, default=None: _gguf_field(reader, f"llama.{k}") if _gguf_field(reader, f"llama.{k}") is not None else default  # noqa: E731
-    num_heads = int(g("attention.head_count"))
-    hidden = int(g("embedding_length"))
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
-    vocab = g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": int(vocab),
-        "hidden_size": hidden,
-        "intermediate_size": int(g("feed_forward_length")),
-        "num_hidden_layers": int(g("block_count")),
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": int(g("attention.head_count_kv", num_heads)),
-        "head_dim": int(g("rope.dimension_count", hidden // num_heads)),
-        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(g("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(g("context_length", 4096)),
-        "tie_word_embeddings": not has_output,
-        "bos_token_id": _gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _gguf_field(reader, "tokenizer.ggml.eos_token_id"),
-        "torch_dtype": "float32",
-    }
 
 
 def convert_gguf(gguf_path: Path, name: str) -> Path:
@@ -501,7 +430,7 @@ def _convert_gguf_into(gguf_path: Path, out: Path) -> None:
 
     logger.info("converting %s into %s (once: config, tokenizer, quantized blocks)", gguf_path.name, out)
     reader = GGUFReader(str(gguf_path))
-    hf_config = _gguf_hf_config(reader)
+    hf_config = gguf_arch.hf_config(reader)
     prefix = f".tmp-{out.name}-"
     if out.is_dir():  # a directory of an older layout: replaced whole
         shutil.rmtree(out)
@@ -509,7 +438,7 @@ def _convert_gguf_into(gguf_path: Path, out: Path) -> None:
     tmp = temporary_folder(out.parent, prefix)  # same filesystem: the rename is atomic
     try:
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
-        _save_gguf_tokenizer(gguf_path, tmp)
+        _save_gguf_tokenizer(gguf_path, tmp, gguf_arch.architecture(reader))
         _record_gguf_source(tmp, gguf_path)
         _gguf_tensors(gguf_path, tmp, reader)  # the blocks cache, from the reader already open
         move_into_place(tmp, out)
@@ -541,13 +470,14 @@ def _write_dense_weights(gguf_path: Path, target: Path) -> None:
 
     logger.info("dequantizing %s to float32 safetensors in %s (once)", gguf_path.name, target.parent)
     reader = GGUFReader(str(gguf_path))
-    hf_config = _gguf_hf_config(reader)
+    hf_config = gguf_arch.hf_config(reader)
+    arch = gguf_arch.architecture(reader)
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        hf_name = _hf_name(t.name)
+        hf_name = gguf_arch.hf_name(t.name, arch)
         w = np.asarray(gguf_dequantize(t.data, t.tensor_type), dtype=np.float32)
         w = w.reshape([int(d) for d in reversed(t.shape)]) if w.ndim != len(t.shape) else w
-        w = _rotary_rows_to_hf(hf_name, w, hf_config)
+        w = gguf_arch.to_checkpoint(hf_name, w, hf_config, is_float=True)
         tensors[hf_name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # own, writable copy
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
@@ -579,9 +509,12 @@ def gguf_source(model_dir: Path) -> Path | None:
     return path if path.is_file() else None
 
 
-def _save_gguf_tokenizer(gguf_path: Path, out: Path) -> None:
-    """The GGUF's tokenizer and chat template, written as HF tokenizer files."""
+def _save_gguf_tokenizer(gguf_path: Path, out: Path, arch: str) -> None:
+    """The GGUF's tokenizer and chat template (the architecture's own where the file has none),
+    written as HF tokenizer files."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    if not tok.chat_template:
+        tok.chat_template = gguf_arch.default_chat_template(arch)
     tok.save_pretrained(str(out))

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from octavo.config import ModelConfig, RopeConfig
+from octavo.planner import window_layer_types
 
 # architecture name -> (q/k/v projections carry a bias, per-head q/k RMSNorm)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool | None, bool]] = {
@@ -14,6 +15,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool | None, bool]] = {
     "MistralForCausalLM": (None, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (None, True),
+    "Gemma3ForCausalLM": (None, True),
 }
 
 
@@ -28,12 +30,12 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def _rope_config(hf: dict[str, Any]) -> RopeConfig:
+def _rope_config(hf: dict[str, Any], default_theta: float = 10000.0) -> RopeConfig:
     # transformers 5 writes `rope_parameters` (theta included); 4.x writes `rope_theta` + `rope_scaling`.
     params = dict(hf.get("rope_parameters") or {})
     scaling = dict(hf.get("rope_scaling") or {})
     merged = {**scaling, **params}
-    theta = float(merged.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = float(merged.get("rope_theta", hf.get("rope_theta", default_theta)))
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     if rope_type in (None, "default"):
         return RopeConfig(theta=theta)
@@ -61,6 +63,38 @@ def _as_tuple(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
+def _gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's extras: GeGLU (tanh GELU), the query scale, local layers' own RoPE base (transformers
+    5 nests both bases under `rope_parameters`; older configs give `rope_theta` and
+    `rope_local_base_freq`), and its default 5 local : 1 global layer pattern."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(key):
+            raise UnsupportedModelError(f"Gemma with {key} is not supported (Gemma 3 has none)")
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params:
+        rope = _rope_config({"rope_parameters": params["full_attention"]}, 1_000_000.0)
+        local = _rope_config({"rope_parameters": params.get("sliding_attention") or {}})
+    else:
+        rope = _rope_config(hf, 1_000_000.0)
+        local = RopeConfig(theta=float(hf.get("rope_local_base_freq", 10000.0)))
+    layers = int(hf["num_hidden_layers"])
+    window, types = window_layer_types({"sliding_window_pattern": 6, **hf}, layers)
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedModelError(f"Gemma activation {act!r} is not supported; supported: gelu_pytorch_tanh")
+    return {
+        "rope": rope, "local_rope": local, "hidden_act": "gelu_tanh", "sliding_window": window, "layer_types": types,
+        "attention_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True)),
+    }
+
+
+def _window_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Mistral-style or Qwen sliding windows (see planner.window_layer_types)."""
+    window, types = window_layer_types(hf, int(hf["num_hidden_layers"]))
+    return {"sliding_window": window, "layer_types": types}
+
+
 def model_config_from_hf(hf: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
     """Translate a Hugging Face config dict; raises UnsupportedModelError naming what is supported."""
     archs = hf.get("architectures") or []
@@ -75,7 +109,8 @@ def model_config_from_hf(hf: dict[str, Any], generation: dict[str, Any] | None =
     num_heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
     eos = _as_tuple((generation or {}).get("eos_token_id")) or _as_tuple(hf.get("eos_token_id"))
-    return ModelConfig(
+    extras = _gemma3_fields(hf) if arch == "Gemma3ForCausalLM" else _window_fields(hf)
+    fields: dict[str, Any] = dict(
         architecture=arch,
         vocab_size=int(hf["vocab_size"]),
         hidden_size=hidden,
@@ -95,9 +130,23 @@ def model_config_from_hf(hf: dict[str, Any], generation: dict[str, Any] | None =
         eos_token_ids=eos,
         bos_token_id=hf.get("bos_token_id"),
     )
+    return ModelConfig(**{**fields, **extras})
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     generation_path = Path(model_dir) / "generation_config.json"
     generation = json.loads(generation_path.read_text()) if generation_path.is_file() else None
     return model_config_from_hf(read_hf_config(model_dir), generation)
+
+
+def model_class(architecture: str) -> type:
+    """The model file's top module for a supported architecture name."""
+    if architecture == "Gemma3ForCausalLM":
+        from octavo.models.gemma3 import Gemma3ForCausalLM
+
+        return Gemma3ForCausalLM
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(f"architecture {architecture!r} is not supported")
+    from octavo.models.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM

@@ -77,7 +77,7 @@ def test_tp3_with_quantized_gguf_shards_equals_tp1_quantized(smol_tokenizer):
     engine = LLMEngine.from_args(EngineArgs(tensor_parallel_size=3, dtype="float32", quantization="auto",
                                             kv_cache_memory=64 << 20, max_num_batched_tokens=8))
     try:
-        from octavo.models.llama import QuantLinear
+        from octavo.models.layers import QuantLinear
 
         assert sum(isinstance(m, QuantLinear) for m in engine.runner.model.modules()) >= 120
         outs = LLM.from_engine(engine).generate(prompts, PARAMS, use_tqdm=False)

@@ -10,26 +10,33 @@ from octavo.kernels.metadata import AttentionMetadata
 from octavo.kernels.reference import write_kv
 
 
-def dense_attention(q, k, v, past: int, scale: float):
-    """q: [n, H, d] at positions past..past+n-1; k, v: [past+n, kvh, d]."""
+def dense_attention(q, k, v, past: int, scale: float, window: int | None = None):
+    """q: [n, H, d] at positions past..past+n-1; k, v: [past+n, kvh, d]; with a window, the query
+    at position p sees keys p - window + 1 .. p."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,lhd->hnl", q, k) * scale
     n, length = q.shape[0], k.shape[0]
-    mask = torch.arange(length)[None, :] <= (torch.arange(n)[:, None] + past)
+    rows = torch.arange(n)[:, None] + past
+    mask = torch.arange(length)[None, :] <= rows
+    if window is not None:
+        mask &= torch.arange(length)[None, :] > rows - window
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
 
-def build_step(block_size, heads, kv_heads, d, lengths, seed=0):
+def build_step(block_size, heads, kv_heads, d, lengths, seed=0, window=None):
     """A KV pool holding each request's cached prefix at scattered blocks, this step's keys
-    written, and the step's metadata. `lengths` lists (tokens already cached, tokens now)."""
+    written, and the step's metadata. `lengths` lists (tokens already cached, tokens now). With a
+    `window`, the expected output is sliding-window attention, and each block table entry wholly
+    before its request's first query's window points at the pool's last block, filled with NaN
+    (a block a windowed cache has given back: a kernel that reads it fails)."""
     torch.manual_seed(seed)
     num_blocks = max(256, sum(-(-(past + new) // block_size) for past, new in lengths) + 8)
     k_cache = torch.zeros(num_blocks, block_size, kv_heads, d)
     v_cache = torch.zeros_like(k_cache)
-    perm = torch.randperm(num_blocks).tolist()
+    perm = torch.randperm(num_blocks - (window is not None)).tolist()  # the NaN block is nobody's
     reqs = []
     for past, new in lengths:
         total = past + new
@@ -56,6 +63,13 @@ def build_step(block_size, heads, kv_heads, d, lengths, seed=0):
     k_new = torch.cat([reqs[i][2][reqs[i][0] :] for i in order])
     v_new = torch.cat([reqs[i][3][reqs[i][0] :] for i in order])
     write_kv(k_cache, v_cache, k_new, v_new, meta.slot_mapping)
+    if window is not None:
+        k_cache[-1], v_cache[-1] = float("nan"), float("nan")
+        for row, i in enumerate(order):
+            gone = max(0, reqs[i][0] + 1 - window) // block_size  # blocks before the first query's window
+            meta.block_tables[row, :gone] = num_blocks - 1
     q = torch.cat([reqs[i][4] for i in order])
-    expected = torch.cat([dense_attention(reqs[i][4], reqs[i][2], reqs[i][3], reqs[i][0], d**-0.5) for i in order])
+    expected = torch.cat(
+        [dense_attention(reqs[i][4], reqs[i][2], reqs[i][3], reqs[i][0], d**-0.5, window) for i in order]
+    )
     return q, k_cache, v_cache, meta, expected

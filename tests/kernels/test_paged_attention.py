@@ -59,6 +59,28 @@ def test_cpu_kernel_matches_dense_and_reference(block_size, heads, kv_heads, d, 
     torch.testing.assert_close(out, paged_attention(q, k_cache, v_cache, meta, scale=d**-0.5), atol=ATOL, rtol=RTOL)
 
 
+WINDOW_LENGTHS = pytest.mark.parametrize("lengths", [
+    [(0, 1), (0, 13), (5, 3), (40, 1)],
+    [(100, 1), (3, 40), (33, 35), (70, 9)],  # spans longer than the window and than the CPU query tile
+])
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 37])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("heads, kv_heads, d", [(4, 1, 8), (9, 3, 64), (4, 2, 256)])
+@WINDOW_LENGTHS
+def test_sliding_window_matches_dense_and_never_reads_outside(window, block_size, heads, kv_heads, d, lengths):
+    """Sliding-window attention (keys p - window + 1 .. p) equals the dense masked form; blocks
+    wholly before the window hold NaN, so a kernel that read them would fail."""
+    q, k_cache, v_cache, meta, expected = build_step(block_size, heads, kv_heads, d, lengths, window=window)
+    out = paged_attention(q, k_cache, v_cache, meta, d**-0.5, window)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+    if cpu.load() is not None:
+        meta.backend = "cpu"
+        out = dispatch.paged_attention(q, k_cache, v_cache, meta, d**-0.5, window)
+        torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+
+
 def test_cpu_kernel_rejects_what_it_cannot_do():
     cpu_kernel_or_skip()
     q, k_cache, v_cache, meta, _ = build_step(4, 4, 4, 8, LENGTHS[0])

@@ -75,6 +75,23 @@ def test_split_kv_decode_matches_reference(num_splits, block_size, heads, kv_hea
     torch.testing.assert_close(out, expected, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("window", [1, 20, 64])
+@pytest.mark.parametrize("block_size, heads, kv_heads, d", [(8, 4, 1, 64), (16, 6, 2, 256)])
+def test_sliding_window_matches_dense(window, block_size, heads, kv_heads, d):
+    """Both kernels with a window equal dense sliding-window attention; blocks before each window
+    hold NaN (build_step), so a kernel that loaded them would fail."""
+    attention = kernels()[0]
+    step = build_step(block_size, heads, kv_heads, d, [(0, 1), (70, 1), (3, 40), (50, 30)], window=window)
+    expected = step[4].to(DEVICE)
+    q, k_cache, v_cache, meta = to(step, torch.float32)
+    out = attention.paged_attention(q, k_cache, v_cache, meta, d**-0.5, window)
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
+    q, k_cache, v_cache, meta, expected = build_step(block_size, heads, kv_heads, d, [(0, 1), (31, 1), (200, 1)], window=window)
+    q, k_cache, v_cache, meta = to((q, k_cache, v_cache, meta, None), torch.float32)
+    out = attention.paged_attention_split_kv(q, k_cache, v_cache, meta, d**-0.5, 4, window)
+    torch.testing.assert_close(out, expected.to(DEVICE), **TOL[torch.float32])
+
+
 def test_split_kv_refuses_prefill_rows_and_bad_splits():
     attention = kernels()[0]
     q, k_cache, v_cache, meta = to(build_step(16, 4, 2, 64, MIXED[0]), torch.float32)
@@ -159,3 +176,6 @@ def test_silu_and_mul_matches_reference(dtype, rows, inter):
     gate_up = (3 * torch.randn(rows, 2 * inter, device=DEVICE)).to(dtype)
     tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else BF16_ULP
     torch.testing.assert_close(silu.silu_and_mul(gate_up), reference.silu_and_mul(gate_up), **tol)
+    # GeGLU (Gemma): tanh through exp, within float32 rounding of torch's tanh
+    tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else BF16_ULP
+    torch.testing.assert_close(silu.gelu_tanh_and_mul(gate_up), reference.gelu_tanh_and_mul(gate_up), **tol)

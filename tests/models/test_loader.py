@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from octavo.models.loader import _unpermute_rope, resolve_model
+from octavo.models.gguf_arch import _unpermute_rope
+from octavo.models.loader import resolve_model
 from octavo.models.registry import UnsupportedModelError, model_config_from_hf
 
 BASE = {

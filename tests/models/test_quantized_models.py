@@ -12,7 +12,7 @@ import torch
 from octavo.config import CacheConfig
 from octavo.kernels import cpu
 from octavo.model_runner import ModelRunner
-from octavo.models.llama import QuantEmbedding, QuantLinear
+from octavo.models.layers import QuantEmbedding, QuantLinear
 from octavo.models.loader import (
     GGUF_BLOCKS_FILE,
     describe_weights,
@@ -143,7 +143,7 @@ def _write_gguf(path):
 def test_a_mixed_format_gguf_loads_as_its_dequantized_model(tmp_path):
     from octavo.config import ModelConfig, RopeConfig
     from octavo.models.llama import LlamaForCausalLM
-    from octavo.models.loader import _unpermute_rope
+    from octavo.models.gguf_arch import _unpermute_rope
 
     path = tmp_path / "mixed.gguf"
     dense = _write_gguf(path)

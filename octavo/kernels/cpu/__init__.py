@@ -144,7 +144,7 @@ def quant_isa() -> str | None:
 Q_TILE = 16
 
 
-def paged_attention(q, k_cache, v_cache, meta, scale: float):
+def paged_attention(q, k_cache, v_cache, meta, scale: float, window: int | None = None):
     """Same contract as `octavo.kernels.reference.paged_attention`; float32 CPU tensors only."""
     import torch
 
@@ -154,6 +154,7 @@ def paged_attention(q, k_cache, v_cache, meta, scale: float):
     q = q.contiguous()
     out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
     module.paged_attention(
-        out, q, k_cache, v_cache, meta.block_tables, meta.query_starts, meta.query_lens, meta.context_lens, scale, Q_TILE
+        out, q, k_cache, v_cache, meta.block_tables, meta.query_starts, meta.query_lens, meta.context_lens, scale, Q_TILE,
+        0 if window is None else window,
     )
     return out

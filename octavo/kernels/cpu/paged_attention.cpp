@@ -5,7 +5,8 @@
 // tokens x all query heads; each row reads the KV head its head shares (grouped-query attention),
 // and a block's keys for all KV heads are contiguous, so a block streams in whole. Three passes, the
 // same arithmetic as the torch reference (scores * scale, exact softmax, probabilities x values):
-//   1. scores[r][j] = (q_r . k_j) * scale for every key j the row may see (causal);
+//   1. scores[r][j] = (q_r . k_j) * scale for every key j the row may see (causal, and within the
+//      layer's window when it has one: keys p - window + 1 .. p for the query at position p);
 //   2. a row-wise softmax over those scores;
 //   3. out_r = sum_j p[r][j] * v_j.
 // Keys and values of one block stay in L1 while all rows of the tile use them. Items are handed
@@ -151,10 +152,11 @@ inline void prefetch_block(const float* block, int64_t num_floats) {
 // block_tables: [num_seqs, max_blocks] int32; q_starts, q_lens, context_lens: [num_seqs] int32.
 // Request s owns query rows [q_starts[s], q_starts[s] + q_lens[s]) at absolute positions
 // [context_lens[s] - q_lens[s], context_lens[s]); its keys 0 .. context_lens[s]-1 live in the
-// blocks block_tables[s][0 ..].
+// blocks block_tables[s][0 ..]. window > 0: the query at position p sees keys p - window + 1 .. p
+// only; blocks wholly before the first query's window are never read (they may be gone).
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                      torch::Tensor block_tables, torch::Tensor q_starts, torch::Tensor q_lens,
-                     torch::Tensor context_lens, double scale, int64_t q_tile) {
+                     torch::Tensor context_lens, double scale, int64_t q_tile, int64_t window) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "the CPU paged-attention kernel takes float32 tensors");
@@ -164,6 +166,7 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
                   q_lens.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "block tables and lengths must be int32");
   TORCH_CHECK(q_tile >= 1, "q_tile must be positive");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && out.sizes() == q.sizes() &&
                   q.size(2) == k_cache.size(3),
               "shapes: q, out [tokens, heads, head_dim]; caches [blocks, block_size, kv_heads, head_dim]");
@@ -190,7 +193,8 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
     TORCH_CHECK(starts[s] >= 0 && starts[s] + lens[s] <= q.size(0), "query rows out of range");
     const int64_t used_blocks = (ctxs[s] + block_size - 1) / block_size;
     TORCH_CHECK(used_blocks <= max_blocks, "block table too short for the context");
-    for (int64_t b = 0; b < used_blocks; ++b) {
+    const int64_t first_key = window > 0 ? std::max<int64_t>(0, ctxs[s] - lens[s] + 1 - window) : 0;
+    for (int64_t b = first_key / block_size; b < used_blocks; ++b) {
       const int32_t block = tables[s * max_blocks + b];
       TORCH_CHECK(block >= 0 && block < k_cache.size(0), "block id ", block, " outside the pool");
     }
@@ -198,7 +202,10 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
       items.push_back({s, t, std::min<int32_t>(static_cast<int32_t>(q_tile), lens[s] - t)});
   }
   // Most keys first, so the last items handed out are the cheap ones.
-  auto cost = [&](const Item& it) { return static_cast<int64_t>(ctxs[it.seq] - lens[it.seq] + it.tile_start + it.tile_len) * it.tile_len; };
+  auto cost = [&](const Item& it) {
+    const int64_t keys = ctxs[it.seq] - lens[it.seq] + it.tile_start + it.tile_len;
+    return (window > 0 ? std::min<int64_t>(keys, window + it.tile_len) : keys) * it.tile_len;
+  };
   std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return cost(a) > cost(b); });
 
   const int64_t token_stride = num_kv_heads * head_dim;  // floats between consecutive keys in a block
@@ -208,7 +215,7 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
 
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores, acc;
-    std::vector<int64_t> limit;
+    std::vector<int64_t> limit, first;
     for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
       const Item& it = items[i];
       const int64_t past = ctxs[it.seq] - lens[it.seq];  // keys before the span's first query
@@ -217,42 +224,48 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
       const int64_t num_keys = past + it.tile_start + it.tile_len;  // the tile's last row sees these
       const int32_t* table = tables + it.seq * max_blocks;
       const float* q_tile_ptr = qp + (starts[it.seq] + it.tile_start) * num_heads * head_dim;
-      scores.resize(rows * num_keys);
-      acc.assign(rows * head_dim, 0.f);
       limit.resize(rows);
-      for (int64_t r = 0; r < rows; ++r) limit[r] = past + it.tile_start + r / num_heads + 1;  // keys visible
+      first.resize(rows);
+      for (int64_t r = 0; r < rows; ++r) {
+        limit[r] = past + it.tile_start + r / num_heads + 1;  // keys [first[r], limit[r]) are visible
+        first[r] = window > 0 ? std::max<int64_t>(0, limit[r] - window) : 0;
+      }
+      // Row r's scores live at scores[r * span + (j - key_lo)]: only keys some row sees are kept.
+      const int64_t key_lo = first[0], span = num_keys - key_lo;
+      const int64_t block_lo = key_lo / block_size * block_size;
+      scores.resize(rows * span);
+      acc.assign(rows * head_dim, 0.f);
       auto kv_offset = [&](int64_t r) { return ((r % num_heads) / group) * head_dim; };
 
       // Pass 1: scores. A block's keys for every head are contiguous, so it streams in whole.
-      for (int64_t j0 = 0; j0 < num_keys; j0 += block_size) {
+      for (int64_t j0 = block_lo; j0 < num_keys; j0 += block_size) {
         const float* kb = kp + static_cast<int64_t>(table[j0 / block_size]) * block_stride;
-        const int64_t jn = std::min(block_size, num_keys - j0);
         if (j0 + block_size < num_keys) prefetch_block(kp + static_cast<int64_t>(table[j0 / block_size + 1]) * block_stride, block_stride);
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t jend = std::min(jn, limit[r] - j0);
-          if (jend > 0)
-            dot_keys(q_tile_ptr + r * head_dim, kb + kv_offset(r), token_stride, jend, head_dim, fscale,
-                     scores.data() + r * num_keys + j0);
+          const int64_t jbeg = std::max(j0, first[r]), jend = std::min(j0 + block_size, limit[r]);
+          if (jend > jbeg)
+            dot_keys(q_tile_ptr + r * head_dim, kb + (jbeg - j0) * token_stride + kv_offset(r), token_stride,
+                     jend - jbeg, head_dim, fscale, scores.data() + r * span + (jbeg - key_lo));
         }
       }
       // Pass 2: softmax of each row over its visible keys.
       for (int64_t r = 0; r < rows; ++r) {
-        float* sr = scores.data() + r * num_keys;
+        float* sr = scores.data() + r * span + (first[r] - key_lo);
+        const int64_t n = limit[r] - first[r];
         float m = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < limit[r]; ++j) m = std::max(m, sr[j]);
-        const float inv = 1.f / exp_shifted_sum(sr, limit[r], m);
-        for (int64_t j = 0; j < limit[r]; ++j) sr[j] *= inv;
+        for (int64_t j = 0; j < n; ++j) m = std::max(m, sr[j]);
+        const float inv = 1.f / exp_shifted_sum(sr, n, m);
+        for (int64_t j = 0; j < n; ++j) sr[j] *= inv;
       }
       // Pass 3: probabilities x values.
-      for (int64_t j0 = 0; j0 < num_keys; j0 += block_size) {
+      for (int64_t j0 = block_lo; j0 < num_keys; j0 += block_size) {
         const float* vb = vp + static_cast<int64_t>(table[j0 / block_size]) * block_stride;
-        const int64_t jn = std::min(block_size, num_keys - j0);
         if (j0 + block_size < num_keys) prefetch_block(vp + static_cast<int64_t>(table[j0 / block_size + 1]) * block_stride, block_stride);
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t jend = std::min(jn, limit[r] - j0);
-          if (jend > 0)
-            accumulate_values(scores.data() + r * num_keys + j0, vb + kv_offset(r), token_stride, jend, head_dim,
-                              acc.data() + r * head_dim);
+          const int64_t jbeg = std::max(j0, first[r]), jend = std::min(j0 + block_size, limit[r]);
+          if (jend > jbeg)
+            accumulate_values(scores.data() + r * span + (jbeg - key_lo), vb + (jbeg - j0) * token_stride + kv_offset(r),
+                              token_stride, jend - jbeg, head_dim, acc.data() + r * head_dim);
         }
       }
       std::copy(acc.begin(), acc.end(), op + (starts[it.seq] + it.tile_start) * num_heads * head_dim);

@@ -4,7 +4,8 @@ Same contract as `kernels.reference.paged_attention`. One program takes BLOCK_Q 
 request and the GROUP query heads that share one KV head (the rows of its tiles are
 token-major: row r is token r // GROUP_P, head r % GROUP_P), and walks the request's keys TILE_N
 at a time, looking each key's block up in the block table (so any cache block size works),
-with an online softmax. Causal: the query at absolute position p sees keys 0..p.
+with an online softmax. Causal: the query at absolute position p sees keys 0..p, or with a
+sliding window keys p - window + 1 .. p (tiles wholly before the window are skipped, never read).
 
 `paged_attention_split_kv` is the flash-decoding variant for decode-only steps with long
 contexts and few (request, KV head) pairs: each program covers one slice of the keys, and a
@@ -25,16 +26,17 @@ TILE_N = 32  # keys per inner iteration (tl.dot needs >= 16 on GPUs)
 
 @triton.jit
 def _attend_tile(
-    q, m_i, l_i, acc, q_pos, key_start, num_keys, seq, kvh,
+    q, m_i, l_i, acc, q_pos, window, first_key, key_start, num_keys, seq, kvh,
     k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_bt,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     scale, d, d_ok,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One TILE_N slice of keys [key_start, key_start + TILE_N) folded into the running softmax.
+    Keys before `first_key` (outside every row's window) are never loaded: their blocks may be gone.
     UPCAST: feed tl.dot float32 (the interpreter's half-precision dot is wrong)."""
     n = key_start + tl.arange(0, TILE_N)
-    n_ok = n < num_keys
+    n_ok = (n < num_keys) & (n >= first_key)
     block_id = tl.load(block_tables_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
     offset = n % BLOCK_SIZE
     k = tl.load(
@@ -45,7 +47,7 @@ def _attend_tile(
         q = q.to(tl.float32)
         k = k.to(tl.float32)
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, TILE_N]
-    visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+    visible = (n[None, :] <= q_pos[:, None]) & (n[None, :] > q_pos[:, None] - window) & n_ok[None, :]
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see no key yet
@@ -68,7 +70,7 @@ def _attend_tile(
 def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, query_starts_ptr, query_lens_ptr, context_lens_ptr,
-    scale,
+    scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
@@ -100,9 +102,10 @@ def _unified_attention_kernel(
         m_i = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
         acc = tl.zeros([BLOCK_Q * GROUP_P, HEAD_DIM_P], tl.float32)
-        for key_start in range(0, num_keys, TILE_N):
+        first_key = tl.maximum(context_len - q_len + q_tile * BLOCK_Q - window + 1, 0)  # the tile's first row's
+        for key_start in range(first_key // TILE_N * TILE_N, num_keys, TILE_N):
             m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, q_pos, key_start, num_keys, seq, kvh,
+                q, m_i, l_i, acc, q_pos, window, first_key, key_start, num_keys, seq, kvh,
                 k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_bt,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                 scale, d, d_ok, BLOCK_SIZE, TILE_N, DOT_PRECISION, UPCAST,
@@ -118,7 +121,7 @@ def _unified_attention_kernel(
 def _split_kv_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr,
     block_tables_ptr, query_starts_ptr, context_lens_ptr,
-    scale,
+    scale, window,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, stride_ps, stride_ph, stride_pk, stride_ls, stride_lh,
@@ -135,6 +138,8 @@ def _split_kv_decode_kernel(
     per_split = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), TILE_N) * TILE_N
     begin = split * per_split
     end = tl.minimum(context_len, begin + per_split)
+    first_key = tl.maximum(context_len - window, 0)  # the decode query sits at context_len - 1
+    begin = tl.maximum(begin, first_key // TILE_N * TILE_N)  # skip tiles before the window
     lanes = tl.arange(0, BLOCK_M)  # the group's heads, padded to >= 16 rows for tl.dot
     rows = lanes % GROUP_P
     head = kvh * GROUP + rows
@@ -151,7 +156,7 @@ def _split_kv_decode_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
     for key_start in range(begin, end, TILE_N):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, q_pos, key_start, end, seq, kvh,
+            q, m_i, l_i, acc, q_pos, window, first_key, key_start, end, seq, kvh,
             k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_bt,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             scale, d, d_ok, BLOCK_SIZE, TILE_N, DOT_PRECISION, UPCAST,
@@ -189,8 +194,12 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+NO_WINDOW = 1 << 30  # "window" of a global layer: more keys than any context
+
+
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim] (reference contract).
     Caches [num_blocks, block_size, num_kv_heads, head_dim]; rows of requests with context length 0
@@ -210,7 +219,7 @@ def paged_attention(
     _unified_attention_kernel[grid](
         q, k_cache, v_cache, out,
         meta.block_tables, meta.query_starts, meta.query_lens, meta.context_lens,
-        scale,
+        scale, NO_WINDOW if window is None else window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         meta.block_tables.stride(0),
@@ -221,7 +230,8 @@ def paged_attention(
 
 
 def paged_attention_split_kv(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, num_splits: int
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, num_splits: int,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The reference contract for a decode-only step (every request has one query token), its keys
     cut into `num_splits` slices (a power of two) that run in parallel and are merged."""
@@ -244,7 +254,7 @@ def paged_attention_split_kv(
     _split_kv_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, part_out, part_lse,
         meta.block_tables, meta.query_starts, meta.context_lens,
-        scale,
+        scale, NO_WINDOW if window is None else window,
         q.stride(0), q.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         meta.block_tables.stride(0), *strides,
