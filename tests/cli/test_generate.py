@@ -25,4 +25,4 @@ def test_generate_answers_chat_prompts_as_json():
 def test_missing_model_is_a_clear_error():
     out = run("generate", "/no/such/model")
     assert out.returncode == 2
-    assert "is not a local directory or .gguf file" in out.stderr and "Traceback" not in out.stderr
+    assert "is not a local directory, .gguf file or packaged model" in out.stderr and "Traceback" not in out.stderr

@@ -1,5 +1,7 @@
-"""Tiny random-weight Llama (Llama 3 rope scaling), Qwen2 (q/k/v bias) and Qwen3 (q/k norm) models:
-Octavo's logits through the paged path equal transformers' for prefill, chunked prefill and decode."""
+"""Tiny random-weight Llama (Llama 3 rope scaling), Mistral (with and without a sliding window),
+Qwen2 (q/k/v bias), Qwen3 (q/k norm) and Gemma 3 (local and global layers, a window shorter than
+the prompts) models: Octavo's logits through the paged path equal transformers' for prefill,
+chunked prefill and decode."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ ATOL = 2e-5
 
 
 def hf_configs():
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -34,10 +36,19 @@ def hf_configs():
         "mistral": MistralConfig(**common, sliding_window=None, tie_word_embeddings=False),
         "qwen2": Qwen2Config(**common, tie_word_embeddings=True),
         "qwen3": Qwen3Config(**common, head_dim=32, tie_word_embeddings=False),
+        "mistral-window": MistralConfig(**common, sliding_window=5, tie_word_embeddings=False),
+        # Gemma 3: a local layer then a global one, a 5-token window, a query scale of its own
+        "gemma3": Gemma3TextConfig(
+            **common, head_dim=16, layer_types=["sliding_attention", "full_attention"], sliding_window=5,
+            query_pre_attn_scalar=24, tie_word_embeddings=True,
+        ),
     }
 
 
-@pytest.fixture(scope="module", params=["llama3-rope", "llama-mha-bias", "mistral", "qwen2", "qwen3"])
+ARCHS = ["llama3-rope", "llama-mha-bias", "mistral", "qwen2", "qwen3", "mistral-window", "gemma3"]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
 def pair(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
@@ -75,7 +86,9 @@ def run(runner, entries):
 def test_config_translation(pair):
     name, hf, _, cfg = pair
     assert cfg.num_layers == 2 and cfg.vocab_size == 97
-    assert cfg.qk_norm == (name == "qwen3")
+    assert cfg.qk_norm == (name in ("qwen3", "gemma3"))
+    assert cfg.layer_types == {"mistral-window": ("sliding", "sliding"), "gemma3": ("sliding", "full")}.get(name, ())
+    assert cfg.sliding_window == (5 if name in ("mistral-window", "gemma3") else None)
     assert cfg.qkv_bias == (name in ("qwen2", "llama-mha-bias"))
     assert cfg.o_bias == (name == "llama-mha-bias")
     assert (cfg.rope.scaling_type == "llama3") == (name == "llama3-rope")

