@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # The embedded model's reference facts live with the loader; these defaults are the engine's own.
@@ -81,6 +82,60 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V for one token over all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def kv_groups(self) -> tuple[KVGroup, ...]:
+        """The layers grouped by attention kind for the paged KV cache, global groups first.
+
+        Every group has the same number of layers (the gcd of the two kinds' counts), so one
+        block of the pool holds block_size tokens of any one group: Gemma 3 270M's 3 global and
+        15 sliding layers make 1 global and 5 sliding groups of 3 layers. A model whose layers
+        are all of one kind has one group of every layer (the plain paged cache).
+        """
+        full = [i for i in range(self.num_layers) if self.layer_window(i) is None]
+        sliding = [i for i in range(self.num_layers) if self.layer_window(i) is not None]
+        if not full or not sliding:
+            return (KVGroup(self.sliding_window if sliding else None, tuple(range(self.num_layers))),)
+        size = math.gcd(len(full), len(sliding))
+        return tuple(
+            KVGroup(window, tuple(layers[i : i + size]))
+            for window, layers in ((None, full), (self.sliding_window, sliding))
+            for i in range(0, len(layers), size)
+        )
+
+    def kv_bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
+        """Bytes of one pool block: block_size tokens of K and V for one KV group's layers."""
+        layers = len(self.kv_groups()[0].layers)
+        return 2 * layers * block_size * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroup:
+    """Layers whose KV shares one block table: `window` keys each (None: global attention)."""
+
+    window: int | None
+    layers: tuple[int, ...]
+
+
+def blocks_to_hold(
+    group_windows: tuple[int | None, ...], num_tokens: int, block_size: int, max_chunk: int | None = None
+) -> int:
+    """Blocks one sequence of `num_tokens` tokens holds at most, over all KV groups, computed in
+    chunks of at most `max_chunk` tokens: a global group holds one per block of tokens; a
+    sliding-window group of window W the blocks of the last W - 1 tokens plus a chunk (every
+    token of a chunk gets its slots before the window moves past it), plus one for the partial
+    block at the window's edge, never more than a global group. The one formula behind the
+    scheduler's admission, the start-up line and /metrics."""
+    def blocks(n: int) -> int:
+        return -(-n // block_size)
+
+    chunk = num_tokens if max_chunk is None else min(num_tokens, max_chunk)
+    total = 0
+    for window in group_windows:
+        if window is None:
+            total += blocks(num_tokens)
+        else:
+            total += min(blocks(num_tokens), blocks(min(num_tokens, window - 1 + chunk)) + 1)
+    return total
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,7 +62,8 @@ class LLMEngine:
                         "so the cache holds %d x the tokens one rank's memory would", tensor_parallel.world,
                         config.model_config.num_kv_heads, tensor_parallel.world)
         self.executor.init_kv_cache(sizing.num_blocks)
-        kv = KVCacheManager(sizing.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        kv = KVCacheManager(sizing.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                            tuple(g.window for g in config.model_config.kv_groups()))
         self.scheduler = Scheduler(config.scheduler, kv)
         self.structured = StructuredOutputManager(tokenizer, config.model_config.vocab_size, self.eos_token_ids,
                                                   config.grammar_cache_bytes)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from octavo.config import CacheConfig, ModelConfig, SchedulerConfig
+from octavo.config import CacheConfig, ModelConfig, SchedulerConfig, blocks_to_hold
 from octavo.engine_args import GPU_DEFAULT_UTILIZATION
 
 GiB = 1 << 30
@@ -21,6 +21,11 @@ class KVSizing:
     block_size: int
     bytes_per_block: int
     max_model_len: int
+    # blocks one sequence of max_model_len tokens holds at most (config.blocks_to_hold), and what
+    # a cache blind to sliding windows would hold for it (the same without sliding layers)
+    blocks_per_seq: int
+    window_blind_blocks_per_seq: int
+    groups: str = ""  # the KV groups, in words (empty: one group of every layer)
 
     @property
     def num_tokens(self) -> int:
@@ -33,15 +38,29 @@ class KVSizing:
     @property
     def max_concurrency(self) -> float:
         """Requests of max_model_len tokens that fit at once."""
-        blocks_per_seq = -(-self.max_model_len // self.block_size)
-        return self.num_blocks / blocks_per_seq
+        return self.num_blocks / self.blocks_per_seq
 
     def describe(self) -> str:
-        return (
+        line = (
             f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
             f"{self.num_bytes / GiB:.2f} GiB; max concurrency at max_model_len {self.max_model_len}: "
             f"{self.max_concurrency:.2f} requests"
         )
+        if self.groups:
+            blind = self.num_blocks / self.window_blind_blocks_per_seq
+            line += (f" ({self.blocks_per_seq} blocks each; {blind:.2f} if windows were ignored); "
+                     f"KV groups: {self.groups}")
+        return line
+
+
+def describe_groups(model: ModelConfig) -> str:
+    """"1 global + 5 sliding-window (512 tokens) groups of 3 layers"; "" for a single group."""
+    groups = model.kv_groups()
+    if len(groups) == 1 and groups[0].window is None:
+        return ""
+    num_sliding = sum(g.window is not None for g in groups)
+    return (f"{len(groups) - num_sliding} global + {num_sliding} sliding-window ({model.sliding_window} tokens) "
+            f"group{'s' if len(groups) > 1 else ''} of {len(groups[0].layers)} layers")
 
 
 def keep_freed_memory_mapped() -> bool:
@@ -103,8 +122,9 @@ def size_kv_cache(
     activation peak (`activation_peak` as measured by a profiling step, else an estimate) and
     `graph_bytes`, or the CPU's fixed default. On the share-of-device path it is an error (naming
     the flags to change) when not even one sequence of max_model_len tokens fits."""
-    bytes_per_block = cache.block_size * model.kv_bytes_per_token(kv_dtype_bytes)
-    blocks_per_seq = -(-sched.max_model_len // cache.block_size)
+    bytes_per_block = model.kv_bytes_per_block(cache.block_size, kv_dtype_bytes)
+    windows = tuple(g.window for g in model.kv_groups())
+    blocks_per_seq = blocks_to_hold(windows, sched.max_model_len, cache.block_size, sched.max_num_batched_tokens)
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
     elif cache.kv_cache_memory is not None:
@@ -131,4 +151,6 @@ def size_kv_cache(
             f"no room for the KV cache: one block of {cache.block_size} tokens needs {bytes_per_block} bytes; "
             "raise kv_cache_memory or gpu_memory_utilization"
         )
-    return KVSizing(num_blocks, cache.block_size, bytes_per_block, sched.max_model_len)
+    blind = len(windows) * -(-sched.max_model_len // cache.block_size)
+    return KVSizing(num_blocks, cache.block_size, bytes_per_block, sched.max_model_len, blocks_per_seq, blind,
+                    describe_groups(model))

@@ -6,6 +6,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from octavo.memory import KVSizing
 from octavo.outputs import EngineStats
 from octavo.request import RequestOutput
 
@@ -43,6 +44,13 @@ class EngineMetrics:
         self.preemptions = counter("num_preemptions", "Preemptions by recompute.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed.")
         self.generation_tokens = counter("generation_tokens", "Output tokens generated.")
+        self.kv_blocks = gauge("kv_cache_num_blocks", "Blocks in the KV-cache pool.")
+        self.kv_blocks_per_seq = gauge(
+            "kv_cache_blocks_per_max_len_sequence",
+            "Blocks one sequence of max_model_len tokens holds at most (fewer than a block per token "
+            "and layer group where sliding-window layers give back blocks the window has passed).")
+        self.max_concurrency = gauge(
+            "kv_cache_max_concurrency", "Sequences of max_model_len tokens the KV cache holds at once (as at start-up).")
         self._success = Counter("octavo:request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"], registry=r)
         self.model_name = model_name
         self._last: EngineStats | None = None
@@ -59,6 +67,12 @@ class EngineMetrics:
         self.prompt_tokens.inc(stats.num_prompt_tokens_total - (last.num_prompt_tokens_total if last else 0))
         self.generation_tokens.inc(stats.num_generation_tokens_total - (last.num_generation_tokens_total if last else 0))
         self._last = stats
+
+    def observe_kv_sizing(self, sizing: KVSizing) -> None:
+        """The pool's capacity, once: the same figures as the start-up line (KVSizing.describe)."""
+        self.kv_blocks.set(sizing.num_blocks)
+        self.kv_blocks_per_seq.set(sizing.blocks_per_seq)
+        self.max_concurrency.set(sizing.max_concurrency)
 
     def observe_token_gap(self, seconds: float) -> None:
         self.itl.observe(seconds)

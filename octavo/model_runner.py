@@ -6,6 +6,8 @@ It holds the weights, the KV-cache tensors (per layer K and V of shape
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import mmap
 from dataclasses import dataclass
@@ -37,22 +39,29 @@ def allocate_kv_caches(model_config: ModelConfig, num_blocks: int, block_size: i
                        device: torch.device) -> KVCaches:
     """Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim], zero.
 
+    KV groups (ModelConfig.kv_groups) share storage: the i-th layer of every group reads and
+    writes the same pair of tensors, each group through its own block table, so a block of the
+    pool holds one group's layers (one tensor pair per layer for a model with one group).
+
     On the CPU the whole pool is one anonymous memory map: the kernel hands out zero pages as they
     are first written, so an idle server holds none of it and a busy one holds what its requests
     have used (the block pool hands out low block ids first). Zero-filling 4 GiB at start made an
     idle `octavo serve` hold ~4.9 GiB resident. On CUDA the memory is taken now: it was budgeted.
     """
+    groups = model_config.kv_groups()
+    per_block = len(groups[0].layers)  # layers whose KV one block holds
     shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
     numel = num_blocks * block_size * model_config.num_kv_heads * model_config.head_dim
-    num_tensors = 2 * model_config.num_layers
+    num_tensors = 2 * per_block
     if device.type != "cpu":
-        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                for _ in range(model_config.num_layers)]
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    pool = mmap.mmap(-1, max(1, num_tensors * numel * itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    flat = torch.frombuffer(pool, dtype=torch.uint8).view(dtype)  # [num_tensors * numel]; keeps `pool` alive
-    views = [flat[i * numel : (i + 1) * numel].view(shape) for i in range(num_tensors)]
-    return [(views[2 * i], views[2 * i + 1]) for i in range(model_config.num_layers)]
+        views = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_tensors)]
+    else:
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        pool = mmap.mmap(-1, max(1, num_tensors * numel * itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        flat = torch.frombuffer(pool, dtype=torch.uint8).view(dtype)  # [num_tensors * numel]; keeps `pool` alive
+        views = [flat[i * numel : (i + 1) * numel].view(shape) for i in range(num_tensors)]
+    slot_of = {layer: i for group in groups for i, layer in enumerate(group.layers)}
+    return [(views[2 * slot_of[layer]], views[2 * slot_of[layer] + 1]) for layer in range(model_config.num_layers)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +131,8 @@ class ModelRunner:
         self._capture_graphs = False
         if not enforce_eager and self.lora is not None:
             logger.warning("CUDA graphs are not captured with LoRA on: running eagerly")
+        elif not enforce_eager and len(model_config.kv_groups()) > 1:
+            logger.warning("CUDA graphs are not captured for a model with sliding-window KV groups: running eagerly")
         elif not enforce_eager and self.device.type == "cuda" and self.attention_backend == "triton":
             self._capture_graphs = True
         elif not enforce_eager:
@@ -157,20 +168,31 @@ class ModelRunner:
         bs = self.block_size
         return [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
 
+    def _tables(self, entries: list[ScheduledRequest], group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One KV group's slot mapping [num_tokens] and block tables [num_seqs, max_blocks]."""
+        bs = self.block_size
+        max_blocks = max(-(-(e.start_pos + e.num_tokens) // bs) for e in entries)
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        for e in entries:
+            block_ids = e.block_ids if group == 0 else e.group_block_ids[group - 1]
+            slots.extend(self._slots(block_ids, e.start_pos, e.start_pos + e.num_tokens))
+            table = block_ids[:max_blocks]
+            tables.append(table + [0] * (max_blocks - len(table)))
+        return (torch.tensor(slots, dtype=torch.long, device=self.device),
+                torch.tensor(tables, dtype=torch.int32, device=self.device))
+
     def prepare(self, entries: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten the scheduled tokens (single-token requests first) into input tensors.
 
-        `entries` must already be in that order (see `execute`).
+        `entries` must already be in that order (see `execute`). With several KV groups, the
+        metadata of each group (its own slots and block tables) is in `meta.group_metas`.
         """
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         query_starts: list[int] = []
         query_lens: list[int] = []
         context_lens: list[int] = []
-        bs = self.block_size
-        max_blocks = max(-(-(e.start_pos + e.num_tokens) // bs) for e in entries)
-        tables: list[list[int]] = []
         for e in entries:
             start, end = e.start_pos, e.start_pos + e.num_tokens
             query_starts.append(len(input_ids))
@@ -178,12 +200,10 @@ class ModelRunner:
             context_lens.append(end)
             input_ids.extend(e.token_ids)
             positions.extend(range(start, end))
-            slots.extend(self._slots(e.block_ids, start, end))
-            table = e.block_ids[:max_blocks]
-            tables.append(table + [0] * (max_blocks - len(table)))
+        slot_mapping, block_tables = self._tables(entries, 0)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=self.device),
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
             query_starts=torch.tensor(query_starts, dtype=torch.int32, device=self.device),
             query_lens=torch.tensor(query_lens, dtype=torch.int32, device=self.device),
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
@@ -194,10 +214,18 @@ class ModelRunner:
         )
         if self.lora is not None:
             meta.lora = self._lora_mapping(entries, query_starts)
+        num_groups = len(self.model_config.kv_groups())
+        if num_groups > 1:
+            meta.group_metas = [meta] + [
+                dataclasses.replace(meta, slot_mapping=slots, block_tables=tables)
+                for slots, tables in (self._tables(entries, g) for g in range(1, num_groups))
+            ]
         if self.attention_backend == "reference":
             nd = meta.num_decode_tokens
             size = nd * max(context_lens[:nd], default=0) * self.model_config.num_kv_heads * self.model_config.head_dim
-            meta.gathered = gather_contexts(meta, bs, self._decode_workspace(size) if nd else None)
+            workspace = self._decode_workspace(size) if nd else None
+            for group_meta in meta.group_metas or [meta]:
+                group_meta.gathered = gather_contexts(group_meta, self.block_size, workspace)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos, meta
@@ -319,8 +347,9 @@ class ModelRunner:
         for i, n in enumerate(lens):
             nb = -(-n // bs)
             tokens = torch.randint(0, self.model_config.vocab_size, (n,)).tolist()
-            entries.append(ScheduledRequest(f"profile-{i}", tokens, 0, list(range(next_block, next_block + nb)),
-                                            SamplingParams(), [], tokens))
+            block_ids = list(range(next_block, next_block + nb))  # every group on the same scratch blocks
+            entries.append(ScheduledRequest(f"profile-{i}", tokens, 0, block_ids, SamplingParams(), [], tokens,
+                                            group_block_ids=[block_ids] * (len(self.model_config.kv_groups()) - 1)))
             next_block += nb
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
@@ -328,7 +357,7 @@ class ModelRunner:
             torch.cuda.reset_peak_memory_stats(dev)
             base = torch.cuda.memory_allocated(dev)
         kv = allocate_kv_caches(self.model_config, next_block, bs, self._kv_dtype, dev)
-        kv_bytes = 2 * self.model_config.num_layers * kv[0][0].numel() * kv[0][0].element_size()
+        kv_bytes = len({t.data_ptr() for pair in kv for t in pair}) * kv[0][0].numel() * kv[0][0].element_size()
         input_ids, positions, meta = self.prepare(sorted(entries, key=lambda e: e.num_tokens != 1))
         hidden = self.model(input_ids, positions, kv, meta)  # [num_tokens, hidden]
         rows = torch.arange(max_num_seqs, device=dev) % max_num_batched_tokens

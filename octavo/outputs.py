@@ -43,10 +43,17 @@ class ScheduledRequest:
     samples: list[SampleRow]
     prompt_token_ids: list[int]
     lora_id: int | None = None  # the LoRA adapter its tokens run with
+    # block tables of KV groups 1.. (block_ids is group 0's); empty without sliding-window layers
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def block_tables(self) -> list[list[int]]:
+        """Every KV group's block table, group 0 first."""
+        return [self.block_ids, *self.group_block_ids]
 
     @property
     def sample_ids(self) -> list[str]:

@@ -96,7 +96,7 @@ class Scheduler:
                 f"exceeds max_model_len ({max_len}); lower max_tokens to at most {max_len - num_prompt}"
             )
         total = num_prompt + max_tokens if max_tokens is not None else max_len
-        num_blocks = self.kv_cache.num_blocks_for(total)
+        num_blocks = self.kv_cache.num_blocks_to_hold(total, self.config.max_num_batched_tokens)
         if request.beam is not None:
             # beams share blocks while running, but a preempted search recomputes each beam on its
             # own (without prefix caching, sharing nothing): it must fit with no sharing at all
@@ -222,7 +222,7 @@ class Scheduler:
             self.requests[rid] for rid in self._sequences.get(request.user_request_id, ())
             if self.requests[rid].status is not RequestStatus.RUNNING
         ]
-        needed = sum(self.kv_cache.num_blocks_for(r.num_tokens) for r in waiting)
+        needed = sum(self.kv_cache.num_blocks_to_hold(r.num_tokens, self.config.max_num_batched_tokens) for r in waiting)
         return len(waiting) <= 1 or needed <= self.kv_cache.num_free_blocks
 
     def _schedule_one(
@@ -245,6 +245,7 @@ class Scheduler:
             samples=samples,
             prompt_token_ids=request.prompt_token_ids,
             lora_id=request.lora_id,
+            group_block_ids=allocation.group_block_ids,
         )
         return entry, allocation.copies
 

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1] / "octavo"
 LAYERS: list[tuple[str, list[str]]] = [
     ("data and leaves", [
         "octavo.config", "octavo.engine_args", "octavo.cache", "octavo.cpu_features", "octavo.threads",
-        "octavo.quantization", "octavo.quantization_k", "octavo.memory", "octavo.sampling", "octavo.sampling.params",
+        "octavo.quantization", "octavo.memory", "octavo.sampling", "octavo.sampling.params",
         "octavo.sampling.logprobs", "octavo.lora.request", "octavo.beam_search", "octavo.structured.schema",
         "octavo.kernels.metadata", "octavo.tokenizer", "octavo.detokenizer", "octavo.planner",
         "octavo.simulator.workload",

@@ -79,12 +79,13 @@ def input_shard(layer: nn.Module, start: int, end: int, name: str) -> nn.Module:
     q = _quantized(layer, name)
     if q is None:
         return _linear(layer.weight[:, start:end], None)
-    if start % BLOCK or end % BLOCK:
+    block = q.fmt.block_size
+    if start % block or end % block:
         raise ValueError(f"{name}: its inputs [{start}, {end}) of {q.in_features} do not fall on quantized "
-                         f"{q.fmt.name} blocks of {BLOCK}; use a tensor_parallel_size whose shares are "
+                         f"{q.fmt.name} blocks of {block}; use a tensor_parallel_size whose shares are "
                          "multiples of 32, or --quantization none")
     bpb = q.fmt.block_bytes
-    blocks = q.qweight[:, start // BLOCK * bpb : end // BLOCK * bpb].contiguous()
+    blocks = q.qweight[:, start // block * bpb : end // block * bpb].contiguous()
     return QuantLinear(blocks, q.fmt, end - start, None, prepare=False)
 
 

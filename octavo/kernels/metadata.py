@@ -69,6 +69,9 @@ class AttentionMetadata:
     allow_split_kv: bool = True  # False inside a captured CUDA graph (one kernel choice per graph)
     lora: LoRAMapping | None = None  # which tokens run with which adapter (None: the base model only)
     gathered: GatheredContexts | None = None  # the reference kernel's slots, when it runs
+    # One metadata per KV group (config.kv_groups; this one is group 0's), when a model's layers
+    # page their KV through several block tables (sliding-window groups); None with one group.
+    group_metas: list[AttentionMetadata] | None = None
 
 
 def gather_contexts(

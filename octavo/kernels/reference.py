@@ -166,7 +166,11 @@ def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], copies: list
         return
     src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=kv_caches[0][0].device)
     dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=kv_caches[0][0].device)
+    done: set[int] = set()  # layers of different KV groups share tensors: copy each once
     for k_cache, v_cache in kv_caches:
+        if k_cache.data_ptr() in done:
+            continue
+        done.add(k_cache.data_ptr())
         k_cache[dst] = k_cache[src]
         v_cache[dst] = v_cache[src]
 

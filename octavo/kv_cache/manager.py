@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from octavo.config import blocks_to_hold
 from octavo.kv_cache.block_pool import BlockPool, KVCacheBlock
 from octavo.kv_cache.prefix_cache import extend_block_hashes
 from octavo.request import Request
@@ -11,25 +12,39 @@ from octavo.request import Request
 
 @dataclass(slots=True)
 class ComputedBlocks:
-    """A prefix-cache hit: the shared blocks and the number of tokens they cover (block-aligned)."""
+    """A prefix-cache hit: per KV group, the shared blocks of its first `num_blocks` table entries
+    (None where a sliding-window group needs no block: wholly before the window of the next
+    token). Empty lists: no hit."""
 
-    blocks: list[KVCacheBlock] = field(default_factory=list)
+    groups: list[list[KVCacheBlock | None]] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.groups[0]) if self.groups else 0
+
+    @property
+    def blocks(self) -> list[KVCacheBlock | None]:
+        """Group 0's entries (the only group of a model without sliding-window layers)."""
+        return self.groups[0] if self.groups else []
 
     def num_tokens(self, block_size: int) -> int:
-        return len(self.blocks) * block_size
+        return self.num_blocks * block_size
 
 
 @dataclass(slots=True)
 class Allocation:
     """What the scheduler learns from a successful `allocate_slots`.
 
-    block_ids is the request's whole block table (read-only for the caller). copies lists
-    (src_block_id, dst_block_id) pairs the model runner must copy before this step's forward:
-    copy-on-write of a partly filled block shared with a sibling sequence.
+    block_ids is the request's whole block table of KV group 0, group_block_ids those of groups 1..
+    (empty for a model without sliding-window layers); entries a window no longer reads are
+    NULL_BLOCK_ID (read by no kernel). All read-only for the caller. copies lists (src_block_id,
+    dst_block_id) pairs the model runner must copy before this step's forward: copy-on-write of a
+    partly filled block shared with a sibling sequence.
     """
 
     block_ids: list[int]
     copies: list[tuple[int, int]]
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -38,19 +53,58 @@ class PrefixCacheStats:
     num_hits_tokens: int = 0
 
 
+# The block id a table shows where a sliding-window group holds no block (wholly before the
+# window): kernels never read it (tests/kernels fill such blocks with NaN to prove it).
+NULL_BLOCK_ID = 0
+
+@dataclass(slots=True)
+class _Table:
+    """One group's block table of one request: the blocks, their ids (kept alongside, so a step
+    reads them without rebuilding a list), and how many leading entries the window gave back."""
+
+    blocks: list[KVCacheBlock | None] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    num_dropped: int = 0
+
+    def extend(self, blocks: list[KVCacheBlock | None]) -> None:
+        self.blocks.extend(blocks)
+        self.ids.extend(NULL_BLOCK_ID if b is None else b.block_id for b in blocks)
+
+    def set(self, idx: int, block: KVCacheBlock | None) -> None:
+        self.blocks[idx] = block
+        self.ids[idx] = NULL_BLOCK_ID if block is None else block.block_id
+
+    def held(self) -> list[KVCacheBlock]:
+        return [b for b in self.blocks[self.num_dropped :] if b is not None]
+
+    def copy(self) -> _Table:
+        return _Table(list(self.blocks), list(self.ids), self.num_dropped)
+
+
 class KVCacheManager:
-    """Keeps each request's block table and hashes on top of a BlockPool.
+    """Keeps each request's block tables (one per KV group) and hashes on top of a BlockPool.
+
+    KV groups: layers grouped by attention kind, each group the same number of layers (see
+    config.kv_groups), so one pool block holds block_size tokens of any one group. A global group
+    keeps a block for every token; a sliding-window group of window W gives back, as the request
+    advances, every block wholly before the window of its next token, so a long sequence holds
+    about W / block_size + 1 blocks there. Table entries it gave back become None.
 
     Invariants: every block is either in the free queue (ref_cnt 0) or held; a block's ref_cnt
-    equals the number of tables that contain it.
+    equals the number of table entries that hold it.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+        group_windows: tuple[int | None, ...] = (None,),
+    ) -> None:
+        if not group_windows:
+            raise ValueError("a KV cache needs at least one group")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.group_windows = tuple(group_windows)
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
-        self._tables: dict[str, list[KVCacheBlock]] = {}
-        self._block_ids: dict[str, list[int]] = {}
+        self._tables: dict[str, list[_Table]] = {}
         self._hashes: dict[str, list[bytes]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         # Full blocks scheduled in this step but not yet computed: rid -> their hashes, and how
@@ -70,14 +124,44 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
+
     def usage(self) -> float:
         return self.pool.usage()
 
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        """The request's block ids per group (NULL_BLOCK_ID where a window holds none)."""
+        return [table.ids for table in self._tables.get(request_id, [])]
+
     def block_ids(self, request_id: str) -> list[int]:
-        return self._block_ids.get(request_id, [])
+        """Group 0's block ids (the whole table of a model without sliding-window layers)."""
+        tables = self._tables.get(request_id)
+        return tables[0].ids if tables else []
+
+    def held_blocks(self, request_id: str) -> list[int]:
+        """Every block the request holds, over all groups (NULL entries left out)."""
+        return [b.block_id for table in self._tables.get(request_id, []) for b in table.held()]
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def num_blocks_to_hold(self, num_tokens: int, max_chunk: int | None = None) -> int:
+        """Blocks one sequence of `num_tokens` tokens holds at most (config.blocks_to_hold)."""
+        return blocks_to_hold(self.group_windows, num_tokens, self.block_size, max_chunk)
+
+    def _first_needed_block(self, group: int, start: int) -> int:
+        """The first table index group `group` must hold for queries starting at position
+        `start` (0 for a global group): keys before start - window + 1 are never read again."""
+        window = self.group_windows[group]
+        if window is None:
+            return 0
+        return max(0, start - window + 1) // self.block_size
+
+    def _key(self, group: int, block_hash: bytes):
+        """The hash-map key of a block of `group` (group 0: the bare chained hash)."""
+        return block_hash if group == 0 else (group, block_hash)
 
     def _block_hashes(self, request: Request) -> list[bytes]:
         hashes = self._hashes.setdefault(request.request_id, [])
@@ -88,83 +172,112 @@ class KVCacheManager:
         return hashes
 
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
-        """Longest chain of cached full blocks that prefixes the request; changes nothing.
+        """Longest cached prefix of the request that every group can serve; changes nothing.
 
-        The hit never covers the last token: its logits must be computed, so a request whose
-        whole prompt is cached still recomputes its last block.
+        A global group needs every block up to the hit point; a sliding-window group only those
+        inside the window of the first token after it. The hit never covers the last token: its
+        logits must be computed, so a request whose whole prompt is cached still recomputes its
+        last block.
         """
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return ComputedBlocks()  # prompt logprobs need every prompt position computed (vLLM v1 does the same)
-        hashes = self._block_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hit: list[KVCacheBlock] = []
-        for block_hash in hashes[:max_blocks]:
-            block = self.pool.lookup(block_hash)
-            if block is None:
-                break
-            hit.append(block)
-        return ComputedBlocks(hit)
+        hashes = self._block_hashes(request)[: (request.num_tokens - 1) // self.block_size]
+        num_hit = len(hashes)
+        for g, window in enumerate(self.group_windows):
+            if window is None:  # the longest chain of hits
+                num_hit = next((i for i, h in enumerate(hashes[:num_hit]) if self.pool.lookup(self._key(g, h)) is None), num_hit)
+        while num_hit > 0 and not all(
+            self._window_hit(g, hashes, num_hit) for g, w in enumerate(self.group_windows) if w is not None
+        ):
+            num_hit -= 1
+        if num_hit == 0:
+            return ComputedBlocks()
+        groups = []
+        for g in range(self.num_groups):
+            first = self._first_needed_block(g, num_hit * self.block_size)
+            groups.append([None] * first + [self.pool.lookup(self._key(g, h)) for h in hashes[first:num_hit]])
+        return ComputedBlocks(groups)
+
+    def _window_hit(self, group: int, hashes: list[bytes], num_hit: int) -> bool:
+        first = self._first_needed_block(group, num_hit * self.block_size)
+        return all(self.pool.lookup(self._key(group, h)) is not None for h in hashes[first:num_hit])
 
     # ---- writes ------------------------------------------------------------------------------
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None
     ) -> Allocation | None:
-        """Grow the request's table so tokens [start, start + num_new_tokens) have slots.
+        """Grow the request's tables so tokens [start, start + num_new_tokens) have slots in
+        every group.
 
         start is request.num_computed_tokens, or the hit's length when `computed` is given (a
-        request being admitted, whose table must be empty). Returns None and changes nothing
-        when the pool cannot supply the blocks. Nothing is entered into the prefix cache here:
-        a block becomes shareable only once its tokens are computed (`cache_blocks`, after the
-        step), so a request preempted after being scheduled cannot leave hashes on blocks whose
-        KV was never written.
+        request being admitted, whose tables must be empty). First, sliding-window groups give
+        back the blocks wholly before the window of token `start` (never read again; a cached
+        one stays findable until evicted). Then returns None, changing nothing more, when the
+        pool cannot supply the blocks. Nothing is entered into the prefix cache here: a block
+        becomes shareable only once its tokens are computed (`cache_blocks`, after the step), so
+        a request preempted after being scheduled cannot leave hashes on blocks whose KV was
+        never written.
 
-            table:  | full | full | part |  new  |  new  |
+            table:  | gone | full | part |  new  |  new  |
                                   ^start        ^start + num_new_tokens
-            a shared `part` block is copied first (copy-on-write); full blocks are never copied.
+            a shared `part` block is copied first (copy-on-write); full blocks are never copied;
+            `gone`: None entries of a sliding-window group, before the window of `start`.
         """
         rid = request.request_id
-        table = self._tables.setdefault(rid, [])
-        block_ids = self._block_ids.setdefault(rid, [])
-        hit_blocks = computed.blocks if computed is not None else []
-        if hit_blocks and table:
+        tables = self._tables.setdefault(rid, [_Table() for _ in self.group_windows])
+        if computed is not None and computed.num_blocks and any(t.blocks for t in tables):
             raise ValueError(f"request {rid} already holds blocks; a prefix hit applies only on admission")
-        start = len(hit_blocks) * self.block_size if computed is not None else request.num_computed_tokens
+        hit_groups = computed.groups if computed is not None and computed.groups else [[] for _ in tables]
+        start = computed.num_tokens(self.block_size) if computed is not None else request.num_computed_tokens
         end = start + num_new_tokens
+        for g, table in enumerate(tables):
+            self._drop_outside_window(g, table, start)
 
-        num_new_blocks = max(0, self.num_blocks_for(end) - len(table) - len(hit_blocks))
-        write_idx = start // self.block_size
-        needs_copy = (
-            start % self.block_size != 0
-            and write_idx < len(table)
-            and table[write_idx].ref_cnt > 1
-        )
-        num_hits_now_free = sum(1 for block in hit_blocks if block.ref_cnt == 0)
-        if num_new_blocks + int(needs_copy) + num_hits_now_free > self.pool.num_free_blocks:
+        num_needed = 0
+        copy_at: list[int | None] = []
+        for table, hit in zip(tables, hit_groups):
+            num_needed += max(0, self.num_blocks_for(end) - len(table.blocks) - len(hit))
+            write_idx = start // self.block_size
+            shared = start % self.block_size != 0 and write_idx < len(table.blocks) \
+                and table.blocks[write_idx] is not None and table.blocks[write_idx].ref_cnt > 1
+            copy_at.append(write_idx if shared else None)
+            num_needed += int(shared)
+            num_needed += sum(1 for block in hit if block is not None and block.ref_cnt == 0)
+        if num_needed > self.pool.num_free_blocks:
             return None
 
         if computed is not None:
             self.stats.num_queries_tokens += request.num_tokens
-            self.stats.num_hits_tokens += len(hit_blocks) * self.block_size
-        self.pool.touch(hit_blocks)
-        table.extend(hit_blocks)
-        block_ids.extend(block.block_id for block in hit_blocks)
-        self._num_cached_blocks[rid] = max(self._num_cached_blocks.get(rid, 0), len(hit_blocks))
-
+            self.stats.num_hits_tokens += computed.num_tokens(self.block_size)
+            self._num_cached_blocks[rid] = max(self._num_cached_blocks.get(rid, 0), computed.num_blocks)
+        for table, hit in zip(tables, hit_groups):  # every group's hits leave the free queue before
+            self.pool.touch([block for block in hit if block is not None])  # any allocation can evict them
+            table.extend(hit)
         copies: list[tuple[int, int]] = []
-        if needs_copy:
-            shared = table[write_idx]
-            (private,) = self.pool.allocate(1)
-            copies.append((shared.block_id, private.block_id))
-            self.pool.free([shared])
-            table[write_idx] = private
-            block_ids[write_idx] = private.block_id
-        if num_new_blocks:
-            new_blocks = self.pool.allocate(num_new_blocks)
-            table.extend(new_blocks)
-            block_ids.extend(block.block_id for block in new_blocks)
+        for table, idx in zip(tables, copy_at):
+            if idx is not None:
+                shared_block = table.blocks[idx]
+                (private,) = self.pool.allocate(1)
+                copies.append((shared_block.block_id, private.block_id))
+                self.pool.free([shared_block])
+                table.set(idx, private)
+            num_new_blocks = max(0, self.num_blocks_for(end) - len(table.blocks))
+            if num_new_blocks:
+                table.extend(self.pool.allocate(num_new_blocks))
         self._mark_in_flight(request, end)
-        return Allocation(block_ids, copies)
+        return Allocation(tables[0].ids, copies, [t.ids for t in tables[1:]])
+
+    def _drop_outside_window(self, group: int, table: _Table, start: int) -> None:
+        """Give back the group's blocks wholly before the window of token `start` (tail first)."""
+        first = min(self._first_needed_block(group, start), len(table.blocks))
+        if first <= table.num_dropped:
+            return
+        gone = [table.blocks[i] for i in range(first - 1, table.num_dropped - 1, -1) if table.blocks[i] is not None]
+        for i in range(table.num_dropped, first):
+            table.set(i, None)
+        table.num_dropped = first
+        self.pool.free(gone)
 
     def _mark_in_flight(self, request: Request, end: int) -> None:
         if not self.enable_prefix_caching:
@@ -193,50 +306,54 @@ class KVCacheManager:
         if not self._num_in_flight:
             return False
         hashes = self._block_hashes(request)
-        idx = len(computed.blocks)
+        idx = computed.num_blocks
         return idx < min(len(hashes), (request.num_tokens - 1) // self.block_size) and hashes[idx] in self._num_in_flight
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Enter the request's blocks that are full within its first `num_computed_tokens` tokens
-        into the prefix cache. Call only once the forward has written those tokens' KV."""
+        into the prefix cache, in every group that still holds them. Call only once the forward
+        has written those tokens' KV."""
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
         self._clear_in_flight(rid)
-        table = self._tables.get(rid)
-        if table is None:
+        tables = self._tables.get(rid)
+        if tables is None:
             return
-        num_full = min(num_computed_tokens // self.block_size, len(table))
+        num_full = min(num_computed_tokens // self.block_size, len(tables[0].blocks))
         first = self._num_cached_blocks.get(rid, 0)
         if num_full <= first:
             return
         hashes = self._block_hashes(request)
-        for block_idx in range(first, num_full):
-            self.pool.cache_block(table[block_idx], hashes[block_idx])
+        for g, table in enumerate(tables):
+            for block_idx in range(first, num_full):
+                if table.blocks[block_idx] is not None:
+                    self.pool.cache_block(table.blocks[block_idx], self._key(g, hashes[block_idx]))
         self._num_cached_blocks[rid] = num_full
 
     def fork(self, parent: Request, child: Request) -> list[int]:
-        """Give `child` the parent's whole table by reference (ref counts +1); returns its block ids."""
-        table = list(self._tables[parent.request_id])
-        self.pool.touch(table)
-        self._tables[child.request_id] = table
-        self._block_ids[child.request_id] = [block.block_id for block in table]
+        """Give `child` the parent's whole tables by reference (ref counts +1); returns its group-0
+        block ids."""
+        tables = [table.copy() for table in self._tables[parent.request_id]]
+        for table in tables:
+            self.pool.touch(table.held())
+        self._tables[child.request_id] = tables
         self._hashes[child.request_id] = list(self._hashes.get(parent.request_id, []))
         self._num_cached_blocks[child.request_id] = self._num_cached_blocks.get(parent.request_id, 0)
-        return self._block_ids[child.request_id]
+        return tables[0].ids
 
     def free(self, request: Request) -> None:
-        """Return all the request's blocks (tail of the table first, so chains evict tail-first).
+        """Return all the request's blocks (tail of each table first, so chains evict tail-first).
 
         The block hashes are kept: a preempted request recomputes the same tokens and can hit
         its own cached prefix. `remove` forgets them once the request has ended.
         """
         rid = request.request_id
         self._clear_in_flight(rid)
-        table = self._tables.pop(rid, [])
-        self._block_ids.pop(rid, None)
+        tables = self._tables.pop(rid, [])
         self._num_cached_blocks.pop(rid, None)
-        self.pool.free(table[::-1])
+        for table in tables:
+            self.pool.free(table.held()[::-1])
 
     def remove(self, request: Request) -> None:
         """Free the request's blocks and forget everything kept about it."""
@@ -258,9 +375,10 @@ class KVCacheManager:
         if len(free_ids) != self.pool.num_free_blocks:
             problems.append(f"free queue holds {len(free_ids)} blocks but counts {self.pool.num_free_blocks}")
         holders: dict[int, int] = {}
-        for table in self._tables.values():
-            for block in table:
-                holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        for tables in self._tables.values():
+            for table in tables:
+                for block in table.held():
+                    holders[block.block_id] = holders.get(block.block_id, 0) + 1
         free_set = set(free_ids)
         for block in self.pool.blocks:
             held = holders.get(block.block_id, 0)
@@ -272,3 +390,4 @@ class KVCacheManager:
             if block.block_hash != block_hash:
                 problems.append(f"hash map entry points at {block} with another hash")
         return problems
+

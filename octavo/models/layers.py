@@ -142,12 +142,15 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.attention_scale if cfg.attention_scale is not None else cfg.head_dim**-0.5
         self.window = cfg.layer_window(layer_idx)
+        self.kv_group = next(g for g, group in enumerate(cfg.kv_groups()) if layer_idx in group.layers)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x, meta)  # [n, q_size + 2 * kv_size]
+        if meta.group_metas is not None:  # this layer's KV group: its own slots and block tables
+            meta = meta.group_metas[self.kv_group]
         k_cache, v_cache = kv_cache
         if self.q_norm is None:
             # one fused op: RoPE on q and k in place, k and v into the cache

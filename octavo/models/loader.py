@@ -330,7 +330,9 @@ def quantize_model(model: CausalLM, fmt: QuantFormat) -> None:
                                             prepare=False)
 
 
-GGUF_BLOCKS_FILE = "gguf-blocks/blocks.safetensors"  # a subdirectory: never taken for HF weights
+# a subdirectory: never taken for HF weights. v2: K-quant and Q5 tensors are kept as blocks (v1
+# dequantized them), so a directory converted before is converted again.
+GGUF_BLOCKS_FILE = "gguf-blocks/blocks-v2.safetensors"
 
 
 def load_gguf_weights(model: CausalLM, gguf_path: Path, model_dir: Path | None = None) -> None:

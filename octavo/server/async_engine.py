@@ -319,6 +319,7 @@ class AsyncEngine:
         if self._factory is not None:
             try:
                 self.engine = self._factory()
+                self.metrics.observe_kv_sizing(self.engine.kv_sizing)
             except BaseException as exc:
                 self._factory_error = exc
                 return

@@ -1,6 +1,8 @@
-"""Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks dequantized by octavo.quantization_k equal gguf-py's
+"""Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks dequantized by octavo.quantization equal gguf-py's
 dequantization bit for bit, on a grid of shapes, from random block bytes (every bit pattern a
-file may hold, fp16 scales kept finite) and from gguf-py's own quantizer where it has one."""
+file may hold, fp16 scales kept finite) and from gguf-py's own quantizer where it has one; the C++
+kernels' packed layout rebuilds every weight bit for bit, and their products equal the torch
+reference's."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from octavo.quantization_k import K_FORMATS, BlockFormat, dequantize_k
+from octavo.kernels import cpu, dispatch, reference
+from octavo.quantization import K_FORMATS, QuantFormat as BlockFormat, dequantize_k
 
 SHAPES = [(1, 256), (3, 512), (16, 1024), (7, 2560)]
 
@@ -61,3 +64,34 @@ def test_a_changed_bit_changes_the_weight():
     after = dequantize_k(torch.from_numpy(blocks), fmt, 256)
     changed = (before != after).nonzero().tolist()
     assert changed == [[0, 0]]
+
+
+needs_kernels = pytest.mark.skipif(cpu.load() is None, reason="the C++ CPU kernels are not built on this machine")
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", sorted(K_FORMATS))
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 100])
+@pytest.mark.parametrize("k", [256, 768])
+def test_packed_layout_rebuilds_every_weight_bit_for_bit(name, n, k):
+    fmt = K_FORMATS[name]
+    q = torch.from_numpy(random_blocks(fmt, n, k, seed=n + k))
+    packed = cpu.pack(q, fmt)
+    expect = dequantize_k(q, fmt, k).view(torch.int32)  # bits, not values: -0.0 is not 0.0 here
+    assert torch.equal(cpu.dequantize_rows(packed, fmt, torch.arange(n), k, n).view(torch.int32), expect)
+    assert torch.equal(cpu.dequantize_transposed(packed, fmt, k, n).contiguous().view(torch.int32), expect.t().contiguous())
+    rows = torch.tensor([n - 1, 0, n // 2])
+    assert torch.equal(cpu.dequantize_rows(packed, fmt, rows, k, n).view(torch.int32), expect[rows])
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", sorted(K_FORMATS))
+@pytest.mark.parametrize("n,k", [(1, 256), (16, 512), (17, 256), (100, 1024)])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 17, 130])
+def test_kernel_matches_reference(name, n, k, m):
+    fmt = K_FORMATS[name]
+    q = torch.from_numpy(random_blocks(fmt, n, k, seed=n * k))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    expect = reference.quant_linear(x, q, fmt, k)
+    got = dispatch.quant_linear(x, cpu.pack(q, fmt), "packed", fmt, k, n)  # m >= 128: the rebuild + GEMM path
+    torch.testing.assert_close(got, expect, atol=2e-5 * k**0.5, rtol=1e-4)

@@ -17,11 +17,23 @@ from octavo.kernels import cpu
 CHECK = r"""
 import torch
 from octavo.kernels import cpu, reference
-from octavo.quantization import FORMATS, dequantize, quantize
+from octavo.quantization import K_FORMATS, Q4_0, Q4_1, Q8_0, dequantize, quantize
+from tests.kernels.test_k_quants import random_blocks
 assert cpu.load() is not None, "the build failed"
 print(cpu.quant_isa(), cpu.load().pack_width())
 g = torch.Generator().manual_seed(0)
-for fmt in FORMATS.values():
+for fmt in K_FORMATS.values():  # read from files: random blocks, every bit pattern
+    for n, k in ((1, 256), (9, 512), (17, 256)):
+        q = torch.from_numpy(random_blocks(fmt, n, k, seed=n))
+        packed = cpu.pack(q, fmt)
+        exact = dequantize(q, fmt, k)
+        assert torch.equal(cpu.dequantize_rows(packed, fmt, torch.arange(n), k, n), exact), (fmt.name, n, k)
+        assert torch.equal(cpu.dequantize_transposed(packed, fmt, k, n), exact.t()), (fmt.name, n, k)
+        for m in (1, 5, 9):
+            x = torch.randn(m, k, generator=g)
+            torch.testing.assert_close(cpu.quant_linear(x, packed, fmt, n), reference.quant_linear(x, q, fmt, k),
+                                       atol=1e-4, rtol=1e-4)
+for fmt in (Q4_0, Q4_1, Q8_0):
     for n, k in ((1, 32), (9, 64), (17, 96), (40, 576)):
         w = torch.randn(n, k, generator=g) * 0.1
         w[:, :32] += 0.2

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from octavo.kernels import cpu, dispatch, reference
-from octavo.quantization import FORMATS, Q4_0, Q4_1, Q8_0, dequantize, quantize
+from octavo.quantization import Q4_0, Q4_1, Q8_0, dequantize, quantize
 
 needs_kernels = pytest.mark.skipif(cpu.load() is None, reason="the C++ CPU kernels are not built on this machine")
-FMTS = list(FORMATS.values())
+FMTS = [Q4_0, Q4_1, Q8_0]  # the formats Octavo quantizes into (K-quants: tests/kernels/test_k_quants.py)
 
 
 def weights(n: int, k: int, seed: int = 0) -> torch.Tensor:

@@ -135,14 +135,15 @@ def test_gguf_of_each_architecture_loads_as_the_transformers_model(tmp_path, arc
     # q/k/v, o, gate/up, down per layer, and an untied head, kept in their Q8_0 blocks
     expected = 4 * hf.config.num_hidden_layers + (0 if hf.config.tie_word_embeddings else 1)
     assert sum(isinstance(m, QuantLinear) for m in model.modules()) == expected
-    runner = ModelRunner(model.eval(), config, CacheConfig(block_size=4, num_blocks=16), eos_token_ids=())
+    runner = ModelRunner(model.eval(), config, CacheConfig(block_size=4, num_blocks=96), eos_token_ids=())
+    groups = len(config.kv_groups())
     ids = torch.randint(0, 97, (13,)).tolist()
     with torch.no_grad():
         expect = hf(torch.tensor([ids])).logits[0]
-    out = run(runner, [entry("a", ids[:11], 0, [3, 0, 7])])["a"]
+    out = run(runner, [entry("a", ids[:11], 0, [3, 0, 7], groups)])["a"]
     torch.testing.assert_close(out, expect[:11], atol=5e-5, rtol=0)
     for pos in (11, 12):  # decodes past the window
-        out = run(runner, [entry("a", [ids[pos]], pos, [3, 0, 7, 9])])["a"]
+        out = run(runner, [entry("a", [ids[pos]], pos, [3, 0, 7, 9], groups)])["a"]
         torch.testing.assert_close(out, expect[pos : pos + 1], atol=5e-5, rtol=0)
 
 

@@ -65,8 +65,12 @@ def pair(request, tmp_path_factory):
     return request.param, hf, model, model_cfg
 
 
-def entry(rid, tokens, start, block_ids):
-    return ScheduledRequest(rid, tokens, start, block_ids, SamplingParams(temperature=0), [SampleRow(rid)], [])
+def entry(rid, tokens, start, block_ids, num_groups=1, stride=16):
+    """A scheduled request; a model with several KV groups gets a table per group, group g's on
+    block ids shifted by g x stride (above every id used), so groups never share a block."""
+    groups = [[b + g * stride for b in block_ids] for g in range(1, num_groups)]
+    return ScheduledRequest(rid, tokens, start, block_ids, SamplingParams(temperature=0), [SampleRow(rid)], [],
+                            group_block_ids=groups)
 
 
 def run(runner, entries):
@@ -112,15 +116,16 @@ def test_paged_prefill_chunked_prefill_and_decode_match_transformers(pair, backe
         ref_b = hf(torch.tensor([b + [4, 5]])).logits[0]
 
     # step 1: all of b and the first 6 tokens of a (a chunk)
-    out = run(runner, [entry("a", a[:6], 0, tables["a"]), entry("b", b, 0, tables["b"])])
+    g = len(cfg.kv_groups())
+    out = run(runner, [entry("a", a[:6], 0, tables["a"], g), entry("b", b, 0, tables["b"], g)])
     torch.testing.assert_close(out["a"], ref_a[:6], atol=ATOL, rtol=0)
     torch.testing.assert_close(out["b"], ref_b[:7], atol=ATOL, rtol=0)
     # step 2: the rest of a attends to its cached first chunk; b decodes one token
-    out = run(runner, [entry("a", a[6:], 6, tables["a"]), entry("b", [4], 7, tables["b"])])
+    out = run(runner, [entry("a", a[6:], 6, tables["a"], g), entry("b", [4], 7, tables["b"], g)])
     torch.testing.assert_close(out["a"], ref_a[6:11], atol=ATOL, rtol=0)
     torch.testing.assert_close(out["b"], ref_b[7:8], atol=ATOL, rtol=0)
     # step 3: both decode, batched together (crossing a block boundary for a)
-    out = run(runner, [entry("a", [3], 11, tables["a"]), entry("b", [5], 8, tables["b"])])
+    out = run(runner, [entry("a", [3], 11, tables["a"], g), entry("b", [5], 8, tables["b"], g)])
     torch.testing.assert_close(out["a"], ref_a[11:12], atol=ATOL, rtol=0)
     torch.testing.assert_close(out["b"], ref_b[8:9], atol=ATOL, rtol=0)
 

@@ -117,8 +117,10 @@ def test_small_budget_chunks_straddle_the_window_edge(make_gemma, prompts, refs)
 
 
 def test_tiny_pool_with_preemption(make_gemma, prompts, refs):
-    # 140 blocks of 16 = 2,240 tokens: the longest request (2,032) fits alone, all of them never do
-    llm = make_gemma(num_kv_blocks=140, enable_prefix_caching=False, max_num_batched_tokens=512)
+    # A block holds 16 tokens of one KV group (1 global, 5 sliding): the longest request (2,032
+    # tokens, 512-token chunks) holds 127 global + 5 x 65 window blocks = 452 at most; 480 fit it
+    # alone, never all five
+    llm = make_gemma(num_kv_blocks=480, enable_prefix_caching=False, max_num_batched_tokens=512)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert llm.engine.get_stats().scheduler.num_preemptions > 0
     check_all(outs, refs, "preemption")

@@ -5,7 +5,9 @@ block tables holding it; each running request's table covers its computed tokens
 request has ended, every block is free again. A shadow KV cache records which token each slot was
 written with (the forward's writes, copy-on-write copies included): every context a scheduled
 request attends to must hold exactly its own tokens, so a prefix hit on a block whose KV was never
-written (a stale hash) fails here.
+written (a stale hash) fails here. The same holds with several KV groups (global and
+sliding-window ones, as Gemma 3 pages its layers): each group's table is checked for the keys its
+window reads, so a window that gave back a block it still needs fails too.
 """
 
 import random
@@ -49,11 +51,13 @@ ops = st.lists(
 class ShadowKV:
     """slot -> the token id last written there; what a real forward would have left in the pool."""
 
-    def __init__(self) -> None:
+    def __init__(self, windows: tuple[int | None, ...] = (None,)) -> None:
         self.slots: dict[tuple[int, int], int] = {}
+        self.windows = windows
 
     def run(self, s: Scheduler, out) -> None:
-        """Check every scheduled request's context, then write its new tokens (as the runner does)."""
+        """Check every scheduled request's context in every group (the keys its window reads),
+        then write its new tokens (as the runner does)."""
         for src, dst in out.copies:
             for offset in range(BS):
                 if (src, offset) in self.slots:
@@ -62,11 +66,14 @@ class ShadowKV:
                     self.slots.pop((dst, offset), None)
         for e in out.scheduled:
             tokens = s.requests[e.request_id].all_token_ids
-            for pos in range(e.start_pos):
-                slot = (e.block_ids[pos // BS], pos % BS)
-                assert self.slots.get(slot) == tokens[pos], f"{e.request_id} reads unwritten or foreign KV at {pos}"
-            for pos, token in zip(range(e.start_pos, e.start_pos + e.num_tokens), e.token_ids):
-                self.slots[(e.block_ids[pos // BS], pos % BS)] = token
+            assert len(e.block_tables) == len(self.windows)
+            for table, window in zip(e.block_tables, self.windows):
+                first = 0 if window is None else max(0, e.start_pos - window + 1)
+                for pos in range(first, e.start_pos):
+                    slot = (table[pos // BS], pos % BS)
+                    assert self.slots.get(slot) == tokens[pos], f"{e.request_id} reads unwritten or foreign KV at {pos}"
+                for pos, token in zip(range(e.start_pos, e.start_pos + e.num_tokens), e.token_ids):
+                    self.slots[(table[pos // BS], pos % BS)] = token
 
 
 def fake_model(s: Scheduler, out, seed: int) -> ModelRunnerOutput:
@@ -90,7 +97,7 @@ def check_invariants(s: Scheduler) -> None:
     assert kv.check_invariants() == []
     holders = Counter()
     for rid in s.requests:
-        holders.update(kv.block_ids(rid))
+        holders.update(kv.held_blocks(rid))
     for block in kv.pool.blocks:
         assert block.ref_cnt == holders[block.block_id], block
     for req in s.running:
@@ -102,12 +109,14 @@ def check_invariants(s: Scheduler) -> None:
 
 @settings(max_examples=150, deadline=None)
 @given(ops=ops, num_blocks=st.integers(8, 24), budget=st.sampled_from([4, 16, 64]), caching=st.booleans(),
-       policy=st.sampled_from(["fcfs", "priority"]))
-def test_random_operations_keep_invariants(ops, num_blocks, budget, caching, policy):
+       policy=st.sampled_from(["fcfs", "priority"]),
+       windows=st.sampled_from([(None,), (None,), (None, 6), (5,), (None, 9, 4)]))
+def test_random_operations_keep_invariants(ops, num_blocks, budget, caching, policy, windows):
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=6, max_model_len=64, policy=policy)
-    s = Scheduler(cfg, KVCacheManager(num_blocks, BS, enable_prefix_caching=caching))
+    s = Scheduler(cfg, KVCacheManager(num_blocks * len(windows), BS, enable_prefix_caching=caching, group_windows=windows))
+    num_blocks *= len(windows)
     prefixes = [[7] * 8, [8] * 8, list(range(8)), [9] * 3]
-    shadow = ShadowKV()
+    shadow = ShadowKV(windows)
     ids = []
     for i, op in enumerate(ops):
         if op[0] in ("add", "beam"):

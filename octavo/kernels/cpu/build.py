@@ -29,8 +29,9 @@ logger = logging.getLogger("octavo.kernels.cpu")
 
 MODULE_NAME = "octavo_cpu_kernels"
 _HERE = Path(__file__).parent
-SOURCES = tuple(_HERE / name for name in ("bindings.cpp", "layer_ops.cpp", "paged_attention.cpp", "quant_linear.cpp"))
-HEADERS = (_HERE / "vec_math.h",)  # compiled through the sources; part of the key
+SOURCES = tuple(_HERE / name for name in (
+    "bindings.cpp", "layer_ops.cpp", "paged_attention.cpp", "quant_linear.cpp", "quant_linear_k8.cpp"))
+HEADERS = tuple(_HERE / name for name in ("vec_math.h", "quant_isa.h", "quant_linear_k8.h"))  # compiled through the sources; part of the key
 # -march=native: the build is cached per machine (the key includes the CPU flags), so it may use
 # whatever vector units this CPU has (AVX-512, AVX2 or neither: the kernels pick at compile time).
 # -fopenmp: at::parallel_for is an OpenMP region in the header; the library resolves to the

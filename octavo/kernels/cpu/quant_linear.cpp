@@ -1,6 +1,6 @@
 // Weight-only quantized linear layers for the CPU: out = x @ W^T, W in a GGML block format
 // (Q4_0, Q4_1, Q8_0: 32 consecutive weights of a row share an fp16 scale d, Q4_1 also an fp16 min
-// m), activations float32.
+// m), activations float32. Q5_0, Q5_1 and the K-quants go to quant_linear_k8.cpp.
 //
 // GGUF layout (what `pack` takes): uint8 [N, K / 32 * block_bytes], each row K / 32 blocks of
 //   Q4_0 (18 bytes): d, 16 bytes of nibbles          w = d * (q - 8)
@@ -32,116 +32,19 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
+#include "quant_isa.h"
+#include "quant_linear_k8.h"
 
 namespace {
+
+using octavo_quant::fp16_to_float;
+using octavo_quant::Isa;
+using octavo_quant::load_u16;
 
 enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
 constexpr int64_t QK = 32;
 
 constexpr int64_t block_bytes(int64_t fmt) { return fmt == kQ4_0 ? 18 : fmt == kQ4_1 ? 20 : 34; }
-
-inline float fp16_to_float(uint16_t h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-  uint32_t bits;
-  if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else {  // subnormal: normalise
-      int e = -1;
-      uint32_t m = mant;
-      do { ++e; m <<= 1; } while ((m & 0x400) == 0);
-      bits = sign | ((127 - 15 - e) << 23) | ((m & 0x3ff) << 13);
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | (mant << 13);
-  } else {
-    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-#endif
-}
-
-inline uint16_t load_u16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return h;
-}
-
-// ---- the vector ISA, as a small traits struct --------------------------------------------------
-// G lanes of float; load_u8/load_s8 widen G bytes to G floats; load_h widens G fp16 values.
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-struct Isa {
-  using V = __m512;
-  using I = __m512i;
-  static constexpr int G = 16;
-  static V zero() { return _mm512_setzero_ps(); }
-  static V load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-  static V set1(float x) { return _mm512_set1_ps(x); }
-  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
-  static V add(V a, V b) { return _mm512_add_ps(a, b); }
-  static I bytes_u(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-  static I bytes_s(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-  static I low_nibble(I v) { return _mm512_and_si512(v, _mm512_set1_epi32(0x0f)); }
-  static I high_nibble(I v) { return _mm512_srli_epi32(v, 4); }
-  static I sub8(I v) { return _mm512_sub_epi32(v, _mm512_set1_epi32(8)); }
-  static V to_float(I v) { return _mm512_cvtepi32_ps(v); }
-  static V halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-  static constexpr const char* name = "avx512";
-};
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-struct Isa {
-  using V = __m256;
-  using I = __m256i;
-  static constexpr int G = 8;
-  static V zero() { return _mm256_setzero_ps(); }
-  static V load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
-  static V set1(float x) { return _mm256_set1_ps(x); }
-  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
-  static V add(V a, V b) { return _mm256_add_ps(a, b); }
-  static I bytes_u(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
-  static I bytes_s(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
-  static I low_nibble(I v) { return _mm256_and_si256(v, _mm256_set1_epi32(0x0f)); }
-  static I high_nibble(I v) { return _mm256_srli_epi32(v, 4); }
-  static I sub8(I v) { return _mm256_sub_epi32(v, _mm256_set1_epi32(8)); }
-  static V to_float(I v) { return _mm256_cvtepi32_ps(v); }
-  static V halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-  static constexpr const char* name = "avx2";
-};
-#else
-struct Isa {  // plain C++ over G-float arrays (the compiler vectorises what it can)
-  static constexpr int G = 8;
-  struct V { float v[G]; };
-  struct I { int32_t v[G]; };
-  static V zero() { V z{}; return z; }
-  static V load(const float* p) { V r; std::memcpy(r.v, p, sizeof r.v); return r; }
-  static void store(float* p, V v) { std::memcpy(p, v.v, sizeof v.v); }
-  static V set1(float x) { V r; for (float& e : r.v) e = x; return r; }
-  static V fma(V a, V b, V c) { for (int i = 0; i < G; ++i) c.v[i] += a.v[i] * b.v[i]; return c; }
-  static V mul(V a, V b) { for (int i = 0; i < G; ++i) a.v[i] *= b.v[i]; return a; }
-  static V add(V a, V b) { for (int i = 0; i < G; ++i) a.v[i] += b.v[i]; return a; }
-  static I bytes_u(const uint8_t* p) { I r; for (int i = 0; i < G; ++i) r.v[i] = p[i]; return r; }
-  static I bytes_s(const uint8_t* p) { I r; for (int i = 0; i < G; ++i) r.v[i] = static_cast<int8_t>(p[i]); return r; }
-  static I low_nibble(I a) { for (auto& e : a.v) e &= 0x0f; return a; }
-  static I high_nibble(I a) { for (auto& e : a.v) e >>= 4; return a; }
-  static I sub8(I a) { for (auto& e : a.v) e -= 8; return a; }
-  static V to_float(I a) { V r; for (int i = 0; i < G; ++i) r.v[i] = static_cast<float>(a.v[i]); return r; }
-  static V halves(const uint8_t* p) { V r; for (int i = 0; i < G; ++i) r.v[i] = fp16_to_float(load_u16(p + 2 * i)); return r; }
-  static constexpr const char* name = "scalar";
-};
-#endif
 
 using V = Isa::V;
 constexpr int G = Isa::G;
@@ -293,6 +196,7 @@ void check_packed(const torch::Tensor& packed, int64_t fmt, int64_t N, int64_t K
 
 // GGUF blocks uint8 [N, K / 32 * block_bytes] -> packed uint8 [ceil(N / G), K / 32, tile_bytes].
 torch::Tensor pack(torch::Tensor qweight, int64_t fmt) {
+  if (octavo_k8::handles(fmt)) return octavo_k8::pack(qweight, fmt);
   check_format(fmt);
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
               "a GGUF-layout weight is a contiguous uint8 tensor [out_features, blocks * block_bytes]");
@@ -325,6 +229,7 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int6
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.dim() == 2 && out.is_contiguous(), "x, out: contiguous 2-D");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   TORCH_CHECK(out.size(0) == M, "out must have as many rows as x");
+  if (octavo_k8::handles(fmt)) return octavo_k8::quant_linear(out, x, packed, fmt);
   check_packed(packed, fmt, N, K);
   const float* xp = x.data_ptr<float>();
   const uint8_t* pp = packed.data_ptr<uint8_t>();
@@ -342,6 +247,7 @@ void dequantize_rows(torch::Tensor out, torch::Tensor packed, int64_t fmt, torch
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous(), "out: contiguous float32");
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous() && rows.size(0) == out.size(0),
               "rows: int64 [len(out)]");
+  if (octavo_k8::handles(fmt)) return octavo_k8::dequantize_rows(out, packed, fmt, rows, N);
   const int64_t K = out.size(1), nb = K / QK;
   check_packed(packed, fmt, N, K);
   const int64_t* rp = rows.data_ptr<int64_t>();
@@ -383,6 +289,7 @@ void dequantize_rows(torch::Tensor out, torch::Tensor packed, int64_t fmt, torch
 void dequantize_transposed(torch::Tensor out, torch::Tensor packed, int64_t fmt) {
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous() && out.size(1) % G == 0,
               "out: contiguous float32 [K, groups * ", G, "]");
+  if (octavo_k8::handles(fmt)) return octavo_k8::dequantize_transposed(out, packed, fmt);
   const int64_t K = out.size(0), N = out.size(1), nb = K / QK;
   check_packed(packed, fmt, N, K);
   const uint8_t* pp = packed.data_ptr<uint8_t>();

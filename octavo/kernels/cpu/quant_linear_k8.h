@@ -1,0 +1,19 @@
+// Quantized linear layers for the GGUF formats of today's "Q4_K_M"-style files: Q5_0, Q5_1 and the
+// K-quants Q4_K, Q5_K, Q6_K (see quant_linear_k8.cpp). Same entry points as quant_linear.cpp's,
+// which hands these format codes over.
+#pragma once
+
+#include <torch/extension.h>
+
+namespace octavo_k8 {
+
+enum Format : int64_t { kQ5_0 = 3, kQ5_1 = 4, kQ4_K = 5, kQ5_K = 6, kQ6_K = 7 };
+
+inline bool handles(int64_t fmt) { return fmt >= kQ5_0 && fmt <= kQ6_K; }
+
+torch::Tensor pack(torch::Tensor qweight, int64_t fmt);
+void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t fmt);
+void dequantize_rows(torch::Tensor out, torch::Tensor packed, int64_t fmt, torch::Tensor rows, int64_t N);
+void dequantize_transposed(torch::Tensor out, torch::Tensor packed, int64_t fmt);
+
+}  // namespace octavo_k8
