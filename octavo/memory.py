@@ -21,7 +21,7 @@ class KVSizing:
     block_size: int
     bytes_per_block: int
     max_model_len: int
-    # blocks one sequence of max_model_len tokens holds at most (config.blocks_to_hold), and what
+    # blocks one decoding sequence of max_model_len tokens holds (config.blocks_to_hold), and what
     # a cache blind to sliding windows would hold for it (the same without sliding layers)
     blocks_per_seq: int
     window_blind_blocks_per_seq: int
@@ -124,7 +124,9 @@ def size_kv_cache(
     the flags to change) when not even one sequence of max_model_len tokens fits."""
     bytes_per_block = model.kv_bytes_per_block(cache.block_size, kv_dtype_bytes)
     windows = tuple(g.window for g in model.kv_groups())
-    blocks_per_seq = blocks_to_hold(windows, sched.max_model_len, cache.block_size, sched.max_num_batched_tokens)
+    # a decoding sequence's blocks (a window group: its window's); while a chunk of a prompt is
+    # computed its window groups briefly hold the chunk's blocks too (the scheduler admits by that)
+    blocks_per_seq = blocks_to_hold(windows, sched.max_model_len, cache.block_size, max_chunk=1)
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
     elif cache.kv_cache_memory is not None:

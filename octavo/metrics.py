@@ -47,7 +47,7 @@ class EngineMetrics:
         self.kv_blocks = gauge("kv_cache_num_blocks", "Blocks in the KV-cache pool.")
         self.kv_blocks_per_seq = gauge(
             "kv_cache_blocks_per_max_len_sequence",
-            "Blocks one sequence of max_model_len tokens holds at most (fewer than a block per token "
+            "Blocks one decoding sequence of max_model_len tokens holds (fewer than a block per 16 tokens "
             "and layer group where sliding-window layers give back blocks the window has passed).")
         self.max_concurrency = gauge(
             "kv_cache_max_concurrency", "Sequences of max_model_len tokens the KV cache holds at once (as at start-up).")

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from octavo.config import blocks_to_hold
+
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 
 
@@ -215,10 +217,9 @@ def window_aware_bytes(f: PlanFields, num_tokens: int, block_size: int, kv_dtype
     window can still read (window / block_size + 1 at most: the window rarely starts on a block
     edge) and its global layers keep every block."""
     per_layer_block = 2 * f.num_kv_heads * f.head_dim * DTYPE_BYTES[kv_dtype] * block_size
-    blocks = -(-num_tokens // block_size)
-    window_blocks = min(blocks, -(-f.sliding_window // block_size) + 1) if f.sliding_window else blocks
-    num_global = f.num_layers - f.num_window_layers
-    return (num_global * blocks + f.num_window_layers * window_blocks) * per_layer_block
+    windows = (None,) * (f.num_layers - f.num_window_layers) + (f.sliding_window,) * f.num_window_layers
+    # the engine's formula (config.blocks_to_hold), per layer here: a decoding sequence's blocks
+    return blocks_to_hold(windows, num_tokens, block_size, max_chunk=1) * per_layer_block
 
 
 def _human(num_bytes: float) -> str:

@@ -3,9 +3,11 @@
 #   1. one user at a time: 8 requests of 128 tokens in / 128 out, concurrency 1;
 #   2. concurrency 16 on ../shared/workloads/random_n64.json.
 # Each load runs on both servers in turn, 3 rounds (fresh prompts each round), medians + ratios.
-#   tools/compare_llama_cpp.sh            # after `make setup`; builds llama-server once (~10-20 min)
+#   tools/compare_llama_cpp.sh                    # after `make setup`; builds llama-server once (~10-20 min)
+#   MODEL=gemma3-270m tools/compare_llama_cpp.sh  # the same on Gemma 3 270M's Q4_K_M file
 # Env: OUT (results dir, default bench-results), ROUNDS (default 3), OCTAVO_FLAGS (extra serve flags),
-#      WORKLOAD (default ../shared/workloads/random_n64.json).
+#      WORKLOAD (default ../shared/workloads/random_n64.json), MODEL (a packaged model name or a
+#      .gguf path; default the embedded SmolLM2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -14,13 +16,19 @@ ROUNDS=${ROUNDS:-3}
 WORKLOAD=${WORKLOAD:-../shared/workloads/random_n64.json}
 mkdir -p "$OUT"
 LLAMA=$(tools/build_llama_server.sh)
-GGUF=$($PY -c "from octavo.models.loader import default_gguf_path; print(default_gguf_path())")
+MODEL=${MODEL:-}
+GGUF=$($PY -c "
+import sys
+from pathlib import Path
+from octavo.models.loader import PACKAGED_MODELS, default_gguf_path, packaged_gguf
+m = sys.argv[1]
+print(default_gguf_path() if not m else packaged_gguf(m) if m in PACKAGED_MODELS else Path(m).resolve())" "$MODEL")
 THREADS=$(nproc)
 
 # 16 slots of 1,024 tokens: the longest request of random_n64 is 744 (prompt + output).
 "$LLAMA" -m "$GGUF" -t "$THREADS" -tb "$THREADS" -np 16 -c 16384 --host 127.0.0.1 --port 8091 >"$OUT/llama-server.log" 2>&1 &
 LLAMA_PID=$!
-OMP_NUM_THREADS=$THREADS .venv/bin/octavo serve --port 8090 ${OCTAVO_FLAGS:-} >"$OUT/octavo-serve.log" 2>&1 &
+OMP_NUM_THREADS=$THREADS .venv/bin/octavo serve ${MODEL:+"$GGUF"} --port 8090 ${OCTAVO_FLAGS:-} >"$OUT/octavo-serve.log" 2>&1 &
 OCTAVO_PID=$!
 trap 'kill $LLAMA_PID $OCTAVO_PID 2>/dev/null || true; wait 2>/dev/null || true' EXIT
 for url in http://127.0.0.1:8090/health http://127.0.0.1:8091/health; do

@@ -146,3 +146,28 @@ def test_parallel_samples_fork_past_the_window(make_gemma, prompts, refs):
     check_all([out], [refs[2]], "n=2")
     kv = llm.engine.scheduler.kv_cache
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_start_up_line_metrics_and_plan_give_one_capacity(make_gemma, gemma):
+    """The engine's start-up line, its /metrics gauges and `octavo plan` count the blocks of one
+    decoding max_model_len sequence with one formula: they agree exactly (vLLM #50456: three
+    different figures)."""
+    from prometheus_client import generate_latest
+
+    from octavo.metrics import EngineMetrics
+    from octavo.models.registry import read_hf_config
+    from octavo.planner import read_fields, window_aware_bytes
+
+    llm = make_gemma(max_model_len=8192, kv_cache_memory=512 << 20)
+    sizing = llm.engine.kv_sizing
+    # 8k tokens: 512 global blocks + 5 window groups x 33 (512 / 16 + 1), of 3 layers each
+    assert sizing.blocks_per_seq == 512 + 5 * 33 and sizing.window_blind_blocks_per_seq == 6 * 512
+    line = sizing.describe()
+    assert f"{sizing.max_concurrency:.2f} requests ({sizing.blocks_per_seq} blocks each" in line
+    metrics = EngineMetrics("gemma")
+    metrics.observe_kv_sizing(sizing)
+    text = generate_latest(metrics.registry).decode()
+    assert f'octavo:kv_cache_blocks_per_max_len_sequence{{model_name="gemma"}} {float(sizing.blocks_per_seq)}' in text
+    assert f'octavo:kv_cache_max_concurrency{{model_name="gemma"}} {sizing.max_concurrency}' in text
+    fields = read_fields(read_hf_config(gemma[0]))
+    assert window_aware_bytes(fields, 8192, 16, "float32") == sizing.blocks_per_seq * sizing.bytes_per_block
