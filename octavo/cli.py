@@ -233,8 +233,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         path, name = resolve_model(None) / "config.json", DEFAULT_MODEL_NAME
     else:
-        path = Path(args.config)
-        path, name = (path / "config.json" if path.is_dir() else path), args.config
+        path, name = Path(args.config), args.config
+        if not path.exists() or path.suffix == ".gguf":  # a packaged model's name or a GGUF file
+            from octavo.models.loader import resolve_model
+
+            path = resolve_model(args.config)
+        path = path / "config.json" if path.is_dir() else path
     if not path.is_file():
         raise FileNotFoundError(f"no config.json at {path}")
     plan = make_plan(
@@ -462,7 +466,7 @@ def _add_router(sub) -> None:
 def _add_plan(sub) -> None:
     """`octavo plan`."""
     plan = sub.add_parser("plan", help="KV-cache capacity from a model's config.json: bytes per token, sequences that fit")
-    plan.add_argument("config", nargs="?", default=None, help="config.json or a model directory (default: the embedded model)")
+    plan.add_argument("config", nargs="?", default=None, help="config.json, a model directory, a .gguf file or a packaged model name (default: the embedded model)")
     plan.add_argument("--device-memory", type=parse_bytes, default=parse_bytes("80GiB"), help="device memory, e.g. 80GiB, 24GB (default 80GiB)")
     plan.add_argument("--memory-fraction", type=float, default=0.9, help="share of device memory for weights + KV cache")
     plan.add_argument("--kv-dtype", default="float16", help="KV cache dtype: float32, bfloat16, float16, fp8")

@@ -6,6 +6,7 @@ fields reported in `PlanFields.used`, so a reader can check which config keys we
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -147,6 +148,9 @@ class Plan:
     sliding_window: int | None = None
     num_window_layers: int = 0
     seqs_by_context: dict[int, tuple[int, int]] = field(default_factory=dict)  # context -> (aware, blind)
+    # the engine's KV groups (ModelConfig.kv_groups: every group has gcd(global, window) layers),
+    # each with its own block table: [(window or None, groups of that kind, layers per group)]
+    kv_groups: list[tuple[int | None, int, int]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -206,7 +210,16 @@ def make_plan(
         seqs_by_context={n: (max(0, kv_memory) // window_aware_bytes(f, n, block_size, kv_dtype),
                              max(0, kv_memory) // (-(-n // block_size) * bytes_per_block))
                          for n in HYBRID_CONTEXTS} if f.sliding_window else {},
+        kv_groups=kv_groups(f),
     )
+
+
+def kv_groups(f: PlanFields) -> list[tuple[int | None, int, int]]:
+    num_global = f.num_layers - f.num_window_layers
+    if not f.sliding_window or not f.num_window_layers or not num_global:
+        return [(f.sliding_window if f.num_window_layers else None, 1, f.num_layers)]
+    size = math.gcd(num_global, f.num_window_layers)
+    return [(None, num_global // size, size), (f.sliding_window, f.num_window_layers // size, size)]
 
 
 HYBRID_CONTEXTS = (4096, 8192, 32768)
@@ -246,6 +259,10 @@ def format_plan(plan: Plan, model: str) -> str:
     ]
     if plan.sliding_window:
         rows.append(("sliding window", f"{plan.sliding_window} tokens on {plan.num_window_layers} of the layers"))
+        layers = plan.kv_groups[0][2]
+        rows.append(("KV groups (a block table each)", " + ".join(
+            f"{count} {'global' if window is None else f'sliding-window ({window} tokens)'}" for window, count, _ in plan.kv_groups)
+            + f", {layers} layers each: {plan.bytes_per_token * layers // sum(c * n for _, c, n in plan.kv_groups):,} B per token per group"))
         for n, (aware, blind) in plan.seqs_by_context.items():
             rows.append((f"sequences of {n} tokens", f"{aware:,} keeping only window blocks, {blind:,} window-blind "
                                                         f"({aware / blind:.2f}x)" if blind else f"{aware:,} (window-blind: 0)"))

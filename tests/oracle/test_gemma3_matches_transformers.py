@@ -5,7 +5,10 @@ prompts shorter and longer than the 512-token sliding window (two of them over 1
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -171,3 +174,11 @@ def test_start_up_line_metrics_and_plan_give_one_capacity(make_gemma, gemma):
     assert f'octavo:kv_cache_max_concurrency{{model_name="gemma"}} {sizing.max_concurrency}' in text
     fields = read_fields(read_hf_config(gemma[0]))
     assert window_aware_bytes(fields, 8192, 16, "float32") == sizing.blocks_per_seq * sizing.bytes_per_block
+    # and as a user runs it, on the packaged model's name, with the engine's pool as the memory
+    out = subprocess.run([sys.executable, "-m", "octavo.cli", "plan", "gemma3-270m", "--json", "--kv-dtype", "float32",
+                          "--device-memory", str(sizing.num_blocks * sizing.bytes_per_block), "--memory-fraction", "1",
+                          "--weight-bytes", "0"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["seqs_by_context"]["8192"][0] == int(sizing.max_concurrency)
+    assert plan["kv_groups"] == [[None, 1, 3], [512, 5, 3]]

@@ -120,3 +120,23 @@ def test_plan_cli_prints_the_window_rows(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "512 tokens on 15 of the layers" in out.stdout, out.stdout
     assert "32 keeping only window blocks, 7 window-blind (4.57x)" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("types", [
+    ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 5 + ["full_attention"]
+    + ["sliding_attention"] * 5 + ["full_attention"],  # Gemma 3 270M: 1 global + 5 window groups of 3
+    ["sliding_attention", "full_attention"] * 9,  # alternating (gpt-oss style): 1 + 1 of 9
+    ["full_attention"] * 18,  # no window: one group of every layer
+])
+def test_the_plan_groups_layers_as_the_engine_does(types):
+    """The plan's KV groups (and its per-group bytes) are the engine's: ModelConfig.kv_groups."""
+    from octavo.models.registry import model_config_from_hf
+
+    hf = {**GEMMA3_270M, "layer_types": types}
+    engine = model_config_from_hf(hf).kv_groups()
+    plan = make_plan(read_fields(hf), device_memory=2**30)
+    by_kind = [(w, sum(g.window == w for g in engine), len(engine[0].layers)) for w in dict.fromkeys(g.window for g in engine)]
+    assert plan.kv_groups == by_kind
+    if len(engine) > 1:
+        assert plan.bytes_per_token * by_kind[0][2] // 18 == 2 * by_kind[0][2] * 256 * 2  # K and V, fp16, per group
+
