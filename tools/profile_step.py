@@ -1,6 +1,7 @@
 """Where one engine step's time goes, at a fixed batch of decodes (docs/BENCHMARKS.md quotes it).
 
     .venv/bin/python tools/profile_step.py --batch 1 --batch 64 [--quantization none --dtype float32]
+    .venv/bin/python tools/profile_step.py --model gemma3-270m --batch 1
 
 Each of `--batch` requests gets a 128-token prompt; after warm-up steps, N decode steps are timed
 with timers around the kernel dispatch functions and the runner's parts. Works on older checkouts
@@ -24,7 +25,7 @@ CATEGORIES = {
     "attention": ("paged_attention",),
     "norm": ("rms_norm", "add_rms_norm"),
     "rotary + KV write": ("apply_rotary", "write_kv", "rotary_write_kv"),
-    "SiLU x up": ("silu_and_mul",),
+    "act x up": ("silu_and_mul", "act_and_mul"),
 }
 
 
@@ -34,6 +35,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--model", default=None, help="a packaged model's name, .gguf or directory (default: embedded)")
     args = parser.parse_args()
     seconds: collections.Counter[str] = collections.Counter()
 
@@ -55,6 +57,8 @@ def main() -> None:
                 timed(dispatch, name, category)
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
     kwargs = {"dtype": args.dtype, "max_num_seqs": 256}
+    if args.model is not None:
+        kwargs["model"] = args.model
     if args.quantization is not None and "quantization" in fields:
         kwargs["quantization"] = args.quantization
     engine = LLMEngine.from_args(EngineArgs(**kwargs))

@@ -83,15 +83,23 @@ def rotary_write_kv(
     num_heads: int,
     num_kv_heads: int,
     backend: str = "reference",
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> None:
-    """RoPE on qkv's q and k heads in place, then k and v into the cache (reference.rotary_write_kv)."""
+    """(Per-head q/k RMSNorm with `qk_norm`,) RoPE on qkv's q and k heads in place, then k and v
+    into the cache (reference.rotary_write_kv)."""
+    if _cpu_f32(qkv) and qkv.is_contiguous() and k_cache.dtype == torch.float32 and backend != "triton":
+        return cpu.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, qk_norm)
     if backend == "triton":
         from octavo.kernels.triton import kv_write
 
+        if qk_norm is not None:  # the norms as their own kernels, into qkv's q and k heads
+            n, head_dim = qkv.shape[0], cos.shape[-1]
+            heads = qkv.view(n, -1, head_dim)
+            for first, count, weight in ((0, num_heads, qk_norm[0]), (num_heads, num_kv_heads, qk_norm[1])):
+                part = heads[:, first : first + count]
+                part.copy_(rms_norm(part.reshape(-1, head_dim), weight, qk_norm[2], backend).view_as(part))
         return kv_write.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
-    if _cpu_f32(qkv) and qkv.is_contiguous() and k_cache.dtype == torch.float32:
-        return cpu.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
-    return reference.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+    return reference.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, qk_norm)
 
 
 @functools.cache

@@ -152,20 +152,12 @@ class Attention(nn.Module):
         if meta.group_metas is not None:  # this layer's KV group: its own slots and block tables
             meta = meta.group_metas[self.kv_group]
         k_cache, v_cache = kv_cache
-        if self.q_norm is None:
-            # one fused op: RoPE on q and k in place, k and v into the cache
-            dispatch.rotary_write_kv(
-                qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads, meta.backend
-            )
-            q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
-        else:
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim), backend=meta.backend)
-            k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim), backend=meta.backend)
-            q = dispatch.apply_rotary(q, cos, sin)
-            k = dispatch.apply_rotary(k, cos, sin)
-            v = v.view(n, self.num_kv_heads, self.head_dim)
-            dispatch.write_kv(k_cache, v_cache, k, v, meta.slot_mapping, meta.backend)
+        qk_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        # one fused op: (per-head q/k RMSNorm,) RoPE on q and k in place, k and v into the cache
+        dispatch.rotary_write_kv(
+            qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads, meta.backend, qk_norm
+        )
+        q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
         out = dispatch.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window)  # [n, H, d]
         return self.o_proj(out.reshape(n, self.q_size), meta)
 

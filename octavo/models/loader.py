@@ -31,11 +31,14 @@ from octavo.models import gguf_arch
 from octavo.models.layers import CausalLM, QuantEmbedding, QuantLinear, RotaryEmbedding
 from octavo.models.registry import load_model_config, model_class, model_config_from_hf
 from octavo.quantization import (
+    AS_Q8_0,
     BY_GGUF_TYPE,
     FORMATS,
     HF_SCHEMES,
+    Q5_0,
     Q8_0,
     QuantFormat,
+    as_q8_0,
     can_quantize,
     dequantize,
     quantize,
@@ -297,10 +300,13 @@ def describe_weights(model: torch.nn.Module) -> str:
     from octavo.kernels.dispatch import quant_kernel_name
 
     counts: Counter[str] = Counter()
+    rewritten: Counter[str] = Counter()  # formats of the file held exactly as another (`as_q8_0`)
     dense_dtype = None
     for module in model.modules():
         if isinstance(module, (QuantLinear, QuantEmbedding)):
             counts[module.fmt.name] += 1
+            if getattr(module, "file_fmt", None):
+                rewritten[f"{module.file_fmt} as {module.fmt.name}"] += 1
         elif isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
             counts["dense"] += 1
             dense_dtype = module.weight.dtype
@@ -308,6 +314,8 @@ def describe_weights(model: torch.nn.Module) -> str:
     if counts["dense"]:
         parts.append(f"{counts['dense']} x dense {str(dense_dtype).removeprefix('torch.')}")
     line = f"weights: {', '.join(parts)} ({weight_bytes(model) / 1e6:.1f} MB)"
+    if rewritten:
+        line += " [exact rewrites of the file's: " + ", ".join(f"{n} x {k}" for k, n in sorted(rewritten.items())) + "]"
     if any(name != "dense" for name in counts):
         act = next(p.dtype for p in model.parameters() if p.is_floating_point())
         line += f"; quantized linear kernel: {quant_kernel_name(act, next(model.buffers()).device)}"
@@ -339,7 +347,8 @@ def load_gguf_weights(model: CausalLM, gguf_path: Path, model_dir: Path | None =
     """Load a Llama GGUF's tensors into `model`: Q4_0 / Q4_1 / Q8_0 tensors stay in their blocks
     (QuantLinear, QuantEmbedding); any other type is dequantized to float32 into the dense layer.
 
-    Parts of a fused layer (q/k/v, gate/up) in different formats are all dequantized. With
+    Parts of a fused layer (q/k/v, gate/up) in different formats run as Q8_0 when each is Q4_0,
+    Q5_0 or Q8_0 (exact: `as_q8_0`), else are all dequantized. With
     `model_dir`, the tensors are cached there after the first read (parsing a GGUF's metadata
     takes seconds; the cache maps in milliseconds). Raises ValueError for tensors with no place in
     the model, or missing ones.
@@ -357,7 +366,11 @@ def load_gguf_weights(model: CausalLM, gguf_path: Path, model_dir: Path | None =
         if part is not None:
             parts.setdefault(name, {})[part] = (data, fmt)
             continue
-        if fmt is not None:  # a linear layer or the embedding (norms are never block-quantized)
+        if fmt is Q5_0:
+            # Q5_0 held exactly as Q8_0: 34 bytes per 32 weights in the Q8_0 kernel's tiles against
+            # 40 in the K-quant kernel's (docs/BENCHMARKS.md, the Gemma 3 decode step)
+            _set_quantized(model, name.removesuffix(".weight"), as_q8_0(data, fmt, params[name].shape[-1]), Q8_0, fmt)
+        elif fmt is not None:  # a linear layer or the embedding (norms are never block-quantized)
             _set_quantized(model, name.removesuffix(".weight"), data, fmt)
         else:
             if name.endswith("norm.weight") and model.NORM_WEIGHT_OFFSET:
@@ -372,9 +385,13 @@ def load_gguf_weights(model: CausalLM, gguf_path: Path, model_dir: Path | None =
             continue  # reported as missing below
         fmts = {by_part[p][1] for p in order}
         in_features = params[name].shape[-1]  # (a bias is never block-quantized)
-        if len(fmts) == 1 and None not in fmts:
+        if len(fmts) == 1 and None not in fmts and Q5_0 not in fmts:
             (fmt,) = fmts
             _set_quantized(model, name.removesuffix(".weight"), torch.cat([by_part[p][0] for p in order]), fmt)
+        elif all(f is not None and f.name in AS_Q8_0 for f in fmts):  # e.g. q/k Q5_0, v Q8_0: exact as Q8_0
+            blocks = [as_q8_0(d, f, in_features) for d, f in (by_part[p] for p in order)]
+            file_fmt = "+".join(sorted({by_part[p][1].name for p in order}))
+            _set_quantized(model, name.removesuffix(".weight"), torch.cat(blocks), Q8_0, file_fmt)
         else:
             dense = [d if f is None else dequantize(d, f, in_features) for d, f in (by_part[p] for p in order)]
             with torch.no_grad():
@@ -426,8 +443,11 @@ def _gguf_tensors(
     return out
 
 
-def _set_quantized(model: CausalLM, module_name: str, qweight: torch.Tensor, fmt: QuantFormat) -> None:
-    """Put a quantized module in place of the dense one at `module_name` (e.g. layers.3.mlp.down_proj)."""
+def _set_quantized(
+    model: CausalLM, module_name: str, qweight: torch.Tensor, fmt: QuantFormat, file_fmt: QuantFormat | str | None = None
+) -> None:
+    """Put a quantized module in place of the dense one at `module_name` (e.g. layers.3.mlp.down_proj).
+    `file_fmt`: the format(s) in the file where `qweight` was rewritten exactly (`as_q8_0`)."""
     parent_name, _, child_name = module_name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     old = getattr(parent, child_name)
@@ -437,6 +457,8 @@ def _set_quantized(model: CausalLM, module_name: str, qweight: torch.Tensor, fmt
         # the bias (Qwen2's q/k/v) stays the layer's parameter: it is loaded into it like any other
         new = QuantLinear(qweight, fmt, old.in_features, None, prepare=False)
         new.bias = old.bias
+    if file_fmt is not None:
+        new.file_fmt = file_fmt if isinstance(file_fmt, str) else file_fmt.name
     setattr(parent, child_name, new)
 
 

@@ -95,3 +95,21 @@ def test_kernel_matches_reference(name, n, k, m):
     expect = reference.quant_linear(x, q, fmt, k)
     got = dispatch.quant_linear(x, cpu.pack(q, fmt), "packed", fmt, k, n)  # m >= 128: the rebuild + GEMM path
     torch.testing.assert_close(got, expect, atol=2e-5 * k**0.5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q5_0", "Q8_0"])
+def test_symmetric_formats_become_q8_0_bit_for_bit(name):
+    """as_q8_0: every bit pattern of Q4_0 / Q5_0 blocks (random bytes, finite scales) dequantizes
+    to the same float32 once rewritten as Q8_0, so fused parts in mixed formats stay exact."""
+    from octavo.quantization import FORMATS, Q8_0, as_q8_0, dequantize
+
+    fmt = FORMATS[name]
+    g = np.random.default_rng(11)
+    blocks = g.integers(0, 256, size=(7, 4, fmt.block_bytes), dtype=np.uint8)
+    blocks[..., 0:2] = g.uniform(-0.05, 0.05, size=(7, 4, 1)).astype(np.float16).view(np.uint8)
+    q = torch.from_numpy(blocks.reshape(7, -1))
+    converted = as_q8_0(q, fmt, 128)
+    assert converted.shape == (7, 4 * Q8_0.block_bytes)
+    assert torch.equal(dequantize(converted, Q8_0, 128).view(torch.int32), dequantize(q, fmt, 128).view(torch.int32))
+    with pytest.raises(ValueError, match="Q8_0 cannot hold"):
+        as_q8_0(q, FORMATS["Q4_1"], 128)

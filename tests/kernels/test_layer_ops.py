@@ -40,6 +40,32 @@ def test_rotary_and_kv_write_in_place(n, heads, kv_heads, d):
     torch.testing.assert_close(expect.view(n, -1, d)[:, :heads], reference.apply_rotary(q, cos, sin))
 
 
+@pytest.mark.parametrize("n,heads,kv_heads,d", [(1, 4, 1, 256), (6, 16, 8, 128), (40, 4, 2, 64)])
+def test_per_head_qk_norm_rotary_and_kv_write_in_place(n, heads, kv_heads, d):
+    """Qwen3's and Gemma 3's q/k RMSNorm fused in front of RoPE: the C++ op equals the reference,
+    and the reference equals the unfused sequence (norm each head, then RoPE, then the write)."""
+    torch.manual_seed(n + d)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d) * 3
+    angles = torch.rand(n, d // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    qk_norm = (torch.randn(d) + 1, torch.randn(d) + 1, 1e-6)
+    slots = torch.randperm(10 * 4)[:n]
+    caches = [(torch.zeros(10, 4, kv_heads, d), torch.zeros(10, 4, kv_heads, d)) for _ in range(2)]
+    expect = qkv.clone()
+    reference.rotary_write_kv(expect, cos, sin, *caches[0], slots, heads, kv_heads, qk_norm)
+    got = qkv.clone()
+    cpu.rotary_write_kv(got, cos, sin, *caches[1], slots, heads, kv_heads, qk_norm)
+    torch.testing.assert_close(got, expect, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(caches[1][0], caches[0][0], atol=2e-5, rtol=1e-5)
+    assert torch.equal(caches[1][1], caches[0][1])  # values are neither normed nor rotated
+    q, k, v = qkv.view(n, -1, d).split([heads, kv_heads, kv_heads], dim=1)
+    unfused_q = reference.apply_rotary(reference.rms_norm(q, qk_norm[0], 1e-6), cos, sin)
+    unfused_k = reference.apply_rotary(reference.rms_norm(k, qk_norm[1], 1e-6), cos, sin)
+    torch.testing.assert_close(expect.view(n, -1, d)[:, :heads], unfused_q, atol=0, rtol=0)
+    torch.testing.assert_close(caches[0][0].view(-1, kv_heads, d)[slots], unfused_k, atol=0, rtol=0)
+    assert not torch.allclose(got, qkv)  # something happened
+
+
 def test_rotary_refuses_a_slot_outside_the_cache():
     qkv = torch.randn(1, 3 * 16)
     cos = sin = torch.ones(1, 16)

@@ -153,6 +153,28 @@ def test_rotary_write_kv_matches_reference(dtype, heads, kv_heads, d):
     assert torch.equal(caches[1], ref_caches[1])
 
 
+def test_qk_norm_rotary_write_kv_on_the_triton_path_matches_reference():
+    """Qwen3 / Gemma 3: the dispatch's Triton path (the per-head norms as Triton RMSNorm into qkv,
+    then the fused RoPE + KV write) against the reference's norm + RoPE + write."""
+    from octavo.kernels import dispatch
+
+    torch.manual_seed(3)
+    n, heads, kv_heads, d, bs = 5, 4, 1, 64, 16
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, device=DEVICE) * 3
+    angles = torch.rand(n, d // 2, device=DEVICE) * 50
+    cos, sin = (torch.cat((f, f), -1) for f in (angles.cos(), angles.sin()))
+    qk_norm = (torch.randn(d, device=DEVICE) + 1, torch.randn(d, device=DEVICE) + 1, 1e-6)
+    caches = [torch.zeros(2, bs, kv_heads, d, device=DEVICE) for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+    slots = torch.randperm(2 * bs, device=DEVICE)[:n]
+    ref_qkv = qkv.clone()
+    reference.rotary_write_kv(ref_qkv, cos, sin, *ref_caches, slots, heads, kv_heads, qk_norm)
+    dispatch.rotary_write_kv(qkv, cos, sin, *caches, slots, heads, kv_heads, "triton", qk_norm)
+    torch.testing.assert_close(qkv, ref_qkv, **TOL[torch.float32])
+    torch.testing.assert_close(caches[0], ref_caches[0], **TOL[torch.float32])
+    assert torch.equal(caches[1], ref_caches[1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, dim", [(1, 64), (7, 576), (33, 4096)])
 def test_rms_norms_match_reference(dtype, rows, dim):

@@ -118,9 +118,14 @@ def add_rms_norm(x, residual, weight, eps: float):
     return x, residual
 
 
-def rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads: int, num_kv_heads: int):
+def rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads: int, num_kv_heads: int,
+                    qk_norm=None):
     """Same contract as `octavo.kernels.reference.rotary_write_kv`; float32, contiguous qkv."""
-    _module().rotary_write_kv(qkv, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+    import torch
+
+    q_w, k_w, eps = qk_norm if qk_norm is not None else (torch.empty(0), torch.empty(0), 0.0)
+    _module().rotary_write_kv(qkv, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slot_mapping, num_heads,
+                              num_kv_heads, q_w, k_w, eps)
 
 
 def silu_and_mul(gate_up):

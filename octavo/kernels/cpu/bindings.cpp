@@ -13,7 +13,8 @@ void silu_and_mul(torch::Tensor out, torch::Tensor gate_up);
 void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
-                     torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads, int64_t num_kv_heads);
+                     torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads, int64_t num_kv_heads,
+                     torch::Tensor q_weight, torch::Tensor k_weight, double eps);
 int64_t pack_width();
 
 // Every kernel lets go of the GIL while it runs: the server's event-loop thread can then format
@@ -28,7 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_isa", &quant_isa, "the vector instructions the quantized kernels were built for");
   m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight (float32)", nogil);
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rms_norm(residual) * weight, in place (float32)", nogil);
-  m.def("rotary_write_kv", &rotary_write_kv, "RoPE on qkv's q and k heads in place, then k, v into the cache", nogil);
+  m.def("rotary_write_kv", &rotary_write_kv, "(per-head q/k RMSNorm,) RoPE on qkv's q and k heads in place, then k, v into the cache", nogil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up from [n, 2 * inter] (float32)", nogil);
   m.def("pack_width", &pack_width, "output rows per group of the packed layout");
 }

@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "vec_math.h"
 
@@ -85,11 +86,15 @@ void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
   });
 }
 
-// In place on qkv [n, (num_heads + 2 * num_kv_heads) * head_dim]: rotate-half RoPE on the q and k
-// heads with cos, sin [n, head_dim]; then k and v of token t go to slot slots[t] of the caches
-// [num_blocks, block_size, num_kv_heads, head_dim].
+// In place on qkv [n, (num_heads + 2 * num_kv_heads) * head_dim]: with q_weight / k_weight
+// (Qwen3's and Gemma 3's per-head q/k RMSNorm; empty tensors: none) each q and k head first
+// becomes w * (x / sqrt(mean(x^2) + eps)); then rotate-half RoPE on the q and k heads with cos,
+// sin [n, head_dim]; then k and v of token t go to slot slots[t] of the caches
+// [num_blocks, block_size, num_kv_heads, head_dim]. One op where the model ran seven torch ops
+// per layer (two norms, two RoPEs, the split and the two cache writes).
 void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
-                     torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads, int64_t num_kv_heads) {
+                     torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads, int64_t num_kv_heads,
+                     torch::Tensor q_weight, torch::Tensor k_weight, double eps) {
   check_rows(qkv, "qkv");
   check_rows(cos, "cos");
   check_rows(sin, "sin");
@@ -102,20 +107,32 @@ void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, to
               "caches: contiguous float32 [blocks, block_size, num_kv_heads, head_dim]");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == n && slots.is_contiguous(),
               "slots: int64 [n]");
+  const bool norm = q_weight.numel() > 0;
+  if (norm)
+    for (const auto* w : {&q_weight, &k_weight})
+      TORCH_CHECK(w->scalar_type() == at::kFloat && w->is_contiguous() && w->numel() == head_dim,
+                  "q/k norm weights: float32 [head_dim]");
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1), kv_width = num_kv_heads * head_dim;
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < n; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " outside the cache");
   float* qp = qkv.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
+  const float* qw = norm ? q_weight.data_ptr<float>() : nullptr;
+  const float* kw = norm ? k_weight.data_ptr<float>() : nullptr;
   float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
   const int64_t width = qkv.size(1);
   at::parallel_for(0, n, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<float> normed(norm ? head_dim : 0);
     for (int64_t t = t0; t < t1; ++t) {
       float* row = qp + t * width;
       const float* c = cp + t * head_dim;
       const float* s = snp + t * head_dim;
       for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {  // q heads, then k heads
         float* x = row + h * head_dim;
+        if (norm) {
+          norm_row(x, h < num_heads ? qw : kw, normed.data(), head_dim, static_cast<float>(eps));
+          std::copy(normed.begin(), normed.end(), x);
+        }
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
           const float a = x[i], b = x[i + half];
