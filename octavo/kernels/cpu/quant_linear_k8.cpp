@@ -9,13 +9,15 @@
 // `pack` computes D and M once and widens q to int8, reordered into tiles of G output rows (G =
 // the vector width in floats), one per (row group, sub-block):
 //   D[G] float32 | M[G] float32 | q[i][G] int8 for i < S
-// so one vector load gives weight i of G rows, as quant_linear.cpp's tiles do. Rebuilding a
+// so one vector load gives weight i of G rows, as quant_linear.cpp's tiles do. Q4_K's q (0..15)
+// are kept as nibbles instead: byte c of pair p holds q[2p][c] | q[2p + 1][c] << 4, 24 bytes per
+// 32 weights and row against 40 (its layers are a tenth of a Gemma 3 decode step's bytes). Rebuilding a
 // weight is fl(fl(D * q) + M) (no M: fl(D * q)), bit for bit gguf-py's value (no fused
 // multiply-add: the build passes -ffp-contract=off). The small-batch kernel factors D and M out
 // of each sub-block: sum_i (D q_i + M) x_i = D * sum_i q_i x_i + M * sum_i x_i.
-// q is kept as int8 (8 bits a weight plus 64 bits of D and M per sub-block) rather than in the
-// file's 4.5 to 6.6 bits: one kernel for five formats, exact; repacking the bit planes is a
-// further step (docs/BENCHMARKS.md has the measured cost).
+// The other formats' q are kept as int8 (8 bits a weight plus 64 bits of D and M per sub-block)
+// rather than in the file's 5.5 to 6.6 bits: exact, one code path; their fifth and sixth bit
+// planes are a further step (docs/BENCHMARKS.md has the measured cost).
 #include "quant_linear_k8.h"
 
 #include <ATen/Parallel.h>
@@ -42,20 +44,27 @@ struct Spec {
   int64_t block_bytes;
   int64_t sub;  // S: weights per sub-block (one D and M)
   bool has_m;
+  bool nib;  // q in 0..15, two per byte in the tiles
 };
 
 Spec spec(int64_t fmt) {
   switch (fmt) {
-    case kQ5_0: return {32, 22, 32, false};
-    case kQ5_1: return {32, 24, 32, true};
-    case kQ4_K: return {256, 144, 32, true};
-    case kQ5_K: return {256, 176, 32, true};
-    case kQ6_K: return {256, 210, 16, false};
+    case kQ5_0: return {32, 22, 32, false, false};
+    case kQ5_1: return {32, 24, 32, true, false};
+    case kQ4_K: return {256, 144, 32, true, true};
+    case kQ5_K: return {256, 176, 32, true, false};
+    case kQ6_K: return {256, 210, 16, false, false};
     default: TORCH_CHECK(false, "unknown K8 format ", fmt);
   }
 }
 
-inline int64_t tile_bytes(int64_t sub) { return G * (8 + sub); }
+inline int64_t tile_bytes(int64_t sub, bool nib) { return G * (8 + (nib ? sub / 2 : sub)); }
+
+// The quant of weight i of column c in a tile's q area (int8, or nibbles of pairs).
+inline int q_at(const uint8_t* q, int64_t i, int64_t c, bool nib) {
+  if (!nib) return static_cast<int8_t>(q[i * G + c]);
+  return (q[(i / 2) * G + c] >> (4 * (i % 2))) & 0x0f;
+}
 
 inline uint32_t load_u32(const uint8_t* p) {
   uint32_t v;
@@ -111,10 +120,10 @@ void decode_block(int64_t fmt, const uint8_t* b, float* D, float* M, int8_t* q) 
 }
 
 // out[r][0..G) for rows r < R of one group over its sub-blocks. xs: per-row sums of x per sub-block.
-template <int64_t S, bool HAS_M, int R>
+template <int64_t S, bool HAS_M, bool NIB, int R>
 inline void group_small(const float* x, int64_t K, const uint8_t* tiles, const float* xs, int64_t nsub, float* out,
                         int64_t out_stride, int64_t cols) {
-  constexpr int64_t TB = G * (8 + S);
+  constexpr int64_t TB = G * (8 + (NIB ? S / 2 : S));
   V acc[R];
   for (int r = 0; r < R; ++r) acc[r] = Isa::zero();
   for (int64_t b = 0; b < nsub; ++b) {
@@ -124,7 +133,15 @@ inline void group_small(const float* x, int64_t K, const uint8_t* tiles, const f
     V s0[R], s1[R];
     for (int r = 0; r < R; ++r) s0[r] = s1[r] = Isa::zero();
     for (int i = 0; i < S; i += 2) {
-      const V w0 = Isa::to_float(Isa::bytes_s(q + i * G)), w1 = Isa::to_float(Isa::bytes_s(q + (i + 1) * G));
+      V w0, w1;
+      if constexpr (NIB) {
+        const auto pair = Isa::bytes_u(q + (i / 2) * G);
+        w0 = Isa::to_float(Isa::low_nibble(pair));
+        w1 = Isa::to_float(Isa::high_nibble(pair));
+      } else {
+        w0 = Isa::to_float(Isa::bytes_s(q + i * G));
+        w1 = Isa::to_float(Isa::bytes_s(q + (i + 1) * G));
+      }
       for (int r = 0; r < R; ++r) {
         s0[r] = Isa::fma(w0, Isa::set1(x[r * K + b * S + i]), s0[r]);
         s1[r] = Isa::fma(w1, Isa::set1(x[r * K + b * S + i + 1]), s1[r]);
@@ -148,18 +165,18 @@ inline void group_small(const float* x, int64_t K, const uint8_t* tiles, const f
   }
 }
 
-template <int64_t S, bool HAS_M, int R = MAX_R>
+template <int64_t S, bool HAS_M, bool NIB, int R = MAX_R>
 inline void group_rows(const float* x, int64_t M, int64_t K, const uint8_t* tiles, const float* xs, int64_t nsub,
                        float* out, int64_t N, int64_t cols) {
   if constexpr (R > 0) {
-    if (M == R) return group_small<S, HAS_M, R>(x, K, tiles, xs, nsub, out, N, cols);
-    return group_rows<S, HAS_M, R - 1>(x, M, K, tiles, xs, nsub, out, N, cols);
+    if (M == R) return group_small<S, HAS_M, NIB, R>(x, K, tiles, xs, nsub, out, N, cols);
+    return group_rows<S, HAS_M, NIB, R - 1>(x, M, K, tiles, xs, nsub, out, N, cols);
   }
 }
 
-template <int64_t S, bool HAS_M>
+template <int64_t S, bool HAS_M, bool NIB = false>
 void run(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N, float* out) {
-  const int64_t nsub = K / S, num_groups = (N + G - 1) / G, group_bytes = nsub * G * (8 + S);
+  const int64_t nsub = K / S, num_groups = (N + G - 1) / G, group_bytes = nsub * tile_bytes(S, NIB);
   std::vector<float> xs(HAS_M ? M * nsub : 0);  // sums of x per sub-block (the M term)
   if constexpr (HAS_M) {
     at::parallel_for(0, M, 64, [&](int64_t r0, int64_t r1) {
@@ -177,7 +194,7 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
       const int64_t cols = std::min<int64_t>(G, N - g * G);
       for (int64_t m = 0; m < M; m += MAX_R) {
         const int64_t rows = std::min<int64_t>(MAX_R, M - m);
-        group_rows<S, HAS_M>(x + m * K, rows, K, tiles, HAS_M ? xs.data() + m * nsub : nullptr, nsub,
+        group_rows<S, HAS_M, NIB>(x + m * K, rows, K, tiles, HAS_M ? xs.data() + m * nsub : nullptr, nsub,
                              out + m * N + g * G, N, cols);
       }
     }
@@ -185,10 +202,10 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
 }
 
 // Weight k of row c of a group, rebuilt: fl(fl(D * q) + M), or fl(D * q) without M.
-inline float rebuild(const uint8_t* tile, int64_t i, int64_t c, bool has_m) {
+inline float rebuild(const uint8_t* tile, int64_t i, int64_t c, bool has_m, bool nib) {
   const float* D = reinterpret_cast<const float*>(tile);
   const float* M = reinterpret_cast<const float*>(tile + 4 * G);
-  const float w = D[c] * static_cast<float>(static_cast<int8_t>(tile[8 * G + i * G + c]));
+  const float w = D[c] * static_cast<float>(q_at(tile + 8 * G, i, c, nib));
   return has_m ? w + M[c] : w;
 }
 
@@ -196,13 +213,15 @@ void check_packed(const torch::Tensor& packed, int64_t fmt, int64_t N, int64_t K
   const Spec sp = spec(fmt);
   TORCH_CHECK(K % sp.block_weights == 0, "in_features must be a multiple of ", sp.block_weights, ", got ", K);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
-                  packed.size(0) == (N + G - 1) / G && packed.size(1) == K / sp.sub && packed.size(2) == tile_bytes(sp.sub),
-              "packed weight must be uint8 [ceil(N / ", G, "), K / ", sp.sub, ", ", tile_bytes(sp.sub), "] (from `pack`)");
+                  packed.size(0) == (N + G - 1) / G && packed.size(1) == K / sp.sub &&
+                  packed.size(2) == tile_bytes(sp.sub, sp.nib),
+              "packed weight must be uint8 [ceil(N / ", G, "), K / ", sp.sub, ", ", tile_bytes(sp.sub, sp.nib),
+              "] (from `pack`)");
 }
 
 }  // namespace
 
-// GGUF blocks uint8 [N, K / block_weights * block_bytes] -> packed uint8 [ceil(N / G), K / S, G * (8 + S)].
+// GGUF blocks uint8 [N, K / block_weights * block_bytes] -> packed uint8 [ceil(N / G), K / S, tile bytes].
 torch::Tensor pack(torch::Tensor qweight, int64_t fmt) {
   const Spec sp = spec(fmt);
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
@@ -211,7 +230,7 @@ torch::Tensor pack(torch::Tensor qweight, int64_t fmt) {
               sp.block_bytes);
   const int64_t N = qweight.size(0), nb = qweight.size(1) / sp.block_bytes;
   const int64_t subs_per_block = sp.block_weights / sp.sub, nsub = nb * subs_per_block;
-  const int64_t num_groups = (N + G - 1) / G, tb = tile_bytes(sp.sub);
+  const int64_t num_groups = (N + G - 1) / G, tb = tile_bytes(sp.sub, sp.nib);
   auto packed = torch::zeros({num_groups, nsub, tb}, qweight.options());
   const uint8_t* src = qweight.data_ptr<uint8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
@@ -226,7 +245,13 @@ torch::Tensor pack(torch::Tensor qweight, int64_t fmt) {
             uint8_t* t = dst + (g * nsub + b * subs_per_block + s) * tb;
             std::memcpy(t + 4 * c, &D[s], 4);
             std::memcpy(t + 4 * G + 4 * c, &M[s], 4);
-            for (int64_t i = 0; i < sp.sub; ++i) t[8 * G + i * G + c] = static_cast<uint8_t>(q[s * sp.sub + i]);
+            for (int64_t i = 0; i < sp.sub; ++i) {
+              const auto v = static_cast<uint8_t>(q[s * sp.sub + i]);
+              if (sp.nib)
+                t[8 * G + (i / 2) * G + c] |= static_cast<uint8_t>(v << (4 * (i % 2)));
+              else
+                t[8 * G + i * G + c] = v;
+            }
           }
         }
   });
@@ -242,13 +267,14 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int6
   switch (fmt) {
     case kQ5_0: return run<32, false>(xp, M, K, pp, N, op);
     case kQ6_K: return run<16, false>(xp, M, K, pp, N, op);
+    case kQ4_K: return run<32, true, true>(xp, M, K, pp, N, op);
     default: return run<32, true>(xp, M, K, pp, N, op);
   }
 }
 
 void dequantize_rows(torch::Tensor out, torch::Tensor packed, int64_t fmt, torch::Tensor rows, int64_t N) {
   const Spec sp = spec(fmt);
-  const int64_t K = out.size(1), nsub = K / sp.sub, tb = tile_bytes(sp.sub);
+  const int64_t K = out.size(1), nsub = K / sp.sub, tb = tile_bytes(sp.sub, sp.nib);
   check_packed(packed, fmt, N, K);
   const int64_t* rp = rows.data_ptr<int64_t>();
   const uint8_t* pp = packed.data_ptr<uint8_t>();
@@ -260,14 +286,14 @@ void dequantize_rows(torch::Tensor out, torch::Tensor packed, int64_t fmt, torch
       const int64_t g = rp[j] / G, c = rp[j] % G;
       for (int64_t b = 0; b < nsub; ++b)
         for (int64_t i = 0; i < sp.sub; ++i)
-          op[j * K + b * sp.sub + i] = rebuild(pp + (g * nsub + b) * tb, i, c, sp.has_m);
+          op[j * K + b * sp.sub + i] = rebuild(pp + (g * nsub + b) * tb, i, c, sp.has_m, sp.nib);
     }
   });
 }
 
 void dequantize_transposed(torch::Tensor out, torch::Tensor packed, int64_t fmt) {
   const Spec sp = spec(fmt);
-  const int64_t K = out.size(0), N = out.size(1), nsub = K / sp.sub, tb = tile_bytes(sp.sub);
+  const int64_t K = out.size(0), N = out.size(1), nsub = K / sp.sub, tb = tile_bytes(sp.sub, sp.nib);
   check_packed(packed, fmt, N, K);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
@@ -277,7 +303,10 @@ void dequantize_transposed(torch::Tensor out, torch::Tensor packed, int64_t fmt)
         const uint8_t* t = pp + (g * nsub + b) * tb;
         const V D = Isa::load(reinterpret_cast<const float*>(t)), Mv = Isa::load(reinterpret_cast<const float*>(t + 4 * G));
         for (int64_t i = 0; i < sp.sub; ++i) {
-          V w = Isa::mul(Isa::to_float(Isa::bytes_s(t + 8 * G + i * G)), D);
+          const auto q = sp.nib ? (i % 2 == 0 ? Isa::low_nibble(Isa::bytes_u(t + 8 * G + (i / 2) * G))
+                                              : Isa::high_nibble(Isa::bytes_u(t + 8 * G + (i / 2) * G)))
+                                : Isa::bytes_s(t + 8 * G + i * G);
+          V w = Isa::mul(Isa::to_float(q), D);
           if (sp.has_m) w = Isa::add(w, Mv);
           Isa::store(op + (b * sp.sub + i) * N + g * G, w);
         }
