@@ -16,21 +16,8 @@ from octavo.kernels import triton as triton_kernels
 from octavo.kernels.metadata import BACKENDS, AttentionMetadata
 from octavo.quantization import QuantFormat, dequantize
 
-apply_rotary = reference.apply_rotary
 copy_blocks = reference.copy_blocks
 add_lora = reference.add_lora  # grouped shrink/expand in torch everywhere (matmuls dominate it)
-
-
-def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
-    backend: str = "reference",
-) -> None:
-    """Keys and values into their cache slots (reference.write_kv)."""
-    if backend == "triton":
-        from octavo.kernels.triton import kv_write
-
-        return kv_write.write_kv(k_cache, v_cache, k, v, slot_mapping)
-    return reference.write_kv(k_cache, v_cache, k, v, slot_mapping)
 
 
 def _cpu_f32(x: torch.Tensor) -> bool:
