@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -108,5 +109,24 @@ struct Isa {  // plain C++ over G-float arrays (the compiler vectorises what it 
   static constexpr const char* name = "scalar";
 };
 #endif
+
+// Per row of x [M, K], the sum of each run of S values: the kernels' min / offset term
+// (sum_i (d q_i + m) x_i = d sum_i q_i x_i + m sum_i x_i). Summed in order, so every kernel that
+// calls it rounds the same way.
+// `parallel_for`: at::parallel_for's signature (this header does not include ATen).
+template <typename ParallelFor>
+inline std::vector<float> block_sums(const float* x, int64_t M, int64_t K, int64_t S, ParallelFor parallel_for) {
+  const int64_t nb = K / S;
+  std::vector<float> xs(M * nb);
+  parallel_for(0, M, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        float s = 0.f;
+        for (int64_t i = 0; i < S; ++i) s += x[r * K + b * S + i];
+        xs[r * nb + b] = s;
+      }
+  });
+  return xs;
+}
 
 }  // namespace octavo_quant

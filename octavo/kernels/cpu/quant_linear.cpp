@@ -158,14 +158,9 @@ inline void group_rows(const float* x, int64_t M, int64_t K, const uint8_t* tile
 template <int64_t F>
 void run(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N, float* out) {
   const int64_t nb = K / QK, num_groups = (N + G - 1) / G, group_bytes = nb * tile_bytes(F);
-  std::vector<float> xs(M * nb);  // block sums of x (the m term)
-  at::parallel_for(0, M, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t b = 0; b < nb; ++b) {
-        float s = 0.f;
-        for (int64_t i = 0; i < QK; ++i) s += x[r * K + b * QK + i];
-        xs[r * nb + b] = s;
-      }
+  // block sums of x (the m term)
+  const std::vector<float> xs = octavo_quant::block_sums(x, M, K, QK, [](int64_t b, int64_t e, int64_t g, const auto& f) {
+    at::parallel_for(b, e, g, f);
   });
   // Each group's tiles (K / 32 x tile_bytes: a few KB) stay in L1 while every row chunk uses them.
   at::parallel_for(0, num_groups, 1, [&](int64_t g0, int64_t g1) {

@@ -177,17 +177,10 @@ inline void group_rows(const float* x, int64_t M, int64_t K, const uint8_t* tile
 template <int64_t S, bool HAS_M, bool NIB = false>
 void run(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N, float* out) {
   const int64_t nsub = K / S, num_groups = (N + G - 1) / G, group_bytes = nsub * tile_bytes(S, NIB);
-  std::vector<float> xs(HAS_M ? M * nsub : 0);  // sums of x per sub-block (the M term)
-  if constexpr (HAS_M) {
-    at::parallel_for(0, M, 64, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t b = 0; b < nsub; ++b) {
-          float s = 0.f;
-          for (int64_t i = 0; i < S; ++i) s += x[r * K + b * S + i];
-          xs[r * nsub + b] = s;
-        }
-    });
-  }
+  // sums of x per sub-block (the M term)
+  const std::vector<float> xs = HAS_M ? octavo_quant::block_sums(x, M, K, S, [](int64_t b, int64_t e, int64_t g, const auto& f) {
+    at::parallel_for(b, e, g, f);
+  }) : std::vector<float>();
   at::parallel_for(0, num_groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* tiles = packed + g * group_bytes;
