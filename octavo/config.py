@@ -147,6 +147,8 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes; wins over gpu_memory_utilization
     gpu_memory_utilization: float | None = None  # share of device memory for weights + activations + KV
     num_blocks: int | None = None
+    kv_offload_bytes: int = 0  # the second KV tier's size (0: no tier)
+    kv_offload_path: str | None = None  # its folder (None: one per model and setting under the cache)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -157,6 +159,10 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_offload_bytes < 0:
+            raise ValueError(f"kv_offload_size must be >= 0 bytes, got {self.kv_offload_bytes}")
+        if self.kv_offload_bytes and not self.enable_prefix_caching:
+            raise ValueError("the second KV tier (kv_offload_size) keeps prefix-cache blocks: it needs prefix caching on")
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,3 +208,5 @@ class EngineConfig:
     max_lora_rank: int = 16  # LoRA is on when scheduler.max_loras is set
     seed: int = 0
     grammar_cache_bytes: int = 256 << 20  # compiled structured-output grammars kept
+    model_path: str | None = None  # the weights' resolved folder or file (the KV tier's fingerprint)
+    quantization: str = "auto"

@@ -4,6 +4,8 @@ requests and hands the changed ones to the output processor."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import os
 import threading
@@ -16,7 +18,10 @@ from octavo.beam_search import BeamGroup
 from octavo.config import EngineConfig
 from octavo.distributed.executor import TensorParallelExecutor, TensorParallelGroup, WorkerSpec, start_tensor_parallel
 from octavo.engine_args import EngineArgs, resolve_device
+from octavo.cache import cache_dir
 from octavo.kv_cache.manager import KVCacheManager
+from octavo.kv_cache.tier import TierIndex
+from octavo.kv_tier import DiskTier, open_disk_tier, tier_fingerprint
 from octavo.lora.request import LoRARequest
 from octavo.memory import CUDA_GRAPH_RESERVE_BYTES, KVSizing, size_kv_cache
 from octavo.model_runner import ModelRunner, RunnerOptions
@@ -62,8 +67,10 @@ class LLMEngine:
                         "so the cache holds %d x the tokens one rank's memory would", tensor_parallel.world,
                         config.model_config.num_kv_heads, tensor_parallel.world)
         self.executor.init_kv_cache(sizing.num_blocks)
+        self.tier: DiskTier | None = None
+        tier_index = self._open_tier(self.config) if config.cache.kv_offload_bytes else None
         kv = KVCacheManager(sizing.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                            tuple(g.window for g in config.model_config.kv_groups()))
+                            tuple(g.window for g in config.model_config.kv_groups()), tier=tier_index)
         self.scheduler = Scheduler(config.scheduler, kv)
         self.structured = StructuredOutputManager(tokenizer, config.model_config.vocab_size, self.eos_token_ids,
                                                   config.grammar_cache_bytes)
@@ -94,6 +101,22 @@ class LLMEngine:
             graph_bytes=CUDA_GRAPH_RESERVE_BYTES if on_cuda and not config.enforce_eager else 0,
         )
 
+    def _open_tier(self, config: EngineConfig) -> TierIndex | None:
+        """The second KV tier (its disk store attached to the runner) and its index; None when its
+        folder cannot be used (logged: the engine runs without it)."""
+        fingerprint = tier_fingerprint(config.model_path or str(config.model), config.model_config, config.dtype,
+                                       config.cache.block_size, config.quantization, self.runner.attention_backend)
+        path = config.cache.kv_offload_path
+        if path is None:  # one folder per fingerprint: switching models never wipes another's tier
+            digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+            path = str(cache_dir() / "kv-tier" / digest)
+        opened = open_disk_tier(path, config.cache.kv_offload_bytes, self.runner.tier_block_bytes(), fingerprint)
+        if opened is None:
+            return None
+        self.tier, index = opened
+        self.runner.attach_tier(self.tier)
+        return index
+
     @classmethod
     def from_args(cls, args: EngineArgs | None = None, **kwargs: Any) -> LLMEngine:
         """Load the model (the embedded default when args.model is None) and build an engine."""
@@ -115,6 +138,7 @@ class LLMEngine:
                 dtype = auto_dtype(model, device)
                 model = model.to(_DTYPES[dtype])
         config = dataclasses.replace(args, dtype=dtype, device=device).to_config(model_config)
+        config = dataclasses.replace(config, model_path=str(model_dir), quantization=quantization)
         logger.info(describe_weights(model))
         try:
             engine = cls(config, model, load_tokenizer(model_dir), weight_bytes(model), group)
@@ -128,7 +152,15 @@ class LLMEngine:
         return engine
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any, and the grammar-compiling threads."""
+        """Stop the tensor-parallel workers, if any, and the grammar-compiling threads; write the
+        pool's cached blocks the second tier lacks (a restart serves them) and close it."""
+        if self.tier is not None:
+            flush = self.scheduler.kv_cache.tier_flush_plan()
+            if flush:
+                self.runner.store_to_tier(flush)
+            self.tier.close()
+            logger.info("KV tier closed: %d blocks written at shutdown", len(flush))
+            self.tier = None
         self.structured.close()
         if isinstance(self.executor, TensorParallelExecutor):
             self.executor.close()

@@ -43,6 +43,12 @@ class EngineArgs:
         "help": "share of device memory for weights, activations and KV cache (vLLM's flag; on CUDA "
                 f"default {GPU_DEFAULT_UTILIZATION}: the KV cache gets what a profiling step leaves; on the CPU "
                 "unset means a fixed KV budget, see kv_cache_memory)"})
+    kv_offload_size: int = field(default=0, metadata={
+        "help": "a second KV tier of this many bytes on local disk, e.g. 20GiB: blocks the pool evicts go "
+                "there, prefix lookups continue into it, preempted requests swap through it, and a restart "
+                "finds it again (default 0: off)", "bytes": True})
+    kv_offload_path: str | None = field(default=None, metadata={
+        "help": "folder of the second KV tier (default: one per model and setting under the cache directory)"})
     num_kv_blocks: int | None = field(default=None, metadata={
         "help": "exactly this many KV blocks (overrides the memory-based sizing)"})
     scheduling_policy: str = field(default="fcfs", metadata={
@@ -107,6 +113,11 @@ class EngineArgs:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and {self.max_lora_rank}")
         if self.grammar_cache_bytes < 1 << 20:
             raise ValueError(f"grammar_cache_bytes must be at least 1MiB, got {self.grammar_cache_bytes}")
+        if self.kv_offload_size and self.tensor_parallel_size > 1:
+            raise ValueError("the second KV tier (kv_offload_size) is not supported with tensor parallelism: "
+                             "each rank would keep its own share of every block; use one of them")
+        if self.kv_offload_size and not self.enable_prefix_caching:
+            raise ValueError("the second KV tier (kv_offload_size) keeps prefix-cache blocks: it needs prefix caching on")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
@@ -129,6 +140,8 @@ class EngineArgs:
                 kv_cache_memory=self.kv_cache_memory,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 num_blocks=self.num_kv_blocks,
+                kv_offload_bytes=self.kv_offload_size,
+                kv_offload_path=self.kv_offload_path,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=self.max_num_batched_tokens,
@@ -145,6 +158,7 @@ class EngineArgs:
             max_lora_rank=self.max_lora_rank,
             seed=self.seed,
             grammar_cache_bytes=self.grammar_cache_bytes,
+            quantization=self.quantization,
         )
 
 

@@ -41,6 +41,17 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Release what the engine holds beyond memory: worker processes, and the second KV
+        tier (its cached blocks written for the next start)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def reset_prefix_cache(self) -> int:
         return self.engine.reset_prefix_cache()
 

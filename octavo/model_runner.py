@@ -18,11 +18,12 @@ from octavo.config import CacheConfig, ModelConfig
 from octavo.cuda_graphs import CudaGraphRunner, graph_batch_sizes
 from octavo.kernels import dispatch
 from octavo.kernels.metadata import AttentionMetadata, LoRAMapping, gather_contexts
+from octavo.kv_tier import DiskTier
 from octavo.lora.layers import apply_lora
 from octavo.lora.slots import LoRASlots
 from octavo.memory import keep_freed_memory_mapped
 from octavo.models.layers import CausalLM
-from octavo.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from octavo.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TierTransfer
 from octavo.sampling.params import SamplingParams
 from octavo.sampling.logprobs import TokenLogprob
 from octavo.sampling.sampler import SamplingRow, sample
@@ -127,6 +128,7 @@ class ModelRunner:
         if max_loras is not None:  # wraps the model's projections in place (see octavo.lora.layers)
             layers = apply_lora(model, model_config, max_loras, max_lora_rank)
             self.lora = LoRASlots(layers, model_config, max_loras, max_lora_rank)
+        self.tier: DiskTier | None = None  # the second KV tier (attach_tier)
         self.graphs: CudaGraphRunner | None = None
         self._capture_graphs = False
         if not enforce_eager and self.lora is not None:
@@ -257,7 +259,71 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, grammar: tuple[list[str], torch.Tensor] | None = None) -> ModelRunnerOutput:
         """One forward and sampling. `grammar` = (sequence ids, token bitmask [k, words]): those
-        sequences sample only tokens their structured-output grammar allows."""
+        sequences sample only tokens their structured-output grammar allows.
+
+        With a second KV tier, the blocks the step evicts are copied out first (written to the
+        tier by its thread), the step's loads are read meanwhile, checked and copied into their
+        pool blocks before it returns, and finished writes are reported."""
+        if self.tier is None:
+            return self._execute(sched, grammar)
+        if sched.tier_stores:
+            self.store_to_tier(sched.tier_stores)
+        loading = self._start_loads(sched.tier_loads) if sched.tier_loads else None
+        out = self._execute(sched, grammar)
+        if loading is not None:
+            out.tier_loaded = self._finish_loads(sched.tier_loads, *loading)
+        out.tier_stored = self.tier.take_finished_writes()
+        return out
+
+    # ---- the second KV tier ------------------------------------------------------------------
+
+    def attach_tier(self, tier: DiskTier) -> None:
+        """Use `tier` for the blocks the scheduler stores and loads (its slots hold one pool block)."""
+        if tier.slot_bytes != self.tier_block_bytes():
+            raise ValueError(f"the tier's slots hold {tier.slot_bytes} B, a pool block {self.tier_block_bytes()} B")
+        self.tier = tier
+
+    def _tier_tensors(self) -> list[torch.Tensor]:
+        """The pool's storage, one tensor per (layer of a block, K or V): what one block spans."""
+        return [t for layer in self.model_config.kv_groups()[0].layers for t in self.kv_caches[layer]]
+
+    def tier_block_bytes(self) -> int:
+        return self.model_config.kv_bytes_per_block(self.block_size, torch.empty(0, dtype=self._kv_dtype).element_size())
+
+    def _host_blocks(self, num_blocks: int) -> tuple[torch.Tensor, list[memoryview]]:
+        """A host buffer [num_blocks, tensors, block_size, kv_heads, head_dim] and a writable
+        byte view of each block in it."""
+        tensors = self._tier_tensors()
+        buf = torch.empty((num_blocks, len(tensors), *tensors[0].shape[1:]), dtype=self._kv_dtype,
+                          pin_memory=self.device.type == "cuda")
+        rows = buf.view(num_blocks, -1).view(torch.uint8)  # [num_blocks, block bytes]
+        return buf, [memoryview(rows[i].numpy()) for i in range(num_blocks)]
+
+    def store_to_tier(self, stores: list[TierTransfer]) -> None:
+        """Copy the blocks out of the pool now (the step may overwrite them next) and queue
+        their writes; reported by the tier's take_finished_writes."""
+        buf, views = self._host_blocks(len(stores))
+        ids = torch.tensor([t.block_id for t in stores], dtype=torch.long, device=self.device)
+        for i, tensor in enumerate(self._tier_tensors()):
+            buf[:, i].copy_(tensor.index_select(0, ids))  # [n, block_size, kv_heads, head_dim]
+        self.tier.submit_writes([t.slot for t in stores], [t.key for t in stores], views)
+
+    def _start_loads(self, loads: list[TierTransfer]):
+        buf, views = self._host_blocks(len(loads))
+        return buf, views, self.tier.submit_reads([t.slot for t in loads], [t.key for t in loads], views)
+
+    def _finish_loads(self, loads: list[TierTransfer], buf: torch.Tensor, views, future) -> dict[int, bool]:
+        """Wait for the reads, copy the blocks that passed their checksum into the pool."""
+        ok = future.result()
+        rows = [i for i, good in enumerate(ok) if good]
+        if rows:
+            ids = torch.tensor([loads[i].block_id for i in rows], dtype=torch.long, device=self.device)
+            picked = buf[torch.tensor(rows, dtype=torch.long)].to(self.device)  # [n_ok, tensors, ...]
+            for i, tensor in enumerate(self._tier_tensors()):
+                tensor.index_copy_(0, ids, picked[:, i])
+        return {t.block_id: good for t, good in zip(loads, ok)}
+
+    def _execute(self, sched: SchedulerOutput, grammar: tuple[list[str], torch.Tensor] | None) -> ModelRunnerOutput:
         for rid in sched.finished_request_ids:
             self._generators.pop(rid, None)
         dispatch.copy_blocks(self.kv_caches, sched.copies)

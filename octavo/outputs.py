@@ -61,11 +61,27 @@ class ScheduledRequest:
 
 
 @dataclass(slots=True)
+class TierTransfer:
+    """One block moving between the pool and the second KV tier: pool block `block_id`, tier
+    slot `slot`, content `key` = (KV group, chained block hash), which the tier stores with it."""
+
+    block_id: int
+    slot: int
+    key: tuple[int, bytes]
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) block ids, before forward
     finished_request_ids: list[str] = field(default_factory=list)  # ended since the last step
     preempted_request_ids: list[str] = field(default_factory=list)
+    # Second KV tier. stores: blocks whose cached content this step evicts; the runner copies
+    # them out before anything writes the pool (then writes them to the tier off the step's
+    # path). loads: tier slots to read into pool blocks held for a waiting request; the runner
+    # reports each one (checksum passed or not) in this step's ModelRunnerOutput.
+    tier_stores: list[TierTransfer] = field(default_factory=list)
+    tier_loads: list[TierTransfer] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -85,6 +101,10 @@ class ModelRunnerOutput:
     # request id -> logprobs of the prompt tokens at positions [start, start + len) computed this
     # step, as (start, entries); only for requests asking prompt_logprobs
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+    # Second KV tier: pool block id -> whether its load passed its checksum (every load of the
+    # step), and (slot, written) of the stores finished since the last step (any step's)
+    tier_loaded: dict[int, bool] = field(default_factory=dict)
+    tier_stored: list[tuple[int, bool]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

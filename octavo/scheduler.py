@@ -5,7 +5,10 @@ up with `num_tokens` (prompt plus sampled outputs); a step hands out at most
 `max_num_batched_tokens` of that catching up, running requests first (a decode is 1 token, an
 unfinished prompt a chunk), then waiting requests in queue order. A prompt larger than what is
 left of the budget is chunked. When the pool runs out of blocks, the most recently admitted
-request (the lowest priority one under `priority`) is preempted by recompute.
+request (the lowest priority one under `priority`) is preempted: its full blocks stay in the
+prefix cache, so it resumes from what is still cached and recomputes the rest. With a second KV
+tier that is a swap: blocks the pool evicts go to the tier, and a waiting request whose prefix
+continues there waits one step while they load (the others run on).
 """
 
 from __future__ import annotations
@@ -39,6 +42,14 @@ class SchedulerStats:
     num_preemptions: int
     num_scheduled_tokens: int
     num_scheduled_requests: int
+    num_recomputed_tokens: int = 0  # tokens computed again after a preemption (the recompute tax)
+    tier_hits: int = 0  # prompt tokens whose KV came from the second tier (counted in prefix_cache_hits)
+    tier_blocks_stored: int = 0
+    tier_blocks_loaded: int = 0
+    tier_blocks_corrupt: int = 0  # loads refused by their checksum
+    tier_usage: float = 0.0
+    tier_num_blocks: int = 0
+    num_tier_loads: int = 0  # admissions that waited for tier loads
 
 
 class Scheduler:
@@ -52,6 +63,10 @@ class Scheduler:
         self.waiting = make_waiting_queue(config.policy)
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0
+        self.num_tier_loads = 0
+        self._loading: dict[str, Request] = {}  # waiting requests whose blocks load this step
+        self._returned: list[Request] = []  # back from loading: admitted next step, or released
         self._admit_counter = itertools.count(1)
         self._finished_ids: list[str] = []
         self._last_num_scheduled_tokens = 0
@@ -148,6 +163,10 @@ class Scheduler:
 
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
+        for request in self._returned:  # back from the tier but not admitted: let their blocks go
+            if request.status is not RequestStatus.RUNNING and request.request_id not in self._loading:
+                self.kv_cache.release_prefetched(request)
+        self._returned = []
         if not scheduled and len(self.waiting) and self.running:
             # Only beams waiting for siblings that cannot get in hold blocks: requeue them all, so
             # the queue's front search can be admitted whole (no step may leave everyone stuck).
@@ -159,11 +178,14 @@ class Scheduler:
         entries = [entry for entry, _ in scheduled.values()]
         self._last_num_scheduled_tokens = sum(e.num_tokens for e in entries)
         self._last_num_scheduled_requests = len(entries)
+        stores, loads = self.kv_cache.take_tier_work()
         return SchedulerOutput(
             scheduled=entries,
             copies=[copy for _, copies in scheduled.values() for copy in copies],
             finished_request_ids=finished,
             preempted_request_ids=preempted,
+            tier_stores=stores,
+            tier_loads=loads,
         )
 
     def _admit_waiting(
@@ -190,6 +212,12 @@ class Scheduler:
             computed = self.kv_cache.get_computed_blocks(request)
             if self.kv_cache.is_prefix_in_flight(request, computed):
                 break  # its next block is being computed now: admitted next step, it will hit it
+            plan = self.kv_cache.plan_tier_load(request, computed)
+            if plan is not None and self.kv_cache.start_tier_load(request, plan):
+                self.waiting.pop()  # loads this step, comes back to the queue's front after it
+                self._loading[request.request_id] = request
+                self.num_tier_loads += 1
+                continue  # (if the pool cannot spare the blocks, it goes on with the pool's hit)
             num_hit = computed.num_tokens(self.kv_cache.block_size)
             num_new = request.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -202,6 +230,7 @@ class Scheduler:
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_hit
                 request.first_scheduled_time = time.time()
+            self.num_recomputed_tokens += max(0, request.num_computed_before - num_hit)
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             request.admit_seq = next(self._admit_counter)
@@ -274,6 +303,7 @@ class Scheduler:
         if victim.beam is not None:
             victim.beam.forget(victim.request_id)
         victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_before = max(victim.num_computed_before, victim.num_computed_tokens - refund)
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -287,6 +317,7 @@ class Scheduler:
         Returns every sequence that received a token this step (finished ones included).
         """
         now = time.time()
+        self._finish_tier_work(output, result)
         changed: list[Request] = []
         searches: dict[int, BeamGroup] = {}
         for entry in output.scheduled:
@@ -321,6 +352,19 @@ class Scheduler:
             if search.is_ready:
                 changed.extend(self._advance_search(search, now))
         return changed
+
+    def _finish_tier_work(self, output: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """Apply the runner's tier reports: finished writes become findable; requests whose
+        loads ended go back to the front of the queue (in their order), their blocks cached."""
+        if result.tier_stored:
+            self.kv_cache.finish_tier_stores(result.tier_stored)
+        if not self._loading:
+            return
+        ended = self.kv_cache.finish_tier_loads(result.tier_loaded)
+        for rid in reversed(ended):
+            request = self._loading.pop(rid)
+            self.waiting.add_preempted(request)
+            self._returned.append(request)
 
     def _advance_search(self, search: BeamGroup, now: float) -> list[Request]:
         """Apply one beam-search round: fork the beams chosen more than once (they share every
@@ -455,9 +499,10 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         kv = self.kv_cache
+        tier = kv.tier
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self._loading),
             kv_cache_usage=kv.usage(),
             num_free_blocks=kv.num_free_blocks,
             prefix_cache_queries=kv.stats.num_queries_tokens,
@@ -465,4 +510,12 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_scheduled_tokens=self._last_num_scheduled_tokens,
             num_scheduled_requests=self._last_num_scheduled_requests,
+            num_recomputed_tokens=self.num_recomputed_tokens,
+            tier_hits=kv.stats.num_tier_hits_tokens,
+            tier_blocks_stored=tier.stats.num_stored if tier else 0,
+            tier_blocks_loaded=tier.stats.num_loaded if tier else 0,
+            tier_blocks_corrupt=tier.stats.num_corrupt if tier else 0,
+            tier_usage=tier.usage() if tier else 0.0,
+            tier_num_blocks=tier.num_slots if tier else 0,
+            num_tier_loads=self.num_tier_loads,
         )

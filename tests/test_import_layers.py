@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "octavo.request", "octavo.request_queue", "octavo.outputs", "octavo.kv_cache", "octavo.scheduler",
         "octavo.metrics", "octavo.structured", "octavo.simulator",
     ]),
-    ("kernels", ["octavo.kernels"]),
+    ("kernels and the KV tier's storage", ["octavo.kernels", "octavo.kv_tier"]),
     ("models and what wraps them", [
         "octavo.models", "octavo.lora", "octavo.sampling.sampler", "octavo.cuda_graphs", "octavo.distributed.layers",
     ]),

@@ -99,6 +99,9 @@ class BlockPool:
         self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVCacheBlock] = {}
+        # (block id, hash-map key) of each cached content evicted by `allocate`, oldest first,
+        # when someone (a second KV tier) wants to keep it: None records nothing.
+        self.evicted: list[tuple[int, object]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -128,6 +131,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self.evicted is not None:
+                    self.evicted.append((block.block_id, block.block_hash))
             block.block_hash = None
 
     def lookup(self, block_hash: bytes) -> KVCacheBlock | None:

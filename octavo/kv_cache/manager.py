@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from octavo.config import blocks_to_hold
 from octavo.kv_cache.block_pool import BlockPool, KVCacheBlock
 from octavo.kv_cache.prefix_cache import extend_block_hashes
+from octavo.kv_cache.tier import TierIndex, TierKey
+from octavo.outputs import TierTransfer
 from octavo.request import Request
 
 
@@ -50,7 +52,19 @@ class Allocation:
 @dataclass(slots=True)
 class PrefixCacheStats:
     num_queries_tokens: int = 0
-    num_hits_tokens: int = 0
+    num_hits_tokens: int = 0  # from either tier
+    num_tier_hits_tokens: int = 0  # of those, tokens whose blocks were loaded from the second tier
+
+
+@dataclass(slots=True)
+class TierPlan:
+    """What the second tier adds to a waiting request's pool hit: the hit grows to `num_blocks`
+    blocks; `held` are the pool blocks it needs (kept from eviction while it loads), `loads` the
+    (group, block_idx, key) of those that come from the tier."""
+
+    num_blocks: int
+    held: list[KVCacheBlock]
+    loads: list[tuple[int, int, TierKey]]
 
 
 # The block id a table shows where a sliding-window group holds no block (wholly before the
@@ -96,8 +110,12 @@ class KVCacheManager:
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-        group_windows: tuple[int | None, ...] = (None,),
+        group_windows: tuple[int | None, ...] = (None,), tier: TierIndex | None = None,
     ) -> None:
+        """`tier`: the second KV tier's index (needs prefix caching): cached blocks the pool
+        evicts are offered to it, and prefix lookups continue into it."""
+        if tier is not None and not enable_prefix_caching:
+            raise ValueError("a second KV tier holds prefix-cache blocks: it needs prefix caching on")
         if not group_windows:
             raise ValueError("a KV cache needs at least one group")
         self.block_size = block_size
@@ -113,6 +131,14 @@ class KVCacheManager:
         self._in_flight: dict[str, list[bytes]] = {}
         self._num_in_flight: dict[bytes, int] = {}
         self.stats = PrefixCacheStats()
+        self.tier = tier
+        if tier is not None:
+            self.pool.evicted = []
+        # Second tier: pool blocks held for a waiting request until it is admitted (what its
+        # hit needs, loads included), and this step's loads (target block, key) per request.
+        self._prefetched: dict[str, list[KVCacheBlock]] = {}
+        self._loading: dict[str, list[tuple[KVCacheBlock, TierKey]]] = {}
+        self._tier_loads: list[TierTransfer] = []
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -179,17 +205,8 @@ class KVCacheManager:
         logits must be computed, so a request whose whole prompt is cached still recomputes its
         last block.
         """
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
-            return ComputedBlocks()  # prompt logprobs need every prompt position computed (vLLM v1 does the same)
-        hashes = self._block_hashes(request)[: (request.num_tokens - 1) // self.block_size]
-        num_hit = len(hashes)
-        for g, window in enumerate(self.group_windows):
-            if window is None:  # the longest chain of hits
-                num_hit = next((i for i, h in enumerate(hashes[:num_hit]) if self.pool.lookup(self._key(g, h)) is None), num_hit)
-        while num_hit > 0 and not all(
-            self._window_hit(g, hashes, num_hit) for g, w in enumerate(self.group_windows) if w is not None
-        ):
-            num_hit -= 1
+        hashes = self._lookup_hashes(request)
+        num_hit = self._num_hit(hashes, self._in_pool)
         if num_hit == 0:
             return ComputedBlocks()
         groups = []
@@ -198,9 +215,37 @@ class KVCacheManager:
             groups.append([None] * first + [self.pool.lookup(self._key(g, h)) for h in hashes[first:num_hit]])
         return ComputedBlocks(groups)
 
-    def _window_hit(self, group: int, hashes: list[bytes], num_hit: int) -> bool:
+    def _lookup_hashes(self, request: Request) -> list[bytes]:
+        """The hashes a prefix lookup may hit: every full block before the last token (none when
+        caching is off, or for prompt logprobs, which need every prompt position computed, as
+        vLLM v1 does)."""
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return []
+        return self._block_hashes(request)[: (request.num_tokens - 1) // self.block_size]
+
+    def _in_pool(self, group: int, block_hash: bytes) -> bool:
+        return self.pool.lookup(self._key(group, block_hash)) is not None
+
+    def _in_either_tier(self, group: int, block_hash: bytes) -> bool:
+        return self._in_pool(group, block_hash) or self.tier.lookup((group, block_hash)) is not None
+
+    def _num_hit(self, hashes: list[bytes], available) -> int:
+        """The longest prefix (in blocks) every group can serve: a global group needs every block
+        up to it, a sliding-window group those inside the window of the first token after it;
+        `available(group, hash)` says whether one block can be had."""
+        num_hit = len(hashes)
+        for g, window in enumerate(self.group_windows):
+            if window is None:  # the longest chain of hits
+                num_hit = next((i for i, h in enumerate(hashes[:num_hit]) if not available(g, h)), num_hit)
+        while num_hit > 0 and not all(
+            self._window_hit(g, hashes, num_hit, available) for g, w in enumerate(self.group_windows) if w is not None
+        ):
+            num_hit -= 1
+        return num_hit
+
+    def _window_hit(self, group: int, hashes: list[bytes], num_hit: int, available) -> bool:
         first = self._first_needed_block(group, num_hit * self.block_size)
-        return all(self.pool.lookup(self._key(group, h)) is not None for h in hashes[first:num_hit])
+        return all(available(group, h) for h in hashes[first:num_hit])
 
     # ---- writes ------------------------------------------------------------------------------
 
@@ -266,6 +311,8 @@ class KVCacheManager:
             if num_new_blocks:
                 table.extend(self.pool.allocate(num_new_blocks))
         self._mark_in_flight(request, end)
+        if computed is not None:
+            self._release_prefetched(rid)  # the hit's own references now keep those blocks
         return Allocation(tables[0].ids, copies, [t.ids for t in tables[1:]])
 
     def _drop_outside_window(self, group: int, table: _Table, start: int) -> None:
@@ -350,6 +397,7 @@ class KVCacheManager:
         """
         rid = request.request_id
         self._clear_in_flight(rid)
+        self._release_prefetched(rid)
         tables = self._tables.pop(rid, [])
         self._num_cached_blocks.pop(rid, None)
         for table in tables:
@@ -361,7 +409,118 @@ class KVCacheManager:
         self._hashes.pop(request.request_id, None)
 
     def reset_prefix_cache(self) -> int:
-        return self.pool.reset_prefix_cache()
+        """Forget every cached block of the pool and of the second tier. Returns how many."""
+        return self.pool.reset_prefix_cache() + (self.tier.clear() if self.tier is not None else 0)
+
+    # ---- the second tier ---------------------------------------------------------------------
+
+    def plan_tier_load(self, request: Request, computed: ComputedBlocks) -> TierPlan | None:
+        """What the tier adds to `computed` (the request's pool hit), or None when it adds
+        nothing. Changes nothing."""
+        if self.tier is None or not len(self.tier):
+            return None
+        hashes = self._lookup_hashes(request)
+        num_hit = self._num_hit(hashes, self._in_either_tier)
+        if num_hit <= computed.num_blocks:
+            return None
+        held: list[KVCacheBlock] = []
+        loads: list[tuple[int, int, TierKey]] = []
+        for g in range(self.num_groups):
+            for idx in range(self._first_needed_block(g, num_hit * self.block_size), num_hit):
+                block = self.pool.lookup(self._key(g, hashes[idx]))
+                if block is not None:
+                    held.append(block)
+                else:
+                    loads.append((g, idx, (g, hashes[idx])))
+        return TierPlan(num_hit, held, loads)
+
+    def start_tier_load(self, request: Request, plan: TierPlan) -> bool:
+        """Hold the plan's pool blocks and take free blocks for its loads, which this step's
+        SchedulerOutput carries (`take_tier_work`). False, changing nothing, when the pool cannot
+        spare the blocks. The request waits for `finish_tier_loads` before its admission."""
+        rid = request.request_id
+        if rid in self._loading or rid in self._prefetched:
+            raise ValueError(f"request {rid} is already loading from the KV tier")
+        num_free_after_hold = self.pool.num_free_blocks - sum(1 for b in set(plan.held) if b.ref_cnt == 0)
+        if num_free_after_hold < len(plan.loads):
+            return False
+        held = list(dict.fromkeys(plan.held))
+        self.pool.touch(held)
+        self._prefetched[rid] = held
+        targets = self.pool.allocate(len(plan.loads))
+        self._loading[rid] = []
+        for block, (_, _, key) in zip(targets, plan.loads):
+            self._tier_loads.append(TierTransfer(block.block_id, self.tier.pin(key), key))
+            self._loading[rid].append((block, key))
+        return True
+
+    def is_loading(self, request: Request) -> bool:
+        return request.request_id in self._loading
+
+    def take_tier_work(self) -> tuple[list[TierTransfer], list[TierTransfer]]:
+        """(stores, loads) for this step's SchedulerOutput, and forget them here: every cached
+        block the pool evicted since the last call that the tier takes (a slot reserved), and the
+        loads started. Empty lists without a tier."""
+        if self.tier is None:
+            return [], []
+        stores = []
+        for block_id, pool_key in self.pool.evicted:
+            key = pool_key if isinstance(pool_key, tuple) else (0, pool_key)
+            slot = self.tier.reserve(key)
+            if slot is not None:
+                stores.append(TierTransfer(block_id, slot, key))
+        self.pool.evicted.clear()
+        loads, self._tier_loads = self._tier_loads, []
+        return stores, loads
+
+    def finish_tier_loads(self, loaded: dict[int, bool]) -> list[str]:
+        """Apply the runner's report on this step's loads (pool block id -> checksum passed): a
+        good block enters the pool's prefix cache, held for its request until admission; a bad one
+        is dropped from the tier and freed. Returns the ids of requests whose loads ended."""
+        ended = []
+        for rid, loads in self._loading.items():
+            for block, key in loads:
+                ok = loaded.get(block.block_id, False)
+                self.tier.unpin(key, ok)
+                if ok:
+                    self.pool.cache_block(block, key[1] if key[0] == 0 else key)
+                    self.stats.num_tier_hits_tokens += self.block_size if key[0] == 0 else 0
+                    self._prefetched.setdefault(rid, []).append(block)
+                else:
+                    self.pool.free([block])
+            ended.append(rid)
+        self._loading.clear()
+        return ended
+
+    def finish_tier_stores(self, stored: list[tuple[int, bool]]) -> None:
+        """Apply the runner's report on finished writes: (slot, written)."""
+        for slot, ok in stored:
+            self.tier.commit(slot, ok)
+
+    def tier_flush_plan(self) -> list[TierTransfer]:
+        """Every block cached in the pool that the tier lacks, with a slot reserved for it: what
+        a server writes at shutdown, so that a restart finds what it served last."""
+        if self.tier is None:
+            return []
+        out = []
+        for pool_key, block in self.pool.cached.items():
+            key = pool_key if isinstance(pool_key, tuple) else (0, pool_key)
+            slot = self.tier.reserve(key)
+            if slot is not None:
+                out.append(TierTransfer(block.block_id, slot, key))
+        return out
+
+    def release_prefetched(self, request: Request) -> None:
+        """Let go of the blocks held for a waiting request back from the tier (they stay cached,
+        so a later lookup still finds them, or the tier once the pool evicts them)."""
+        self._release_prefetched(request.request_id)
+
+    def _release_prefetched(self, rid: str) -> None:
+        if rid in self._loading:
+            raise ValueError(f"request {rid} has tier loads in flight: its blocks are freed once they end")
+        held = self._prefetched.pop(rid, None)
+        if held:
+            self.pool.free(held[::-1])
 
     def check_invariants(self) -> list[str]:
         """Problems found in the pool and tables (empty when sound); O(num_blocks), for tests and
@@ -375,10 +534,12 @@ class KVCacheManager:
         if len(free_ids) != self.pool.num_free_blocks:
             problems.append(f"free queue holds {len(free_ids)} blocks but counts {self.pool.num_free_blocks}")
         holders: dict[int, int] = {}
-        for tables in self._tables.values():
-            for table in tables:
-                for block in table.held():
-                    holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        held_lists = [table.held() for tables in self._tables.values() for table in tables]
+        held_lists += list(self._prefetched.values())
+        held_lists += [[block for block, _ in loads] for loads in self._loading.values()]
+        for blocks in held_lists:
+            for block in blocks:
+                holders[block.block_id] = holders.get(block.block_id, 0) + 1
         free_set = set(free_ids)
         for block in self.pool.blocks:
             held = holders.get(block.block_id, 0)
@@ -389,5 +550,7 @@ class KVCacheManager:
         for block_hash, block in self.pool.cached.items():
             if block.block_hash != block_hash:
                 problems.append(f"hash map entry points at {block} with another hash")
+        if self.tier is not None:
+            problems += self.tier.check_invariants()
         return problems
 

@@ -1,0 +1,67 @@
+"""The second KV tier's storage: where blocks the pool evicts are kept (files on local disk), and
+what a restart checks before reading them back. The index of what is where is octavo.kv_cache.tier."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+from octavo.config import ModelConfig
+from octavo.kv_cache.tier import TierIndex
+from octavo.kv_tier.disk import DiskTier, TierUnavailable
+
+logger = logging.getLogger("octavo")
+
+__all__ = ["DiskTier", "TierUnavailable", "open_disk_tier", "tier_fingerprint"]
+
+
+def tier_fingerprint(model_path: str | Path, model_config: ModelConfig, dtype: str, block_size: int,
+                     quantization: str, attention_backend: str) -> dict:
+    """What must match for a tier's blocks to be read again: the weights (their files' names,
+    sizes and times: a re-converted model counts as another), the model's shape, the KV dtype and
+    block size, the quantization and the kernels that computed the KV."""
+    path = Path(model_path)
+    files = sorted(p for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file())
+    digest = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        digest.update(f"{f.relative_to(path) if path.is_dir() else f.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return {
+        "weights": digest.hexdigest()[:32],
+        "model": repr(model_config),
+        "dtype": dtype,
+        "block_size": block_size,
+        "quantization": quantization,
+        "attention_backend": attention_backend,
+    }
+
+
+def open_disk_tier(path: str | Path, num_bytes: int, slot_bytes: int, fingerprint: dict) -> tuple[DiskTier, TierIndex] | None:
+    """The tier under `path` with room for `num_bytes` of blocks, and its index holding what a
+    previous run left there; None (logged) when the path cannot be used."""
+    probe = DiskTier.stride_for(slot_bytes)
+    num_slots = num_bytes // probe
+    if num_slots < 1:
+        raise ValueError(f"kv_offload_size {num_bytes} B holds no block of {slot_bytes} B (with its header {probe} B)")
+    try:
+        disk = DiskTier(path, slot_bytes, num_slots, fingerprint)
+    except TierUnavailable as exc:
+        logger.warning("KV tier off: %s", exc)
+        return None
+    index = TierIndex(num_slots)
+    num_found = index.restore(disk.recover())
+    free = _free_bytes(Path(path))
+    logger.info("KV tier: %d blocks (%.2f GiB) at %s; %d kept from before%s", num_slots, num_slots * probe / 2**30,
+                path, num_found, "" if free is None or free >= num_slots * probe else
+                f"; the disk has {free / 2**30:.2f} GiB free: the tier stops growing when it fills")
+    return disk, index
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize

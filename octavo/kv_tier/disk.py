@@ -1,0 +1,283 @@
+"""The second KV tier on local disk: one file of fixed-size slots, each a checksummed header and one
+pool block's KV, written and read by a background thread in runs of neighbouring slots.
+
+Layout of `DIR/blocks.bin` (slot i at i * stride; stride = header + block bytes, rounded up to
+4 KiB so every slot starts on a page):
+
+    | header (64 B) | block bytes (slot_bytes) | pad | header | block bytes | pad | ...
+    header = magic "OCTKVT01", block hash (32 B), KV group (u32), write sequence (u64),
+             crc32 of the block bytes, crc32 of the header fields before it, zero padding
+
+A batch of stores lands in neighbouring slots (the index hands out the lowest free slots first),
+so one `pwritev` writes a run of many blocks: transfers of megabytes, not of one block's pages.
+
+What makes it safe to keep across restarts and crashes:
+  * `DIR/fingerprint.json` names the model, dtype, block size, quantization and KV layout that
+    wrote it; a tier written under another fingerprint is wiped at start (logged), never read;
+  * a header whose own checksum fails is an empty slot at start; a block whose bytes do not match
+    the header's checksum (torn by a kill -9 mid-write, or reused after a crash) fails its load,
+    which the scheduler then drops and recomputes: never served;
+  * `DIR/lock` is held (flock) while a server uses the tier: a second server on the same path runs
+    without it rather than interleave writes;
+  * a write that fails (a full disk) is reported per slot: the index shrinks, no request fails.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import struct
+import threading
+import zlib
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger("octavo")
+
+MAGIC = b"OCTKVT01"
+FORMAT_VERSION = 1
+_FIELDS = struct.Struct("<8s32sIQI")  # magic, block hash, group, sequence, data crc32
+HEADER_BYTES = 64
+PAGE_BYTES = 4096
+_MAX_IOVECS = 512  # below IOV_MAX (1024) with two vectors (header, data) and a pad per slot
+DATA_FILE, FINGERPRINT_FILE, LOCK_FILE = "blocks.bin", "fingerprint.json", "lock"
+
+TierKey = tuple[int, bytes]
+
+
+class TierUnavailable(RuntimeError):
+    """The tier cannot be used (path not writable, held by another server): run without it."""
+
+
+def pack_header(key: TierKey, seq: int, data_crc: int) -> bytes:
+    group, block_hash = key
+    fields = _FIELDS.pack(MAGIC, block_hash, group, seq, data_crc)
+    return (fields + struct.pack("<I", zlib.crc32(fields))).ljust(HEADER_BYTES, b"\0")
+
+
+def unpack_header(raw: bytes) -> tuple[TierKey, int, int] | None:
+    """(key, sequence, data crc32) of a sound header, else None (empty, torn or foreign)."""
+    if len(raw) < _FIELDS.size + 4 or raw[:8] != MAGIC:
+        return None
+    fields = raw[: _FIELDS.size]
+    (crc,) = struct.unpack_from("<I", raw, _FIELDS.size)
+    if zlib.crc32(fields) != crc:
+        return None
+    _, block_hash, group, seq, data_crc = _FIELDS.unpack(fields)
+    return (group, block_hash), seq, data_crc
+
+
+@dataclass(slots=True)
+class _Job:
+    slots: list[int]
+    keys: list[TierKey]
+    buffers: list[memoryview]  # one block's bytes per slot
+    future: Future
+
+
+class DiskTier:
+    """Slots of `slot_bytes` in one file under `path`; at most `num_slots` of them."""
+
+    def __init__(self, path: str | Path, slot_bytes: int, num_slots: int, fingerprint: dict) -> None:
+        if slot_bytes < 1 or num_slots < 1:
+            raise ValueError(f"a disk tier needs slot_bytes and num_slots >= 1, got {slot_bytes}, {num_slots}")
+        self.path = Path(path)
+        self.slot_bytes, self.num_slots = slot_bytes, num_slots
+        self.stride = self.stride_for(slot_bytes)
+        self._pad = bytes(self.stride - HEADER_BYTES - slot_bytes)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise TierUnavailable(f"cannot use {self.path}: {exc.strerror or exc}") from None
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._lock_fd)
+            raise TierUnavailable(f"{self.path} is in use by another Octavo process") from None
+        try:
+            self._check_fingerprint(dict(fingerprint, format=FORMAT_VERSION, slot_bytes=slot_bytes))
+            self._fd = os.open(self.path / DATA_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            os.close(self._lock_fd)
+            raise TierUnavailable(f"cannot use {self.path}: {exc.strerror or exc}") from None
+        self._seq = 0
+        self._writes: deque[_Job] = deque()
+        self._reads: deque[_Job] = deque()
+        self._done_writes: list[tuple[int, bool]] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._busy = False
+        self._warned_full = False
+        self.num_bytes_written = self.num_bytes_read = 0
+        self._thread = threading.Thread(target=self._serve, name="octavo-kv-tier", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def stride_for(slot_bytes: int) -> int:
+        """Bytes one slot takes in the file: header and block, rounded up to a page."""
+        return -(-(HEADER_BYTES + slot_bytes) // PAGE_BYTES) * PAGE_BYTES
+
+    def _check_fingerprint(self, fingerprint: dict) -> None:
+        """Wipe the tier when another model or setting wrote it (logged); record ours."""
+        file = self.path / FINGERPRINT_FILE
+        try:
+            found = json.loads(file.read_text())
+        except (OSError, ValueError):
+            found = None
+        if found != fingerprint:
+            if found is not None or (self.path / DATA_FILE).exists():
+                differ = sorted(k for k in set(fingerprint) | set(found or {}) if (found or {}).get(k) != fingerprint.get(k))
+                logger.warning("KV tier at %s was written by another model or setting (differs in: %s): "
+                               "its blocks are never read; wiping it", self.path, ", ".join(differ) or "unreadable")
+            (self.path / DATA_FILE).unlink(missing_ok=True)
+            tmp = file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(fingerprint, sort_keys=True))
+            os.replace(tmp, file)
+
+    # ---- start-up ----------------------------------------------------------------------------
+
+    def recover(self) -> list[tuple[TierKey, int]]:
+        """(key, slot) of every slot with a sound header, oldest write first. Block bytes are not
+        read here: each load checks them."""
+        found = []
+        size = os.fstat(self._fd).st_size
+        for slot in range(min(self.num_slots, size // self.stride)):
+            parsed = unpack_header(os.pread(self._fd, HEADER_BYTES, slot * self.stride))
+            if parsed is not None:
+                key, seq, _ = parsed
+                found.append((seq, slot, key))
+        found.sort()
+        self._seq = found[-1][0] + 1 if found else 0
+        return [(key, slot) for _, slot, key in found]
+
+    # ---- the runner's calls ------------------------------------------------------------------
+
+    def submit_writes(self, slots: list[int], keys: list[TierKey], buffers: list[memoryview]) -> None:
+        """Write each buffer (one block's bytes, kept unchanged by the caller until reported) to
+        its slot, off the caller's thread. Reports come from `take_finished_writes`."""
+        self._submit(self._writes, slots, keys, buffers)
+
+    def submit_reads(self, slots: list[int], keys: list[TierKey], buffers: list[memoryview]) -> Future:
+        """Read each slot into its buffer; the future's result is, per slot, whether the header
+        names `key` and the bytes match its checksum (reads go before queued writes)."""
+        return self._submit(self._reads, slots, keys, buffers)
+
+    def take_finished_writes(self) -> list[tuple[int, bool]]:
+        """(slot, written) of every write finished since the last call."""
+        with self._cond:
+            done, self._done_writes = self._done_writes, []
+        return done
+
+    def flush(self) -> None:
+        """Wait until every queued read and write is done."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writes and not self._reads and not self._busy)
+
+    def close(self) -> None:
+        """Finish queued work, stop the thread, release the lock."""
+        if self._closed:
+            return
+        self.flush()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+        os.close(self._fd)
+        os.close(self._lock_fd)
+
+    def _submit(self, queue: deque, slots, keys, buffers) -> Future:
+        if not len(slots) == len(keys) == len(buffers):
+            raise ValueError("slots, keys and buffers must be as many")
+        future: Future = Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the KV tier is closed")
+            queue.append(_Job(list(slots), list(keys), list(buffers), future))
+            self._cond.notify_all()
+        return future
+
+    # ---- the thread --------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._reads or self._writes or self._closed)
+                if self._closed and not self._reads and not self._writes:
+                    return
+                job, is_read = (self._reads.popleft(), True) if self._reads else (self._writes.popleft(), False)
+                self._busy = True
+            try:
+                result = self._do_read(job) if is_read else self._do_write(job)
+                job.future.set_result(result)
+            except BaseException as exc:  # a bug, not an I/O error: fail the job, keep serving
+                logger.exception("KV tier %s failed", "read" if is_read else "write")
+                result = [False] * len(job.slots)
+                job.future.set_exception(exc)
+            with self._cond:
+                if not is_read:
+                    self._done_writes.extend(zip(job.slots, result))
+                self._busy = False
+                self._cond.notify_all()
+
+    def _runs(self, job: _Job) -> list[list[int]]:
+        """Positions of the job grouped into runs of consecutive slots (in slot order)."""
+        order = sorted(range(len(job.slots)), key=lambda i: job.slots[i])
+        runs: list[list[int]] = []
+        for i in order:
+            if runs and job.slots[i] == job.slots[runs[-1][-1]] + 1 and len(runs[-1]) < _MAX_IOVECS // 3:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        return runs
+
+    def _do_write(self, job: _Job) -> list[bool]:
+        ok = [False] * len(job.slots)
+        for run in self._runs(job):
+            vectors: list[bytes | memoryview] = []
+            for i in run:
+                vectors += [pack_header(job.keys[i], self._seq, zlib.crc32(job.buffers[i])), job.buffers[i], self._pad]
+                self._seq += 1
+            try:
+                written = os.pwritev(self._fd, vectors, job.slots[run[0]] * self.stride)
+            except OSError as exc:
+                self._warn_write(exc)
+                continue
+            if written == len(run) * self.stride:
+                self.num_bytes_written += written
+                for i in run:
+                    ok[i] = True
+        return ok
+
+    def _warn_write(self, exc: OSError) -> None:
+        if not self._warned_full:
+            self._warned_full = True
+            what = "the disk is full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
+            logger.warning("KV tier at %s: a write failed (%s); the tier keeps what it holds and takes no more",
+                           self.path, what)
+
+    def _do_read(self, job: _Job) -> list[bool]:
+        ok = [False] * len(job.slots)
+        for run in self._runs(job):
+            headers = [bytearray(HEADER_BYTES) for _ in run]
+            vectors: list[bytearray | memoryview] = []
+            for h, i in zip(headers, run):
+                vectors += [h, job.buffers[i], bytearray(len(self._pad))]
+            try:
+                got = os.preadv(self._fd, vectors, job.slots[run[0]] * self.stride)
+            except OSError as exc:
+                logger.warning("KV tier at %s: a read failed (%s); those blocks are recomputed", self.path, exc)
+                continue
+            self.num_bytes_read += got
+            for j, (h, i) in enumerate(zip(headers, run)):
+                if got < (j + 1) * self.stride - len(self._pad):
+                    break
+                parsed = unpack_header(bytes(h))
+                ok[i] = parsed is not None and parsed[0] == job.keys[i] and zlib.crc32(job.buffers[i]) == parsed[2]
+        return ok
+
