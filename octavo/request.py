@@ -57,8 +57,8 @@ class Request:
     finish_time: float | None = None
     beam: BeamGroup | None = None  # the beam search this sequence is a beam of (shared by its beams)
     lora_id: int | None = None  # the LoRA adapter it runs with (None: the base model)
-    # What its blocks' hashes carry for the adapter: one load of one adapter, never reused (an id
-    # may name another adapter after an unload; its KV must not be served to this one's requests)
+    # What its blocks' hashes carry for the adapter: a digest of the adapter's files (an id may
+    # name another adapter after an unload or a restart; its KV must not be served to this one's)
     lora_cache_key: str | None = None
 
     def __post_init__(self) -> None:

@@ -29,7 +29,7 @@ class LoRAAdapter:
     name: str
     rank: int
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
-    cache_key: str = ""  # set by LoRASlots: this load of this adapter, never reused (prefix-cache hashes)
+    cache_key: str = ""  # set by LoRASlots: a digest of its files (prefix-cache hashes; see adapter_digest)
 
     @property
     def num_bytes(self) -> int:

@@ -3,12 +3,26 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
+from pathlib import Path
 
 from octavo.config import ModelConfig
 from octavo.lora.adapter import LoRAAdapter, load_peft_adapter
 from octavo.lora.layers import LoRALinear
 from octavo.lora.request import LoRARequest
+
+
+def adapter_digest(path: str) -> str:
+    """The prefix cache's key of an adapter: a sha256 of its config and weights files. The same
+    files give the same KV, whatever id names them; other files never share it, in this process
+    or (through the second KV tier) after a restart, even when an id is reused."""
+    digest = hashlib.sha256()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        with open(Path(path) / name, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    return "sha256:" + digest.hexdigest()[:32]
 
 
 class LoRASlots:
@@ -18,7 +32,7 @@ class LoRASlots:
         self.paths: dict[int, str] = {}
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recent first
         self.num_loads = 0  # adapters put in a slot
-        self.num_added = 0  # adapters read from disk: numbers each load's cache key
+        self.num_added = 0  # adapters read from disk
 
     def add(self, request: LoRARequest) -> LoRAAdapter:
         """Load the adapter on first sight (ValueError when it cannot be used); later requests with
@@ -33,7 +47,7 @@ class LoRASlots:
             raise ValueError(f"a LoRA adapter named {request.lora_name!r} is already loaded with another id")
         adapter = load_peft_adapter(request.lora_path, request.lora_int_id, request.lora_name, self.cfg, self.max_rank)
         self.num_added += 1
-        adapter.cache_key = f"{adapter.lora_id}#{self.num_added}"
+        adapter.cache_key = adapter_digest(request.lora_path)
         self.adapters[adapter.lora_id] = adapter
         self.paths[adapter.lora_id] = request.lora_path
         return adapter
