@@ -147,6 +147,8 @@ class Scheduler:
                 idx += 1
                 continue
             allocation = self.kv_cache.allocate_slots(request, num_new)
+            if allocation is None and self._release_returned():  # running requests come first
+                allocation = self.kv_cache.allocate_slots(request, num_new)
             while allocation is None:
                 for victim in self._victims():
                     budget += self._preempt(victim, scheduled)
@@ -163,10 +165,7 @@ class Scheduler:
 
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
-        for request in self._returned:  # back from the tier but not admitted: let their blocks go
-            if request.status is not RequestStatus.RUNNING and request.request_id not in self._loading:
-                self.kv_cache.release_prefetched(request)
-        self._returned = []
+        self._release_returned()  # back from the tier but not admitted: let their blocks go
         if not scheduled and len(self.waiting) and self.running:
             # Only beams waiting for siblings that cannot get in hold blocks: requeue them all, so
             # the queue's front search can be admitted whole (no step may leave everyone stuck).
@@ -244,6 +243,18 @@ class Scheduler:
             budget -= num_new
         return budget
 
+    def _release_returned(self) -> bool:
+        """Let go of the blocks held for requests back from the tier and not admitted (they stay
+        cached: a later lookup finds them in the pool, or in the tier once evicted). Returns
+        whether any were held."""
+        released = False
+        for request in self._returned:
+            if request.status is not RequestStatus.RUNNING and request.request_id not in self._loading:
+                released |= self.kv_cache.num_blocks_held_for(request) > 0
+                self.kv_cache.release_prefetched(request)
+        self._returned = []
+        return released
+
     def _group_fits(self, request: Request) -> bool:
         """A beam search is admitted only when all its waiting beams fit in the free blocks, so
         admitted beams never sit idle, holding blocks, waiting for siblings that cannot get in."""
@@ -252,7 +263,8 @@ class Scheduler:
             if self.requests[rid].status is not RequestStatus.RUNNING
         ]
         needed = sum(self.kv_cache.num_blocks_to_hold(r.num_tokens, self.config.max_num_batched_tokens) for r in waiting)
-        return len(waiting) <= 1 or needed <= self.kv_cache.num_free_blocks
+        held = sum(self.kv_cache.num_blocks_held_for(r) for r in waiting)  # back from the tier: their hits
+        return len(waiting) <= 1 or needed <= self.kv_cache.num_free_blocks + held
 
     def _schedule_one(
         self, request: Request, num_new: int, allocation: Allocation

@@ -439,13 +439,16 @@ class KVCacheManager:
         SchedulerOutput carries (`take_tier_work`). False, changing nothing, when the pool cannot
         spare the blocks. The request waits for `finish_tier_loads` before its admission."""
         rid = request.request_id
-        if rid in self._loading or rid in self._prefetched:
+        if rid in self._loading:
             raise ValueError(f"request {rid} is already loading from the KV tier")
-        num_free_after_hold = self.pool.num_free_blocks - sum(1 for b in set(plan.held) if b.ref_cnt == 0)
+        held = list(dict.fromkeys(plan.held))
+        num_free_after_hold = self.pool.num_free_blocks - sum(1 for b in held if b.ref_cnt == 0)
         if num_free_after_hold < len(plan.loads):
             return False
-        held = list(dict.fromkeys(plan.held))
         self.pool.touch(held)
+        # back from an earlier round (blocks written to the tier since then were found): the new
+        # holds cover the old ones, taken before those are let go
+        self._release_prefetched(rid)
         self._prefetched[rid] = held
         targets = self.pool.allocate(len(plan.loads))
         self._loading[rid] = []
@@ -509,6 +512,15 @@ class KVCacheManager:
             if slot is not None:
                 out.append(TierTransfer(block.block_id, slot, key))
         return out
+
+    def blocks_held_for_loads(self) -> list[int]:
+        """Block ids held for waiting requests' tier loads (one entry per reference)."""
+        held = [b.block_id for blocks in self._prefetched.values() for b in blocks]
+        return held + [b.block_id for loads in self._loading.values() for b, _ in loads]
+
+    def num_blocks_held_for(self, request: Request) -> int:
+        """Blocks held for a waiting request back from the tier (its hit will take them over)."""
+        return len(self._prefetched.get(request.request_id, ()))
 
     def release_prefetched(self, request: Request) -> None:
         """Let go of the blocks held for a waiting request back from the tier (they stay cached,

@@ -246,18 +246,18 @@ class DiskTier:
             try:
                 written = os.pwritev(self._fd, vectors, job.slots[run[0]] * self.stride)
             except OSError as exc:
-                self._warn_write(exc)
+                self._warn_write("the disk is full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc)))
                 continue
-            if written == len(run) * self.stride:
-                self.num_bytes_written += written
-                for i in run:
-                    ok[i] = True
+            self.num_bytes_written += written
+            for i in run[: written // self.stride]:  # a short write (a full disk) keeps its whole slots
+                ok[i] = True
+            if written < len(run) * self.stride:
+                self._warn_write(f"{written} of {len(run) * self.stride} bytes written: the disk is full")
         return ok
 
-    def _warn_write(self, exc: OSError) -> None:
+    def _warn_write(self, what: str) -> None:
         if not self._warned_full:
             self._warned_full = True
-            what = "the disk is full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
             logger.warning("KV tier at %s: a write failed (%s); the tier keeps what it holds and takes no more",
                            self.path, what)
 

@@ -7,7 +7,11 @@ written with (the forward's writes, copy-on-write copies included): every contex
 request attends to must hold exactly its own tokens, so a prefix hit on a block whose KV was never
 written (a stale hash) fails here. The same holds with several KV groups (global and
 sliding-window ones, as Gemma 3 pages its layers): each group's table is checked for the keys its
-window reads, so a window that gave back a block it still needs fails too.
+window reads, so a window that gave back a block it still needs fails too. With a second KV
+tier, the shadow snapshots each evicted block into a shadow disk before anything writes the pool,
+reports the writes a step late, and loads blocks back (every third load failing its checksum):
+a block served from the tier must hold exactly the request's tokens too, the tier never exceeds
+its slots, and no block is lost.
 """
 
 import random
@@ -18,6 +22,7 @@ from hypothesis import strategies as st
 
 from octavo.config import SchedulerConfig
 from octavo.kv_cache.manager import KVCacheManager
+from octavo.kv_cache.tier import TierIndex
 from octavo.outputs import ModelRunnerOutput
 from octavo.request import FinishReason, RequestStatus, TokenLogprob
 from octavo.scheduler import RequestRefused, Scheduler
@@ -54,10 +59,17 @@ class ShadowKV:
     def __init__(self, windows: tuple[int | None, ...] = (None,)) -> None:
         self.slots: dict[tuple[int, int], int] = {}
         self.windows = windows
+        self.disk: dict[int, dict[int, int]] = {}  # tier slot -> offset -> token
+        self.pending_stores: list[int] = []
+        self.num_loads = 0
 
-    def run(self, s: Scheduler, out) -> None:
+    def run(self, s: Scheduler, out) -> dict:
         """Check every scheduled request's context in every group (the keys its window reads),
-        then write its new tokens (as the runner does)."""
+        then write its new tokens (as the runner does). Returns the tier's reports."""
+        held = {b for rid in s.requests for b in s.kv_cache.held_blocks(rid)}
+        for t in out.tier_stores:  # copied out before anything writes the pool (it may be reused at once)
+            self.disk[t.slot] = {o: self.slots[(t.block_id, o)] for o in range(BS) if (t.block_id, o) in self.slots}
+        stored, self.pending_stores = [(slot, True) for slot in self.pending_stores], [t.slot for t in out.tier_stores]
         for src, dst in out.copies:
             for offset in range(BS):
                 if (src, offset) in self.slots:
@@ -74,9 +86,20 @@ class ShadowKV:
                     assert self.slots.get(slot) == tokens[pos], f"{e.request_id} reads unwritten or foreign KV at {pos}"
                 for pos, token in zip(range(e.start_pos, e.start_pos + e.num_tokens), e.token_ids):
                     self.slots[(table[pos // BS], pos % BS)] = token
+        loaded = {}
+        for t in out.tier_loads:
+            assert t.block_id not in held, "a tier load writes a block some table holds"
+            self.num_loads += 1
+            loaded[t.block_id] = self.num_loads % 3 != 0  # every third load fails its checksum
+            for o in range(BS):
+                if loaded[t.block_id]:
+                    self.slots[(t.block_id, o)] = self.disk[t.slot][o]
+                else:
+                    self.slots[(t.block_id, o)] = -1  # garbage: never to be read
+        return {"tier_stored": stored, "tier_loaded": loaded}
 
 
-def fake_model(s: Scheduler, out, seed: int) -> ModelRunnerOutput:
+def fake_model(s: Scheduler, out, seed: int, tier_reports: dict | None = None) -> ModelRunnerOutput:
     """Token `seed` for every sampled sequence; for a beam, 2 x width candidates with logprobs
     that vary with the seed and the beam, so beams fork, drop and (token 3 is EOS) finish."""
     sampled, logprobs = {}, {}
@@ -89,15 +112,17 @@ def fake_model(s: Scheduler, out, seed: int) -> ModelRunnerOutput:
                 rng = random.Random(hash((seed, sid, len(s.requests[sid].all_token_ids))))
                 top = {t: -rng.random() * 3 for t in rng.sample(range(8), min(k, 8))}
                 logprobs[sid] = TokenLogprob(max(top, key=top.get), max(top.values()), top)
-    return ModelRunnerOutput(sampled=sampled, logprobs=logprobs)
+    return ModelRunnerOutput(sampled=sampled, logprobs=logprobs, **(tier_reports or {}))
 
 
 def check_invariants(s: Scheduler) -> None:
     kv = s.kv_cache
     assert kv.check_invariants() == []
-    holders = Counter()
+    holders = Counter(kv.blocks_held_for_loads())
     for rid in s.requests:
         holders.update(kv.held_blocks(rid))
+    if kv.tier is not None:
+        assert len(kv.tier) <= kv.tier.num_slots
     for block in kv.pool.blocks:
         assert block.ref_cnt == holders[block.block_id], block
     for req in s.running:
@@ -110,10 +135,13 @@ def check_invariants(s: Scheduler) -> None:
 @settings(max_examples=150, deadline=None)
 @given(ops=ops, num_blocks=st.integers(8, 24), budget=st.sampled_from([4, 16, 64]), caching=st.booleans(),
        policy=st.sampled_from(["fcfs", "priority"]),
-       windows=st.sampled_from([(None,), (None,), (None, 6), (5,), (None, 9, 4)]))
-def test_random_operations_keep_invariants(ops, num_blocks, budget, caching, policy, windows):
+       windows=st.sampled_from([(None,), (None,), (None, 6), (5,), (None, 9, 4)]),
+       tier_slots=st.sampled_from([None, None, 3, 40]))
+def test_random_operations_keep_invariants(ops, num_blocks, budget, caching, policy, windows, tier_slots):
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=6, max_model_len=64, policy=policy)
-    s = Scheduler(cfg, KVCacheManager(num_blocks * len(windows), BS, enable_prefix_caching=caching, group_windows=windows))
+    tier = TierIndex(tier_slots) if tier_slots and caching else None
+    s = Scheduler(cfg, KVCacheManager(num_blocks * len(windows), BS, enable_prefix_caching=caching, group_windows=windows,
+                                      tier=tier))
     num_blocks *= len(windows)
     prefixes = [[7] * 8, [8] * 8, list(range(8)), [9] * 3]
     shadow = ShadowKV(windows)
@@ -131,8 +159,7 @@ def test_random_operations_keep_invariants(ops, num_blocks, budget, caching, pol
                 pass
         elif op[0] == "step":
             out = s.schedule()
-            shadow.run(s, out)
-            s.update(out, fake_model(s, out, op[1]))
+            s.update(out, fake_model(s, out, op[1], shadow.run(s, out)))
         else:
             live = sorted(s.requests)
             if live:
@@ -143,10 +170,39 @@ def test_random_operations_keep_invariants(ops, num_blocks, budget, caching, pol
         if not s.has_unfinished_requests():
             break
         out = s.schedule()
-        assert out.scheduled, f"nothing scheduled while requests wait: livelock; running {[(r.request_id, r.num_computed_tokens, r.num_tokens, r.beam and sorted(r.beam.running), r.beam and sorted(r.beam.candidates)) for r in s.running]}, waiting {[r.request_id for r in s.waiting]}, {ops}"
-        shadow.run(s, out)
-        s.update(out, fake_model(s, out, 1))
+        assert out.scheduled or out.tier_loads, f"nothing scheduled while requests wait: livelock; running {[(r.request_id, r.num_computed_tokens, r.num_tokens, r.beam and sorted(r.beam.running), r.beam and sorted(r.beam.candidates)) for r in s.running]}, waiting {[r.request_id for r in s.waiting]}, {ops}"
+        s.update(out, fake_model(s, out, 1, shadow.run(s, out)))
         check_invariants(s)
     assert not s.has_unfinished_requests()
     assert s.kv_cache.num_free_blocks == num_blocks
     assert all(b.ref_cnt == 0 for b in s.kv_cache.pool.blocks)
+
+
+def test_a_pool_too_small_for_the_shared_prefixes_serves_them_from_the_tier_and_never_wrong_kv():
+    """Four 24-token prefixes in a pool of 16 blocks: requests keep evicting each other's prefixes,
+    which come back through the tier (a third of loads failing their checksum and recomputed).
+    Every context read is checked by the shadow; the tier must actually carry the load."""
+    rng = random.Random(5)
+    cfg = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=3, max_model_len=64)
+    s = Scheduler(cfg, KVCacheManager(16, BS, tier=TierIndex(40)))
+    shadow = ShadowKV()
+    prefixes = [[10 + p] * 3 + list(range(20 * p, 20 * p + 21)) for p in range(4)]
+    for i in range(80):
+        prompt = prefixes[rng.randrange(4)] + [200 + i, 300 + i]
+        s.add_request(make_request(f"r{i}", prompt, max_tokens=rng.randint(1, 6)))
+        for _ in range(rng.randint(0, 4)):
+            out = s.schedule()
+            s.update(out, fake_model(s, out, rng.randrange(50), shadow.run(s, out)))
+            check_invariants(s)
+    for _ in range(3000):
+        if not s.has_unfinished_requests():
+            break
+        out = s.schedule()
+        assert out.scheduled or out.tier_loads
+        s.update(out, fake_model(s, out, 1, shadow.run(s, out)))
+        check_invariants(s)
+    assert not s.has_unfinished_requests()
+    stats = s.stats()
+    assert stats.tier_blocks_loaded >= 20 and stats.tier_blocks_corrupt >= 5, stats
+    assert stats.tier_hits > 0 and stats.prefix_cache_hits >= stats.tier_hits
+    assert s.kv_cache.num_free_blocks == 16 and not s.kv_cache.blocks_held_for_loads()
