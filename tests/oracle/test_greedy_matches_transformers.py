@@ -159,3 +159,42 @@ def test_parallel_greedy_samples_share_prompt_and_copy_on_write(make_llm, prompt
         ok, note = compare(completion.token_ids, refs[3])
         assert ok, note
     assert llm.engine.scheduler.kv_cache.num_free_blocks == llm.engine.scheduler.kv_cache.num_blocks
+
+
+def test_second_kv_tier_serves_evicted_prefixes_and_swapped_requests(make_llm, shared_prompts, shared_refs,
+                                                                      prompts, refs, tmp_path):
+    """A pool of 48 blocks (768 tokens) and a second tier on disk: the shared prompts' prefixes
+    are evicted between the two passes and come back from the tier; the oracle prompts together
+    overflow the pool, so requests are preempted and resume through the tier. Same tokens."""
+    llm = make_llm(num_kv_blocks=48, max_num_batched_tokens=128, kv_offload_size=256 << 20, kv_offload_path=str(tmp_path))
+    for rnd in range(2):
+        outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in shared_prompts]
+        check_all(outs, shared_refs, f"tier, shared prefix pass {rnd}")
+    stats = llm.engine.get_stats().scheduler
+    assert stats.tier_blocks_loaded >= 8 and stats.tier_hits >= 8 * 16, stats  # the second pass' group prefixes
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    check_all(outs, refs, "tier, preemption")
+    after = llm.engine.get_stats().scheduler
+    assert after.num_preemptions > 0 and after.tier_blocks_loaded > stats.tier_blocks_loaded, after
+    assert after.tier_blocks_corrupt == 0 and llm.engine.scheduler.kv_cache.check_invariants() == []
+    llm.close()
+
+
+def test_second_kv_tier_is_found_again_after_a_restart_and_refused_under_another_setting(
+        make_llm, shared_prompts, shared_refs, tmp_path, caplog):
+    """The tier's blocks outlive the engine: a second engine on the same folder serves the first
+    one's prefix from it (the pool starts empty); an engine with another block size wipes it."""
+    first = make_llm(num_kv_blocks=64, kv_offload_size=64 << 20, kv_offload_path=str(tmp_path))
+    check_all([first.generate([shared_prompts[0]], GREEDY, use_tqdm=False)[0]], shared_refs[:1], "before restart")
+    first.close()  # writes the pool's cached blocks the tier lacks
+    second = make_llm(num_kv_blocks=64, kv_offload_size=64 << 20, kv_offload_path=str(tmp_path))
+    out = second.generate([shared_prompts[1]], GREEDY, use_tqdm=False)[0]
+    check_all([out], shared_refs[1:2], "after restart")
+    assert out.num_cached_tokens >= 304 and second.engine.get_stats().scheduler.tier_hits >= 304
+    second.close()
+    other = make_llm(num_kv_blocks=128, block_size=8, kv_offload_size=64 << 20, kv_offload_path=str(tmp_path))
+    assert "written by another model or setting (differs in: block_size, slot_bytes)" in caplog.text
+    out = other.generate([shared_prompts[1]], GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0 and other.engine.get_stats().scheduler.tier_hits == 0
+    check_all([out], shared_refs[1:2], "another block size")
+    other.close()
