@@ -212,6 +212,8 @@ class Scheduler:
             if self.kv_cache.is_prefix_in_flight(request, computed):
                 break  # its next block is being computed now: admitted next step, it will hit it
             plan = self.kv_cache.plan_tier_load(request, computed)
+            if plan is not None and self.kv_cache.is_tier_load_in_flight(plan):
+                break  # another request loads its blocks now: next step they are pool hits
             if plan is not None and self.kv_cache.start_tier_load(request, plan):
                 self.waiting.pop()  # loads this step, comes back to the queue's front after it
                 self._loading[request.request_id] = request

@@ -457,8 +457,11 @@ class KVCacheManager:
             self._loading[rid].append((block, key))
         return True
 
-    def is_loading(self, request: Request) -> bool:
-        return request.request_id in self._loading
+    def is_tier_load_in_flight(self, plan: TierPlan) -> bool:
+        """Whether another request loads one of the plan's blocks this step (waiting one step
+        then finds it in the pool, rather than reading it twice)."""
+        loading = {key for loads in self._loading.values() for _, key in loads}
+        return any(key in loading for _, _, key in plan.loads)
 
     def take_tier_work(self) -> tuple[list[TierTransfer], list[TierTransfer]]:
         """(stores, loads) for this step's SchedulerOutput, and forget them here: every cached

@@ -166,11 +166,15 @@ def test_random_operations_keep_invariants(ops, num_blocks, budget, caching, pol
                 s.finish_requests([live[op[1] % len(live)]], FinishReason.ABORT)
         check_invariants(s)
     # drain: the oldest always progresses, so everything finishes (no livelock)
+    idle = False
     for _ in range(2000):
         if not s.has_unfinished_requests():
             break
         out = s.schedule()
-        assert out.scheduled or out.tier_loads, f"nothing scheduled while requests wait: livelock; running {[(r.request_id, r.num_computed_tokens, r.num_tokens, r.beam and sorted(r.beam.running), r.beam and sorted(r.beam.candidates)) for r in s.running]}, waiting {[r.request_id for r in s.waiting]}, {ops}"
+        # one step may be idle: requests back from the tier that did not all fit let their held
+        # blocks go at its end; two in a row would be a livelock
+        idle, was_idle = not (out.scheduled or out.tier_loads), idle
+        assert not (idle and was_idle), f"nothing scheduled while requests wait: livelock; running {[(r.request_id, r.num_computed_tokens, r.num_tokens, r.beam and sorted(r.beam.running), r.beam and sorted(r.beam.candidates)) for r in s.running]}, waiting {[r.request_id for r in s.waiting]}, {ops}"
         s.update(out, fake_model(s, out, 1, shadow.run(s, out)))
         check_invariants(s)
     assert not s.has_unfinished_requests()
