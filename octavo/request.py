@@ -49,7 +49,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission, in tokens
     num_preemptions: int = 0
-    num_computed_before: int = 0  # the most tokens it had computed before its last preemption
+    num_computed_before: int = 0  # the most tokens it had computed before a preemption (a high-water mark)
     finish_reason: FinishReason | None = None
     admit_seq: int = 0  # admission order, for choosing preemption victims
     first_scheduled_time: float | None = None

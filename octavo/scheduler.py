@@ -231,7 +231,6 @@ class Scheduler:
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_hit
                 request.first_scheduled_time = time.time()
-            self.num_recomputed_tokens += max(0, request.num_computed_before - num_hit)
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             request.admit_seq = next(self._admit_counter)
@@ -273,6 +272,8 @@ class Scheduler:
     ) -> tuple[ScheduledRequest, list[tuple[int, int]]]:
         start = request.num_computed_tokens
         request.num_computed_tokens = start + num_new
+        # tokens below what it had computed before a preemption are computed a second time
+        self.num_recomputed_tokens += max(0, min(start + num_new, request.num_computed_before) - start)
         samples: list[SampleRow] = []
         if request.num_computed_tokens == request.num_tokens:
             samples = [SampleRow(request.request_id, request.sample_index, request.output_token_ids)]
@@ -331,7 +332,7 @@ class Scheduler:
         Returns every sequence that received a token this step (finished ones included).
         """
         now = time.time()
-        self._finish_tier_work(output, result)
+        self._finish_tier_work(result)
         changed: list[Request] = []
         searches: dict[int, BeamGroup] = {}
         for entry in output.scheduled:
@@ -367,7 +368,7 @@ class Scheduler:
                 changed.extend(self._advance_search(search, now))
         return changed
 
-    def _finish_tier_work(self, output: SchedulerOutput, result: ModelRunnerOutput) -> None:
+    def _finish_tier_work(self, result: ModelRunnerOutput) -> None:
         """Apply the runner's tier reports: finished writes become findable; requests whose
         loads ended go back to the front of the queue (in their order), their blocks cached."""
         if result.tier_stored:

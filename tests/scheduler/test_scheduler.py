@@ -122,6 +122,22 @@ def test_preempted_request_resumes_from_its_cached_prefix():
     out = s.schedule()
     (entry,) = out.scheduled
     assert entry.request_id == "b" and entry.start_pos == 4  # block 0 hit from its own prefix
+    # b had computed 8 tokens (its prompt and one output); 4 came back as a hit, 4 are computed again
+    assert s.stats().num_recomputed_tokens == 4
+
+
+def test_tokens_recomputed_after_a_preemption_are_counted_once_each_time():
+    s = make_scheduler(num_blocks=4, budget=64, caching=False)
+    a = make_request("a", 7, max_tokens=9)
+    b = make_request("b", 7, max_tokens=9)
+    s.add_request(a)
+    s.add_request(b)
+    for _ in range(3):
+        step(s)  # b preempted after computing 8 tokens; nothing cached
+    assert b.status is RequestStatus.PREEMPTED and s.stats().num_recomputed_tokens == 0
+    while b.status is not RequestStatus.FINISHED:
+        step(s)
+    assert b.num_preemptions == 1 and s.stats().num_recomputed_tokens == 8
 
 
 def test_priority_policy_preempts_lowest_priority():
