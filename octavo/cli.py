@@ -288,8 +288,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_workload_flags(p: argparse.ArgumentParser, with_seed: bool = True) -> None:
-    p.add_argument("workload", nargs="?", choices=["random", "prefix-repetition", "replay"], default="random")
+def add_workload_flags(p: argparse.ArgumentParser, with_seed: bool = True, multi_turn: bool = False) -> None:
+    choices = ["random", "prefix-repetition", "replay"] + (["multi-turn"] if multi_turn else [])
+    p.add_argument("workload", nargs="?", choices=choices, default="random")
     p.add_argument("file", nargs="?", default=None, help="replay: JSON list of {prompt_token_ids, max_tokens[, arrival_time]}")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--input-len", type=int, default=256)
@@ -300,6 +301,12 @@ def add_workload_flags(p: argparse.ArgumentParser, with_seed: bool = True) -> No
     p.add_argument("--suffix-len", type=int, default=64)
     if with_seed:
         p.add_argument("--seed", type=int, default=0, help="workload seed")
+    if multi_turn:
+        p.add_argument("--num-conversations", type=int, default=12, help="multi-turn: conversations")
+        p.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+        p.add_argument("--system-len", type=int, default=256, help="multi-turn: each conversation's system prompt")
+        p.add_argument("--user-len", type=int, default=64, help="multi-turn: tokens of each user message")
+        p.add_argument("--think-time", type=float, default=1.0, help="multi-turn: mean seconds between turns")
 
 
 def load_workload(args: argparse.Namespace):
@@ -342,11 +349,39 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_multi_turn(args: argparse.Namespace) -> int:
+    """`octavo bench serve multi-turn`: conversations on one server, or on each of --compare in turn."""
+    import asyncio
+
+    from octavo.bench.multi_turn import compare_conversations, format_turns
+    from octavo.simulator.workload import multi_turn_workload
+
+    urls = [args.base_url, *args.compare]
+    labels = args.labels.split(",") if args.labels else urls
+    if len(labels) != len(urls):
+        raise ValueError(f"--labels names {len(labels)} servers, but there are {len(urls)}")
+    rounds = [multi_turn_workload(args.num_conversations, args.turns, args.system_len, args.user_len, args.output_len,
+                                  args.seed + r) for r in range(args.repeats if args.compare else 1)]
+    conv = rounds[0]
+    print(f"{len(conv)} conversations x {args.turns} turns; last turn {len(conv[0][-1].prompt_token_ids)} prompt tokens; "
+          f"working set {sum(len(c[-1].prompt_token_ids) + args.output_len for c in conv)} tokens", flush=True)
+    results = asyncio.run(compare_conversations(
+        list(zip(labels, urls)), rounds, think_time=args.think_time, max_concurrency=args.max_concurrency,
+        model=args.model_name, api_key=args.api_key, seed=args.seed))
+    print(format_turns(results))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=2)
+    return 0 if all(s["failed"] == 0 for runs in results.values() for s in runs) else 1
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from octavo.bench.serve import format_summary, plot_serve, run_serve_benchmark, summarise
 
+    if args.workload == "multi-turn":
+        return _bench_multi_turn(args)
     workload = load_workload(args)
     common = dict(model=args.model_name, request_rate=args.request_rate, burstiness=args.burstiness,
                   max_concurrency=args.max_concurrency, api_key=args.api_key, seed=args.seed)
@@ -519,7 +554,7 @@ def _add_bench(sub) -> None:
     tp.add_argument("--json", default=None, help="write the results to this JSON file")
     tp.set_defaults(func=cmd_bench_throughput)
     sv = bench_sub.add_parser("serve", help="send a workload to an OpenAI-compatible server and measure TTFT, TPOT, ITL, E2E")
-    add_workload_flags(sv)
+    add_workload_flags(sv, multi_turn=True)
     sv.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     sv.add_argument("--model-name", default=None, help="model name to send (default: none; the server's own)")
     sv.add_argument("--api-key", default=None)

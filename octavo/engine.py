@@ -71,6 +71,8 @@ class LLMEngine:
         tier_index = self._open_tier(self.config) if config.cache.kv_offload_bytes else None
         kv = KVCacheManager(sizing.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                             tuple(g.window for g in config.model_config.kv_groups()), tier=tier_index)
+        if self.tier is not None:
+            kv.swap_preempted = self._swap_is_cheaper(self.config)
         self.scheduler = Scheduler(config.scheduler, kv)
         self.structured = StructuredOutputManager(tokenizer, config.model_config.vocab_size, self.eos_token_ids,
                                                   config.grammar_cache_bytes)
@@ -116,6 +118,24 @@ class LLMEngine:
         self.tier, index = opened
         self.runner.attach_tier(self.tier)
         return index
+
+    def _swap_is_cheaper(self, config: EngineConfig) -> bool:
+        """Measure what one block of a preempted request costs to move through the tier (out and
+        back, cold) against recomputing it (a prefill step's time per token, best of two, times
+        the block size); log both. Both grow with the request's length alike, so the choice
+        holds for every victim of this engine."""
+        num_tokens = min(128, config.scheduler.max_num_batched_tokens, config.scheduler.max_model_len)
+        timings = []
+        for _ in range(2):
+            start = time.perf_counter()
+            self.runner.profile_activation_peak(num_tokens, 1)
+            timings.append(time.perf_counter() - start)
+        recompute = min(timings) / num_tokens * config.cache.block_size
+        move = self.tier.measure_round_trip()
+        swap = move < recompute
+        logger.info("KV tier: a block costs %.2f ms to move out and back, %.2f ms to recompute: preempted requests %s",
+                    move * 1e3, recompute * 1e3, "swap through the tier" if swap else "recompute")
+        return swap
 
     @classmethod
     def from_args(cls, args: EngineArgs | None = None, **kwargs: Any) -> LLMEngine:

@@ -48,6 +48,7 @@ class EngineMetrics:
         self.tier_loaded = counter("kv_tier_blocks_loaded", "Blocks loaded from the second KV tier.")
         self.tier_corrupt = counter("kv_tier_blocks_corrupt", "Tier loads refused by their checksum (recomputed).")
         self.tier_usage = gauge("kv_tier_usage_perc", "Share of the second KV tier's blocks held, 0 to 1.")
+        self.swaps = counter("num_swaps", "Preemptions whose blocks go through the second KV tier (the others recompute).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed.")
         self.generation_tokens = counter("generation_tokens", "Output tokens generated.")
         self.kv_blocks = gauge("kv_cache_num_blocks", "Blocks in the KV-cache pool.")
@@ -77,6 +78,7 @@ class EngineMetrics:
         self.tier_loaded.inc(s.tier_blocks_loaded - (prev.tier_blocks_loaded if prev else 0))
         self.tier_corrupt.inc(s.tier_blocks_corrupt - (prev.tier_blocks_corrupt if prev else 0))
         self.tier_usage.set(s.tier_usage)
+        self.swaps.inc(s.num_swaps - (prev.num_swaps if prev else 0))
         self.prompt_tokens.inc(stats.num_prompt_tokens_total - (last.num_prompt_tokens_total if last else 0))
         self.generation_tokens.inc(stats.num_generation_tokens_total - (last.num_generation_tokens_total if last else 0))
         self._last = stats

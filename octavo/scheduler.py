@@ -50,6 +50,7 @@ class SchedulerStats:
     tier_usage: float = 0.0
     tier_num_blocks: int = 0
     num_tier_loads: int = 0  # admissions that waited for tier loads
+    num_swaps: int = 0  # preemptions that swap through the second tier (num_preemptions - this recompute)
 
 
 class Scheduler:
@@ -65,6 +66,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
         self.num_tier_loads = 0
+        self.num_swaps = 0  # preemptions whose blocks go to the second tier (the rest recompute)
         self._loading: dict[str, Request] = {}  # waiting requests whose blocks load this step
         self._returned: list[Request] = []  # back from loading: admitted next step, or released
         self._admit_counter = itertools.count(1)
@@ -314,7 +316,9 @@ class Scheduler:
         if victim.request_id in scheduled:
             refund = scheduled.pop(victim.request_id)[0].num_tokens
         self.running.remove(victim)
-        self.kv_cache.free(victim)
+        self.kv_cache.free(victim, preempted=True)
+        if self.kv_cache.tier is not None:
+            self.num_swaps += self.kv_cache.swap_preempted
         if victim.beam is not None:
             victim.beam.forget(victim.request_id)
         victim.status = RequestStatus.PREEMPTED
@@ -533,4 +537,5 @@ class Scheduler:
             tier_usage=tier.usage() if tier else 0.0,
             tier_num_blocks=tier.num_slots if tier else 0,
             num_tier_loads=self.num_tier_loads,
+            num_swaps=self.num_swaps,
         )

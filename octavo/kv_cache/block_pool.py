@@ -102,6 +102,9 @@ class BlockPool:
         # (block id, hash-map key) of each cached content evicted by `allocate`, oldest first,
         # when someone (a second KV tier) wants to keep it: None records nothing.
         self.evicted: list[tuple[int, object]] | None = None
+        # blocks whose content is not worth keeping there (a preempted request that recomputes
+        # rather than swaps): evicted without being recorded, unless a hit reuses them first
+        self.skip_offload: set[int] = set()
 
     @property
     def num_free_blocks(self) -> int:
@@ -131,9 +134,10 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
-                if self.evicted is not None:
+                if self.evicted is not None and block.block_id not in self.skip_offload:
                     self.evicted.append((block.block_id, block.block_hash))
             block.block_hash = None
+        self.skip_offload.discard(block.block_id)
 
     def lookup(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached.get(block_hash)
@@ -144,6 +148,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
+            self.skip_offload.discard(block.block_id)
 
     def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
         """Record that `block` holds the full block whose chained hash is `block_hash`.

@@ -134,6 +134,9 @@ class KVCacheManager:
         self.tier = tier
         if tier is not None:
             self.pool.evicted = []
+        # whether a preempted request's blocks go to the tier when evicted (a swap) or are let go
+        # (it recomputes them): the engine sets it from what it measures at start
+        self.swap_preempted = tier is not None
         # Second tier: pool blocks held for a waiting request until it is admitted (what its
         # hit needs, loads included), and this step's loads (target block, key) per request.
         self._prefetched: dict[str, list[KVCacheBlock]] = {}
@@ -389,11 +392,12 @@ class KVCacheManager:
         self._num_cached_blocks[child.request_id] = self._num_cached_blocks.get(parent.request_id, 0)
         return tables[0].ids
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, preempted: bool = False) -> None:
         """Return all the request's blocks (tail of each table first, so chains evict tail-first).
 
         The block hashes are kept: a preempted request recomputes the same tokens and can hit
-        its own cached prefix. `remove` forgets them once the request has ended.
+        its own cached prefix. `remove` forgets them once the request has ended. A `preempted`
+        request's blocks go to the second tier when evicted only if `swap_preempted`.
         """
         rid = request.request_id
         self._clear_in_flight(rid)
@@ -401,7 +405,10 @@ class KVCacheManager:
         tables = self._tables.pop(rid, [])
         self._num_cached_blocks.pop(rid, None)
         for table in tables:
-            self.pool.free(table.held()[::-1])
+            held = table.held()
+            self.pool.free(held[::-1])
+            if preempted and self.tier is not None and not self.swap_preempted:
+                self.pool.skip_offload.update(b.block_id for b in held if b.ref_cnt == 0)
 
     def remove(self, request: Request) -> None:
         """Free the request's blocks and forget everything kept about it."""

@@ -31,6 +31,7 @@ import logging
 import os
 import struct
 import threading
+import time
 import zlib
 from collections import deque
 from concurrent.futures import Future
@@ -83,7 +84,11 @@ class _Job:
 class DiskTier:
     """Slots of `slot_bytes` in one file under `path`; at most `num_slots` of them."""
 
-    def __init__(self, path: str | Path, slot_bytes: int, num_slots: int, fingerprint: dict) -> None:
+    def __init__(self, path: str | Path, slot_bytes: int, num_slots: int, fingerprint: dict,
+                 max_queued_bytes: int = 256 << 20) -> None:
+        """`max_queued_bytes`: host copies of blocks waiting to be written; a caller that would
+        queue more waits for the writer (a disk slower than the evictions slows steps rather than
+        growing memory)."""
         if slot_bytes < 1 or num_slots < 1:
             raise ValueError(f"a disk tier needs slot_bytes and num_slots >= 1, got {slot_bytes}, {num_slots}")
         self.path = Path(path)
@@ -110,6 +115,9 @@ class DiskTier:
         self._writes: deque[_Job] = deque()
         self._reads: deque[_Job] = deque()
         self._done_writes: list[tuple[int, bool]] = []
+        self.max_queued_bytes = max(max_queued_bytes, slot_bytes)
+        self._queued_bytes = 0
+        self.num_write_waits = 0  # times a caller waited for the writer to catch up
         self._cond = threading.Condition()
         self._closed = False
         self._busy = False
@@ -156,11 +164,39 @@ class DiskTier:
         self._seq = found[-1][0] + 1 if found else 0
         return [(key, slot) for _, slot, key in found]
 
+    def measure_round_trip(self, num_blocks: int = 8) -> float:
+        """Seconds to move one block out and back: writing `num_blocks` blocks to a scratch file
+        in the folder, then reading them back cold (flushed and dropped from the page cache first,
+        untimed). What a swap costs per block, measured on this disk at start."""
+        data = os.urandom(num_blocks * self.slot_bytes)
+        probe = self.path / "probe.bin"
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            start = time.perf_counter()
+            os.pwrite(fd, data, 0)
+            elapsed = time.perf_counter() - start
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            start = time.perf_counter()
+            os.pread(fd, len(data), 0)
+            elapsed += time.perf_counter() - start
+        finally:
+            os.close(fd)
+            probe.unlink(missing_ok=True)
+        return elapsed / num_blocks
+
     # ---- the runner's calls ------------------------------------------------------------------
 
     def submit_writes(self, slots: list[int], keys: list[TierKey], buffers: list[memoryview]) -> None:
         """Write each buffer (one block's bytes, kept unchanged by the caller until reported) to
-        its slot, off the caller's thread. Reports come from `take_finished_writes`."""
+        its slot, off the caller's thread. Reports come from `take_finished_writes`. Waits first
+        while more than max_queued_bytes are queued."""
+        with self._cond:
+            if self._queued_bytes + len(buffers) * self.slot_bytes > self.max_queued_bytes and self._queued_bytes:
+                self.num_write_waits += 1
+                self._cond.wait_for(lambda: self._queued_bytes + len(buffers) * self.slot_bytes <= self.max_queued_bytes
+                                    or not self._queued_bytes)
+            self._queued_bytes += len(buffers) * self.slot_bytes
         self._submit(self._writes, slots, keys, buffers)
 
     def submit_reads(self, slots: list[int], keys: list[TierKey], buffers: list[memoryview]) -> Future:
@@ -222,6 +258,7 @@ class DiskTier:
             with self._cond:
                 if not is_read:
                     self._done_writes.extend(zip(job.slots, result))
+                    self._queued_bytes -= len(job.slots) * self.slot_bytes
                 self._busy = False
                 self._cond.notify_all()
 

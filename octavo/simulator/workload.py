@@ -77,3 +77,30 @@ def trace_workload(path: str | Path) -> list[SimRequest]:
             raise ValueError(f"trace entry {i} needs max_tokens or output_len")
         out.append(SimRequest(float(e.get("arrival_time", 0.0)), prompt, int(n_out)))
     return out
+
+
+def multi_turn_workload(
+    num_conversations: int, num_turns: int, system_len: int, user_len: int, answer_len: int, seed: int = 0,
+) -> list[list[SimRequest]]:
+    """Chat conversations whose every turn resends the whole history, as chat clients do: turn k's
+    prompt is the conversation's own system prompt, then each earlier user message and answer,
+    then the new user message. The answers are `answer_len` random tokens standing for the model's
+    (a client would resend what it received; these make every server do the same work). Returns
+    one list of turns per conversation; arrival times are 0 (the client paces the turns)."""
+    if min(num_conversations, num_turns, system_len, user_len, answer_len) < 1:
+        raise ValueError("multi-turn: conversations, turns and every length must be >= 1")
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(VOCAB) for _ in range(n))
+
+    out = []
+    for _ in range(num_conversations):
+        history = tokens(system_len)
+        turns = []
+        for _ in range(num_turns):
+            history += tokens(user_len)
+            turns.append(SimRequest(0.0, history, answer_len))
+            history += tokens(answer_len)
+        out.append(turns)
+    return out

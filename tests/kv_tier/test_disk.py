@@ -115,3 +115,15 @@ def test_a_full_disk_fails_writes_with_a_warning_not_an_exception(tmp_path):
     # one run of six slots, cut short after three: those three are whole and kept
     assert out.stdout.strip() == str([(i, i < 3) for i in range(6)])
     assert "a write failed" in out.stderr
+
+
+def test_writes_queued_past_the_bound_wait_for_the_writer_and_all_land(tmp_path):
+    tier = DiskTier(tmp_path, SLOT, 64, FP, max_queued_bytes=2 * SLOT)
+    for i in range(12):  # one block at a time, two may queue: the caller waits for the rest
+        tier.submit_writes([i], [key(i)], [memoryview(bytearray(block(i)))])
+    tier.flush()
+    assert sorted(tier.take_finished_writes()) == [(i, True) for i in range(12)]
+    assert tier._queued_bytes == 0
+    ok, got = read(tier, list(range(12)), [key(i) for i in range(12)])
+    assert all(ok) and got == [block(i) for i in range(12)]
+    tier.close()
