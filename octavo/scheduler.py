@@ -216,11 +216,17 @@ class Scheduler:
             plan = self.kv_cache.plan_tier_load(request, computed)
             if plan is not None and self.kv_cache.is_tier_load_in_flight(plan):
                 break  # another request loads its blocks now: next step they are pool hits
-            if plan is not None and self.kv_cache.start_tier_load(request, plan):
-                self.waiting.pop()  # loads this step, comes back to the queue's front after it
-                self._loading[request.request_id] = request
-                self.num_tier_loads += 1
-                continue  # (if the pool cannot spare the blocks, it goes on with the pool's hit)
+            if plan is not None:
+                first_chunk = min(request.num_tokens - plan.num_blocks * self.kv_cache.block_size, budget)
+                if self.kv_cache.start_tier_load(
+                        request, plan, self.kv_cache.num_blocks_to_hold(first_chunk + self.kv_cache.block_size)):
+                    self.waiting.pop()  # loads this step, comes back to the queue's front after it
+                    self._loading[request.request_id] = request
+                    self.num_tier_loads += 1
+                    continue
+                if self.running:
+                    break  # no room to load and run it now: wait for running requests to free some
+                # nothing runs and the pool cannot take the loads: go on with the pool's hit alone
             num_hit = computed.num_tokens(self.kv_cache.block_size)
             num_new = request.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:

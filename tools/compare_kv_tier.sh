@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # The second KV tier on a multi-turn chat workload (docs/BENCHMARKS.md): three `octavo serve`s side
-# by side, a pool of $POOL blocks (default 96: 1,536 tokens) without a tier ("off") and with a
+# by side, a pool of $POOL blocks (default 128: 2,048 tokens) without a tier ("off") and with a
 # $TIER tier on disk ("tier"), and a pool big enough for everything ("unbounded", 4,096 blocks);
 # `octavo bench serve multi-turn` runs the same conversations on each in turn, $REPEATS rounds of
-# fresh ones (working set >= 4x the small pool). Then the tier's server is stopped (it writes its
-# pool's cached blocks) and started again on the same folder, and round 1's conversations are
-# replayed against it and against a fresh server with an empty tier: the first turns' TTFT, warm
-# (served from the tier) vs cold.
-# Usage: tools/compare_kv_tier.sh   (POOL, TIER, REPEATS, CONVERSATIONS, TURNS override)
+# fresh ones: $CONVERSATIONS conversations of $TURNS turns (working set 5x the small pool), $MAXCONC
+# talking at once, 1 s mean think time. Then random prompts that miss everywhere, tier vs off (what
+# the tier's writes cost a miss). Then the tier's server is stopped (it writes its pool's cached
+# blocks) and started again on the same folder, and round 1's conversations are replayed against it
+# and against a fresh server with an empty tier: first turns' TTFT, warm (from the tier) vs cold.
+# Usage: tools/compare_kv_tier.sh   (POOL, TIER, REPEATS, CONVERSATIONS, TURNS, MAXCONC override)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-POOL=${POOL:-96}; TIER=${TIER:-2GiB}; REPEATS=${REPEATS:-3}
-CONV=${CONVERSATIONS:-12}; TURNS=${TURNS:-4}
+POOL=${POOL:-128}; TIER=${TIER:-2GiB}; REPEATS=${REPEATS:-3}
+CONV=${CONVERSATIONS:-16}; TURNS=${TURNS:-4}; MAXCONC=${MAXCONC:-4}
 LOGS=$(mktemp -d); TIER_DIR="$LOGS/tier"; COLD_DIR="$LOGS/cold-tier"
 port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 wait_up() { for _ in $(seq 900); do curl -sf "$1/health" >/dev/null && return 0; sleep 0.5; done; echo "waited 450 s for $1" >&2; exit 1; }
@@ -24,7 +25,7 @@ serve() {  # name port flags...
 bench() {  # seed repeats url [--compare url ...] --labels ...
   local seed=$1 repeats=$2; shift 2
   "$PY" -m octavo.cli bench serve multi-turn --num-conversations "$CONV" --turns "$TURNS" --system-len 256 \
-    --user-len 64 --output-len 32 --think-time 1 --seed "$seed" --repeats "$repeats" "$@" 2>&1 \
+    --user-len 64 --output-len 32 --think-time 1 --max-concurrency "$MAXCONC" --seed "$seed" --repeats "$repeats" "$@" 2>&1 \
     | grep -v -E "^(INFO|WARNING)|bench multi-turn"
 }
 trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
@@ -36,8 +37,12 @@ for p in "$p_off" "$p_tier" "$p_big"; do wait_up "http://127.0.0.1:$p"; done
 echo "== multi-turn: tier vs off vs unbounded pool"
 bench 0 "$REPEATS" --base-url "http://127.0.0.1:$p_tier" --compare "http://127.0.0.1:$p_off" \
   --compare "http://127.0.0.1:$p_big" --labels tier,off,unbounded
-kill "$pid_off" "$pid_big"
-kill -TERM "$pid_tier"; wait "$pid_tier" 2>/dev/null || true
+echo "== random prompts that miss everywhere (512 tokens, 16 out, 4 at once): tier vs off"
+"$PY" -m octavo.cli bench serve random --num-requests 24 --input-len 512 --output-len 16 --max-concurrency 4 \
+  --base-url "http://127.0.0.1:$p_tier" --compare "http://127.0.0.1:$p_off" --labels tier,off --repeats "$REPEATS" \
+  2>&1 | grep -v -E "^(INFO|WARNING)|bench serve"
+kill "$pid_off" "$pid_big" "$pid_tier"
+while kill -0 "$pid_tier" 2>/dev/null; do sleep 0.2; done  # (not our child: wait cannot)
 grep -h "KV tier closed" "$LOGS/tier.log" || true
 p_warm=$(port); p_cold=$(port)
 serve tier "$p_warm" --num-kv-blocks "$POOL" --kv-offload-size "$TIER" --kv-offload-path "$TIER_DIR" > /dev/null

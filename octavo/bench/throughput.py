@@ -125,6 +125,9 @@ def run_octavo(
             "mean_kv_utilisation": sum(kv_util) / len(kv_util) if kv_util else 0.0,
             "mean_ttft_s": sum(ttft) / len(ttft),
             "steps": stats.num_steps,
+            "recomputed_tokens": s.num_recomputed_tokens,
+            "tier_blocks_stored": s.tier_blocks_stored,
+            "tier_blocks_loaded": s.tier_blocks_loaded,
         },
     )
 
@@ -210,7 +213,10 @@ def format_results(results: list[ThroughputResult]) -> str:
             lines.append(
                 f"octavo: preemptions {e['preemptions']}, prefix-cache hit rate {e['prefix_cache_hit_rate']:.1%}, "
                 f"prompt tokens computed {e['prompt_tokens_computed']}, mean batch {e['mean_batch_size']:.1f}, "
-                f"mean KV utilisation {e['mean_kv_utilisation']:.1%}, mean TTFT {e['mean_ttft_s']:.2f} s, steps {e['steps']}"
+                f"mean KV utilisation {e['mean_kv_utilisation']:.1%}, mean TTFT {e['mean_ttft_s']:.2f} s, steps {e['steps']}, "
+                f"tokens recomputed after preemption {e['recomputed_tokens']}"
+                + (f", KV tier blocks stored {e['tier_blocks_stored']} / loaded {e['tier_blocks_loaded']}"
+                   if e["tier_blocks_stored"] else "")
             )
     base = next((r for r in results if r.backend == "octavo"), None)
     if base is not None:

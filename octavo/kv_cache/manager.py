@@ -142,6 +142,7 @@ class KVCacheManager:
         self._prefetched: dict[str, list[KVCacheBlock]] = {}
         self._loading: dict[str, list[tuple[KVCacheBlock, TierKey]]] = {}
         self._tier_loads: list[TierTransfer] = []
+        self._loaded_ids: dict[str, set[int]] = {}  # group-0 blocks loaded for a waiting request
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -315,6 +316,9 @@ class KVCacheManager:
                 table.extend(self.pool.allocate(num_new_blocks))
         self._mark_in_flight(request, end)
         if computed is not None:
+            loaded = self._loaded_ids.pop(rid, set())
+            self.stats.num_tier_hits_tokens += self.block_size * sum(
+                1 for b in computed.blocks if b is not None and b.block_id in loaded)
             self._release_prefetched(rid)  # the hit's own references now keep those blocks
         return Allocation(tables[0].ids, copies, [t.ids for t in tables[1:]])
 
@@ -441,16 +445,18 @@ class KVCacheManager:
                     loads.append((g, idx, (g, hashes[idx])))
         return TierPlan(num_hit, held, loads)
 
-    def start_tier_load(self, request: Request, plan: TierPlan) -> bool:
+    def start_tier_load(self, request: Request, plan: TierPlan, num_extra_blocks: int = 0) -> bool:
         """Hold the plan's pool blocks and take free blocks for its loads, which this step's
         SchedulerOutput carries (`take_tier_work`). False, changing nothing, when the pool cannot
-        spare the blocks. The request waits for `finish_tier_loads` before its admission."""
+        spare them and `num_extra_blocks` more (what its first chunk will need: loading what
+        cannot be admitted next step would only churn). The request waits for
+        `finish_tier_loads` before its admission."""
         rid = request.request_id
         if rid in self._loading:
             raise ValueError(f"request {rid} is already loading from the KV tier")
         held = list(dict.fromkeys(plan.held))
         num_free_after_hold = self.pool.num_free_blocks - sum(1 for b in held if b.ref_cnt == 0)
-        if num_free_after_hold < len(plan.loads):
+        if num_free_after_hold < len(plan.loads) + num_extra_blocks:
             return False
         self.pool.touch(held)
         # back from an earlier round (blocks written to the tier since then were found): the new
@@ -497,8 +503,9 @@ class KVCacheManager:
                 self.tier.unpin(key, ok)
                 if ok:
                     self.pool.cache_block(block, key[1] if key[0] == 0 else key)
-                    self.stats.num_tier_hits_tokens += self.block_size if key[0] == 0 else 0
                     self._prefetched.setdefault(rid, []).append(block)
+                    if key[0] == 0:  # counted as a tier hit if its request is admitted with it
+                        self._loaded_ids.setdefault(rid, set()).add(block.block_id)
                 else:
                     self.pool.free([block])
             ended.append(rid)
@@ -541,6 +548,7 @@ class KVCacheManager:
         if rid in self._loading:
             raise ValueError(f"request {rid} has tier loads in flight: its blocks are freed once they end")
         held = self._prefetched.pop(rid, None)
+        self._loaded_ids.pop(rid, None)
         if held:
             self.pool.free(held[::-1])
 
