@@ -560,7 +560,7 @@ def _add_bench(sub) -> None:
     sv.add_argument("--api-key", default=None)
     sv.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf sends all at once")
     sv.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival times (1: Poisson)")
-    sv.add_argument("--max-concurrency", type=int, default=None)
+    sv.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at once (multi-turn too)")
     sv.add_argument("--compare", action="append", default=[], metavar="URL",
                     help="another server's base URL (repeatable): the workload runs on each in turn, --repeats rounds; "
                          "medians and ratios to --base-url are printed as a table")

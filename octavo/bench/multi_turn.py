@@ -51,8 +51,8 @@ async def run_conversations(
     base_url: str, conversations: list[list[SimRequest]], think_time: float = 1.0, max_concurrency: int | None = None,
     model: str | None = None, api_key: str | None = None, seed: int = 0, progress: bool = True,
 ) -> tuple[list[tuple[int, RequestRecord]], dict[str, float], float]:
-    """Run every conversation (at most `max_concurrency` at once), each turn sent when the last one
-    has ended plus an exponential think time of mean `think_time` s. Returns (turn index, record)
+    """Run every conversation at once, each turn sent when its last one has ended plus an
+    exponential think time of mean `think_time` s, at most `max_concurrency` requests in flight. Returns (turn index, record)
     pairs, the server counters' change over the run, and the wall time."""
     from tqdm.auto import tqdm
 
@@ -67,12 +67,12 @@ async def run_conversations(
 
         async def talk(conv: list[SimRequest], pauses: list[float]) -> list[tuple[int, RequestRecord]]:
             out = []
-            async with limit:
-                for turn, (request, pause) in enumerate(zip(conv, pauses)):
-                    if turn:
-                        await asyncio.sleep(pause)
+            for turn, (request, pause) in enumerate(zip(conv, pauses)):
+                if turn:
+                    await asyncio.sleep(pause)
+                async with limit:  # requests in flight, not conversations: all of them stay open
                     out.append((turn, await _one(client, url, model, request, headers)))
-                    bar.update(1)
+                bar.update(1)
             return out
 
         before = await scrape_counters(client, base_url, headers)

@@ -9,7 +9,8 @@ Layout of `DIR/blocks.bin` (slot i at i * stride; stride = header + block bytes,
              crc32 of the block bytes, crc32 of the header fields before it, zero padding
 
 A batch of stores lands in neighbouring slots (the index hands out the lowest free slots first),
-so one `pwritev` writes a run of many blocks: transfers of megabytes, not of one block's pages.
+so one write moves a run of many blocks (up to 32 MiB, through a page-aligned buffer, with
+O_DIRECT where the filesystem has it): transfers of megabytes, not of one block's pages.
 
 What makes it safe to keep across restarts and crashes:
   * `DIR/fingerprint.json` names the model, dtype, block size, quantization and KV layout that
@@ -24,10 +25,12 @@ What makes it safe to keep across restarts and crashes:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import logging
+import mmap
 import os
 import struct
 import threading
@@ -45,7 +48,7 @@ FORMAT_VERSION = 1
 _FIELDS = struct.Struct("<8s32sIQI")  # magic, block hash, group, sequence, data crc32
 HEADER_BYTES = 64
 PAGE_BYTES = 4096
-_MAX_IOVECS = 512  # below IOV_MAX (1024) with two vectors (header, data) and a pad per slot
+BOUNCE_BYTES = 32 << 20  # the page-aligned buffer a run of slots goes through (so runs are at most this)
 DATA_FILE, FINGERPRINT_FILE, LOCK_FILE = "blocks.bin", "fingerprint.json", "lock"
 
 TierKey = tuple[int, bytes]
@@ -85,16 +88,18 @@ class DiskTier:
     """Slots of `slot_bytes` in one file under `path`; at most `num_slots` of them."""
 
     def __init__(self, path: str | Path, slot_bytes: int, num_slots: int, fingerprint: dict,
-                 max_queued_bytes: int = 256 << 20) -> None:
+                 max_queued_bytes: int = 256 << 20, direct: bool = True) -> None:
         """`max_queued_bytes`: host copies of blocks waiting to be written; a caller that would
         queue more waits for the writer (a disk slower than the evictions slows steps rather than
-        growing memory)."""
+        growing memory). `direct`: read and write with O_DIRECT where the filesystem allows it
+        (the page cache neither doubles the tier in memory nor costs the CPU its copies: a fresh
+        file's buffered writes took 1.1 s of CPU per 362 MiB here, O_DIRECT 0.016 s)."""
         if slot_bytes < 1 or num_slots < 1:
             raise ValueError(f"a disk tier needs slot_bytes and num_slots >= 1, got {slot_bytes}, {num_slots}")
         self.path = Path(path)
         self.slot_bytes, self.num_slots = slot_bytes, num_slots
         self.stride = self.stride_for(slot_bytes)
-        self._pad = bytes(self.stride - HEADER_BYTES - slot_bytes)
+        self._bounce = mmap.mmap(-1, max(1, BOUNCE_BYTES // self.stride) * self.stride)  # page-aligned
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             self._lock_fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
@@ -107,7 +112,7 @@ class DiskTier:
             raise TierUnavailable(f"{self.path} is in use by another Octavo process") from None
         try:
             self._check_fingerprint(dict(fingerprint, format=FORMAT_VERSION, slot_bytes=slot_bytes))
-            self._fd = os.open(self.path / DATA_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            self._fd, self.is_direct = self._open_data(direct)
         except OSError as exc:
             os.close(self._lock_fd)
             raise TierUnavailable(f"cannot use {self.path}: {exc.strerror or exc}") from None
@@ -125,6 +130,16 @@ class DiskTier:
         self.num_bytes_written = self.num_bytes_read = 0
         self._thread = threading.Thread(target=self._serve, name="octavo-kv-tier", daemon=True)
         self._thread.start()
+
+    def _open_data(self, direct: bool) -> tuple[int, bool]:
+        file = self.path / DATA_FILE
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                return os.open(file, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644), True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:  # EINVAL: this filesystem has no O_DIRECT (tmpfs)
+                    raise
+        return os.open(file, os.O_RDWR | os.O_CREAT, 0o644), False
 
     @staticmethod
     def stride_for(slot_bytes: int) -> int:
@@ -155,11 +170,15 @@ class DiskTier:
         read here: each load checks them."""
         found = []
         size = os.fstat(self._fd).st_size
-        for slot in range(min(self.num_slots, size // self.stride)):
-            parsed = unpack_header(os.pread(self._fd, HEADER_BYTES, slot * self.stride))
-            if parsed is not None:
-                key, seq, _ = parsed
-                found.append((seq, slot, key))
+        fd = os.open(self.path / DATA_FILE, os.O_RDONLY)  # buffered: headers are small reads
+        try:
+            for slot in range(min(self.num_slots, size // self.stride)):
+                parsed = unpack_header(os.pread(fd, HEADER_BYTES, slot * self.stride))
+                if parsed is not None:
+                    key, seq, _ = parsed
+                    found.append((seq, slot, key))
+        finally:
+            os.close(fd)
         found.sort()
         self._seq = found[-1][0] + 1 if found else 0
         return [(key, slot) for _, slot, key in found]
@@ -226,6 +245,7 @@ class DiskTier:
         self._thread.join()
         os.close(self._fd)
         os.close(self._lock_fd)
+        self._bounce.close()
 
     def _submit(self, queue: deque, slots, keys, buffers) -> Future:
         if not len(slots) == len(keys) == len(buffers):
@@ -241,6 +261,8 @@ class DiskTier:
     # ---- the thread --------------------------------------------------------------------------
 
     def _serve(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):  # Linux: a thread's own nice value
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._reads or self._writes or self._closed)
@@ -263,25 +285,32 @@ class DiskTier:
                 self._cond.notify_all()
 
     def _runs(self, job: _Job) -> list[list[int]]:
-        """Positions of the job grouped into runs of consecutive slots (in slot order)."""
+        """Positions of the job grouped into runs of consecutive slots (in slot order), each run
+        at most what the bounce buffer holds."""
+        most = len(self._bounce) // self.stride
         order = sorted(range(len(job.slots)), key=lambda i: job.slots[i])
         runs: list[list[int]] = []
         for i in order:
-            if runs and job.slots[i] == job.slots[runs[-1][-1]] + 1 and len(runs[-1]) < _MAX_IOVECS // 3:
+            if runs and job.slots[i] == job.slots[runs[-1][-1]] + 1 and len(runs[-1]) < most:
                 runs[-1].append(i)
             else:
                 runs.append([i])
         return runs
 
     def _do_write(self, job: _Job) -> list[bool]:
+        """Each run: its slots laid out in the bounce buffer (header with the block's crc32, then
+        the block), one write."""
         ok = [False] * len(job.slots)
+        view = memoryview(self._bounce)
         for run in self._runs(job):
-            vectors: list[bytes | memoryview] = []
-            for i in run:
-                vectors += [pack_header(job.keys[i], self._seq, zlib.crc32(job.buffers[i])), job.buffers[i], self._pad]
+            for j, i in enumerate(run):
+                base = j * self.stride
+                data = view[base + HEADER_BYTES : base + HEADER_BYTES + self.slot_bytes]
+                data[:] = job.buffers[i]
+                view[base : base + HEADER_BYTES] = pack_header(job.keys[i], self._seq, zlib.crc32(data))
                 self._seq += 1
             try:
-                written = os.pwritev(self._fd, vectors, job.slots[run[0]] * self.stride)
+                written = os.pwrite(self._fd, view[: len(run) * self.stride], job.slots[run[0]] * self.stride)
             except OSError as exc:
                 self._warn_write("the disk is full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc)))
                 continue
@@ -299,22 +328,23 @@ class DiskTier:
                            self.path, what)
 
     def _do_read(self, job: _Job) -> list[bool]:
+        """Each run: one read into the bounce buffer; a slot whose header names the job's key and
+        whose block matches the header's crc32 is copied out to the caller's buffer."""
         ok = [False] * len(job.slots)
+        view = memoryview(self._bounce)
         for run in self._runs(job):
-            headers = [bytearray(HEADER_BYTES) for _ in run]
-            vectors: list[bytearray | memoryview] = []
-            for h, i in zip(headers, run):
-                vectors += [h, job.buffers[i], bytearray(len(self._pad))]
             try:
-                got = os.preadv(self._fd, vectors, job.slots[run[0]] * self.stride)
+                got = os.preadv(self._fd, [view[: len(run) * self.stride]], job.slots[run[0]] * self.stride)
             except OSError as exc:
                 logger.warning("KV tier at %s: a read failed (%s); those blocks are recomputed", self.path, exc)
                 continue
             self.num_bytes_read += got
-            for j, (h, i) in enumerate(zip(headers, run)):
-                if got < (j + 1) * self.stride - len(self._pad):
-                    break
-                parsed = unpack_header(bytes(h))
-                ok[i] = parsed is not None and parsed[0] == job.keys[i] and zlib.crc32(job.buffers[i]) == parsed[2]
+            for j, i in enumerate(run[: got // self.stride]):
+                base = j * self.stride
+                parsed = unpack_header(bytes(view[base : base + HEADER_BYTES]))
+                data = view[base + HEADER_BYTES : base + HEADER_BYTES + self.slot_bytes]
+                if parsed is not None and parsed[0] == job.keys[i] and zlib.crc32(data) == parsed[2]:
+                    job.buffers[i][:] = data
+                    ok[i] = True
         return ok
 

@@ -41,8 +41,11 @@ def test_header_round_trip_and_a_flipped_byte_is_refused():
     assert unpack_header(bytes(bad)) is None and unpack_header(bytes(HEADER_BYTES)) is None
 
 
-def test_blocks_come_back_whole_and_a_neighbouring_run_is_one_write(tmp_path):
-    tier = DiskTier(tmp_path, SLOT, 8, FP)
+@pytest.mark.parametrize("direct", [True, False])
+def test_blocks_come_back_whole_and_a_neighbouring_run_is_one_write(tmp_path, direct):
+    tier = DiskTier(tmp_path, SLOT, 8, FP, direct=direct)
+    if not direct:
+        assert tier.is_direct is False
     assert tier.stride == 8192
     done = write(tier, [3, 2, 4, 7], [key(i) for i in (3, 2, 4, 7)], [block(i) for i in (3, 2, 4, 7)])
     assert done == {3: True, 2: True, 4: True, 7: True}
