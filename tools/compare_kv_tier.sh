@@ -4,8 +4,8 @@
 # $TIER tier on disk ("tier"), and a pool big enough for everything ("unbounded", 4,096 blocks);
 # `octavo bench serve multi-turn` runs the same conversations on each in turn, $REPEATS rounds of
 # fresh ones: $CONVERSATIONS conversations of $TURNS turns all open at once (working set 5x the
-# small pool), at most $MAXCONC requests in flight, 1 s mean think time. Then random prompts that miss everywhere, tier vs off (what
-# the tier's writes cost a miss). Then the tier's server is stopped (it writes its pool's cached
+# small pool), at most $MAXCONC requests in flight, 1 s mean think time. Then random prompts that
+# miss everywhere, tier vs off (what the tier's writes cost a miss). Then the tier's server is stopped (it writes its pool's cached
 # blocks) and started again on the same folder, and round 1's conversations are replayed against it
 # and against a fresh server with an empty tier: first turns' TTFT, warm (from the tier) vs cold.
 # Usage: tools/compare_kv_tier.sh   (POOL, TIER, REPEATS, CONVERSATIONS, TURNS, MAXCONC override)
