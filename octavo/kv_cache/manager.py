@@ -193,6 +193,11 @@ class KVCacheManager:
         """The hash-map key of a block of `group` (group 0: the bare chained hash)."""
         return block_hash if group == 0 else (group, block_hash)
 
+    @staticmethod
+    def _tier_key(pool_key) -> TierKey:
+        """The second tier's key of a hash-map key (the inverse of `_key`)."""
+        return pool_key if isinstance(pool_key, tuple) else (0, pool_key)
+
     def _block_hashes(self, request: Request) -> list[bytes]:
         hashes = self._hashes.setdefault(request.request_id, [])
         if len(hashes) < request.num_tokens // self.block_size:
@@ -460,9 +465,12 @@ class KVCacheManager:
             return False
         self.pool.touch(held)
         # back from an earlier round (blocks written to the tier since then were found): the new
-        # holds cover the old ones, taken before those are let go
+        # holds cover the old ones, taken before those are let go; what it loaded then still counts
+        loaded = self._loaded_ids.get(rid)
         self._release_prefetched(rid)
         self._prefetched[rid] = held
+        if loaded:
+            self._loaded_ids[rid] = loaded
         targets = self.pool.allocate(len(plan.loads))
         self._loading[rid] = []
         for block, (_, _, key) in zip(targets, plan.loads):
@@ -484,7 +492,7 @@ class KVCacheManager:
             return [], []
         stores = []
         for block_id, pool_key in self.pool.evicted:
-            key = pool_key if isinstance(pool_key, tuple) else (0, pool_key)
+            key = self._tier_key(pool_key)
             slot = self.tier.reserve(key)
             if slot is not None:
                 stores.append(TierTransfer(block_id, slot, key))
@@ -502,7 +510,7 @@ class KVCacheManager:
                 ok = loaded.get(block.block_id, False)
                 self.tier.unpin(key, ok)
                 if ok:
-                    self.pool.cache_block(block, key[1] if key[0] == 0 else key)
+                    self.pool.cache_block(block, self._key(*key))
                     self._prefetched.setdefault(rid, []).append(block)
                     if key[0] == 0:  # counted as a tier hit if its request is admitted with it
                         self._loaded_ids.setdefault(rid, set()).add(block.block_id)
@@ -524,7 +532,7 @@ class KVCacheManager:
             return []
         out = []
         for pool_key, block in self.pool.cached.items():
-            key = pool_key if isinstance(pool_key, tuple) else (0, pool_key)
+            key = self._tier_key(pool_key)
             slot = self.tier.reserve(key)
             if slot is not None:
                 out.append(TierTransfer(block.block_id, slot, key))
