@@ -4,16 +4,17 @@
 # $TIER tier on disk ("tier"), and a pool big enough for everything ("unbounded", 4,096 blocks);
 # `octavo bench serve multi-turn` runs the same conversations on each in turn, $REPEATS rounds of
 # fresh ones: $CONVERSATIONS conversations of $TURNS turns all open at once (working set 5x the
-# small pool), at most $MAXCONC requests in flight, 1 s mean think time. Then random prompts that
-# miss everywhere, tier vs off (what the tier's writes cost a miss). Then the tier's server is stopped (it writes its pool's cached
-# blocks) and started again on the same folder, and round 1's conversations are replayed against it
-# and against a fresh server with an empty tier: first turns' TTFT, warm (from the tier) vs cold.
-# Usage: tools/compare_kv_tier.sh   (POOL, TIER, REPEATS, CONVERSATIONS, TURNS, MAXCONC override)
+# small pool), at most $MAXCONC requests in flight, 1 s mean think time, $SYSTEM-token system
+# prompts. Then random prompts that miss everywhere, tier vs off (what the tier's writes cost a
+# miss). Then the tier's server is stopped (it writes its pool's cached blocks) and started again
+# on the same folder, and round 1's conversations are replayed against it and against a fresh
+# server with an empty tier: first turns' TTFT, warm (from the tier) vs cold.
+# Usage: tools/compare_kv_tier.sh   (POOL, TIER, REPEATS, CONVERSATIONS, TURNS, MAXCONC, SYSTEM override)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 POOL=${POOL:-128}; TIER=${TIER:-2GiB}; REPEATS=${REPEATS:-3}
-CONV=${CONVERSATIONS:-16}; TURNS=${TURNS:-4}; MAXCONC=${MAXCONC:-4}
+CONV=${CONVERSATIONS:-16}; TURNS=${TURNS:-4}; MAXCONC=${MAXCONC:-4}; SYSTEM=${SYSTEM:-256}
 LOGS=$(mktemp -d); TIER_DIR="$LOGS/tier"; COLD_DIR="$LOGS/cold-tier"
 port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 wait_up() { for _ in $(seq 900); do curl -sf "$1/health" >/dev/null && return 0; sleep 0.5; done; echo "waited 450 s for $1" >&2; exit 1; }
@@ -24,7 +25,7 @@ serve() {  # name port flags...
 }
 bench() {  # seed repeats url [--compare url ...] --labels ...
   local seed=$1 repeats=$2; shift 2
-  "$PY" -m octavo.cli bench serve multi-turn --num-conversations "$CONV" --turns "$TURNS" --system-len 256 \
+  "$PY" -m octavo.cli bench serve multi-turn --num-conversations "$CONV" --turns "$TURNS" --system-len "$SYSTEM" \
     --user-len 64 --output-len 32 --think-time 1 --max-concurrency "$MAXCONC" --seed "$seed" --repeats "$repeats" "$@" 2>&1 \
     | grep -v -E "^(INFO|WARNING)|bench multi-turn"
 }

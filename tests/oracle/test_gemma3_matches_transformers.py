@@ -141,6 +141,23 @@ def test_prefix_hits_after_the_window_has_slid(make_gemma, prompts, refs, hf_mod
     check_all([out], hf_greedy(hf_model, [sharer], NUM_NEW), "prefix hit past the window")
 
 
+def test_prefix_hits_past_the_window_come_back_from_the_second_tier(make_gemma, prompts, hf_model, tmp_path):
+    """As above, but the 2,000-token prompt in between evicts the first one's blocks (a pool of
+    480 blocks): the sharer's global and window blocks come back from the tier on disk, in their
+    own KV groups."""
+    llm = make_gemma(num_kv_blocks=480, max_num_batched_tokens=512, kv_offload_size=512 << 20,
+                     kv_offload_path=str(tmp_path))
+    base = prompts[3]
+    llm.generate([base], GREEDY, use_tqdm=False)
+    llm.generate([prompts[4]], GREEDY, use_tqdm=False)
+    sharer = base[:1200] + prompts[4][1500:1700]
+    (out,) = llm.generate([sharer], GREEDY, use_tqdm=False)
+    stats = llm.engine.get_stats().scheduler
+    assert out.num_cached_tokens >= 1184 and stats.tier_hits > 0 and stats.tier_blocks_corrupt == 0, stats
+    check_all([out], hf_greedy(hf_model, [sharer], NUM_NEW), "prefix hit past the window, from the tier")
+    llm.close()
+
+
 def test_parallel_samples_fork_past_the_window(make_gemma, prompts, refs):
     llm = make_gemma()
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, n=2)
