@@ -6,9 +6,10 @@
 # fresh ones: $CONVERSATIONS conversations of $TURNS turns all open at once (working set 5x the
 # small pool), at most $MAXCONC requests in flight, 1 s mean think time, $SYSTEM-token system
 # prompts. Then random prompts that miss everywhere, tier vs off (what the tier's writes cost a
-# miss). Then the tier's server is stopped (it writes its pool's cached blocks) and started again
-# on the same folder, and round 1's conversations are replayed against it and against a fresh
-# server with an empty tier: first turns' TTFT, warm (from the tier) vs cold.
+# miss; run last, as its misses push the conversations out of the tier). Before it, the tier's
+# server is stopped (it writes its pool's cached blocks) and started again on the same folder, and
+# round 1's conversations are replayed against it and against a fresh server with an empty tier:
+# first turns' TTFT, warm (from the tier) vs cold. ONLY=restart runs round 1 once, then that.
 # Usage: tools/compare_kv_tier.sh   (POOL, TIER, REPEATS, CONVERSATIONS, TURNS, MAXCONC, SYSTEM override)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,23 +34,31 @@ trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
 p_off=$(port); p_tier=$(port); p_big=$(port)
 pid_off=$(serve off "$p_off" --num-kv-blocks "$POOL")
 pid_tier=$(serve tier "$p_tier" --num-kv-blocks "$POOL" --kv-offload-size "$TIER" --kv-offload-path "$TIER_DIR")
-pid_big=$(serve unbounded "$p_big" --num-kv-blocks 4096)
-for p in "$p_off" "$p_tier" "$p_big"; do wait_up "http://127.0.0.1:$p"; done
-echo "== multi-turn: tier vs off vs unbounded pool"
-bench 0 "$REPEATS" --base-url "http://127.0.0.1:$p_tier" --compare "http://127.0.0.1:$p_off" \
-  --compare "http://127.0.0.1:$p_big" --labels tier,off,unbounded
-echo "== random prompts that miss everywhere (512 tokens, 16 out, 4 at once): tier vs off"
-"$PY" -m octavo.cli bench serve random --num-requests 24 --input-len 512 --output-len 16 --max-concurrency 4 \
-  --base-url "http://127.0.0.1:$p_tier" --compare "http://127.0.0.1:$p_off" --labels tier,off --repeats "$REPEATS" \
-  2>&1 | grep -v -E "^(INFO|WARNING)|bench serve"
-kill "$pid_off" "$pid_big" "$pid_tier"
+if [ "${ONLY:-}" != restart ]; then
+  pid_big=$(serve unbounded "$p_big" --num-kv-blocks 4096)
+  for p in "$p_off" "$p_tier" "$p_big"; do wait_up "http://127.0.0.1:$p"; done
+  echo "== multi-turn: tier vs off vs unbounded pool"
+  bench 0 "$REPEATS" --base-url "http://127.0.0.1:$p_tier" --compare "http://127.0.0.1:$p_off" \
+    --compare "http://127.0.0.1:$p_big" --labels tier,off,unbounded
+  kill "$pid_big"
+else  # only the restart: round 1's conversations once, to fill the tier
+  wait_up "http://127.0.0.1:$p_tier"; wait_up "http://127.0.0.1:$p_off"
+  bench 0 1 --base-url "http://127.0.0.1:$p_tier" --labels tier > /dev/null
+fi
+kill "$pid_tier"
 while kill -0 "$pid_tier" 2>/dev/null; do sleep 0.2; done  # (not our child: wait cannot)
 grep -h "KV tier closed" "$LOGS/tier.log" || true
 p_warm=$(port); p_cold=$(port)
-serve tier "$p_warm" --num-kv-blocks "$POOL" --kv-offload-size "$TIER" --kv-offload-path "$TIER_DIR" > /dev/null
+pid_warm=$(serve tier "$p_warm" --num-kv-blocks "$POOL" --kv-offload-size "$TIER" --kv-offload-path "$TIER_DIR")
 serve cold "$p_cold" --num-kv-blocks "$POOL" --kv-offload-size "$TIER" --kv-offload-path "$COLD_DIR" > /dev/null
 wait_up "http://127.0.0.1:$p_warm"; wait_up "http://127.0.0.1:$p_cold"
-grep -h "KV tier:" "$LOGS/tier.log" | tail -n 1
+grep -h "kept from before" "$LOGS/tier.log" | tail -n 1
 echo "== after a restart: round 1's conversations again, warm tier vs an empty one"
 bench 0 1 --base-url "http://127.0.0.1:$p_warm" --compare "http://127.0.0.1:$p_cold" --labels warm-restart,cold
+if [ "${ONLY:-}" != restart ]; then  # last: its misses push the conversations out of the tier
+  echo "== random prompts that miss everywhere (512 tokens, 16 out, 4 at once): tier vs off"
+  "$PY" -m octavo.cli bench serve random --num-requests 24 --input-len 512 --output-len 16 --max-concurrency 4 \
+    --base-url "http://127.0.0.1:$p_warm" --compare "http://127.0.0.1:$p_off" --labels tier,off --repeats "$REPEATS" \
+    2>&1 | grep -v -E "^(INFO|WARNING)|bench serve"
+fi
 echo "logs: $LOGS"
