@@ -179,7 +179,8 @@ class LLMEngine:
             if flush:
                 self.runner.store_to_tier(flush)
             self.tier.close()
-            logger.info("KV tier closed: %d blocks written at shutdown", len(flush))
+            logger.info("KV tier closed: %d blocks written at shutdown; %d steps waited for its writer", len(flush),
+                        self.tier.num_write_waits)
             self.tier = None
         self.structured.close()
         if isinstance(self.executor, TensorParallelExecutor):

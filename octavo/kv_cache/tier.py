@@ -69,16 +69,9 @@ class TierIndex:
         entry = self._entries.get(key)
         return entry.slot if entry is not None and entry.is_ready else None
 
-    def num_ready(self) -> int:
-        return sum(1 for e in self._entries.values() if e.is_ready)
-
     def usage(self) -> float:
         """Share of the tier's (current) capacity held."""
         return len(self._entries) / self.num_slots if self.num_slots else 1.0
-
-    def ready_entries(self) -> list[tuple[TierKey, int]]:
-        """(key, slot) of every READY entry, least recently used first. For tests and debugging."""
-        return [(k, e.slot) for k, e in self._entries.items() if e.is_ready]
 
     # ---- writes ------------------------------------------------------------------------------
 
