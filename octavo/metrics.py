@@ -47,6 +47,9 @@ class EngineMetrics:
         self.tier_stored = counter("kv_tier_blocks_stored", "Blocks written to the second KV tier.")
         self.tier_loaded = counter("kv_tier_blocks_loaded", "Blocks loaded from the second KV tier.")
         self.tier_corrupt = counter("kv_tier_blocks_corrupt", "Tier loads refused by their checksum (recomputed).")
+        self.tier_load_wait = hist(
+            "kv_tier_load_wait_seconds", "Per request that loaded KV from the second tier: the steps it spent loading.",
+            _LATENCY_BUCKETS)
         self.tier_usage = gauge("kv_tier_usage_perc", "Share of the second KV tier's blocks held, 0 to 1.")
         self.swaps = counter("num_swaps", "Preemptions whose blocks go through the second KV tier (the others recompute).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed.")
@@ -104,4 +107,6 @@ class EngineMetrics:
         request, as a client sees one response)."""
         m = out.metrics
         self.e2e.observe(max(0.0, (m.finish_time or time.time()) - m.arrival_time))
+        if m.tier_load_wait > 0:
+            self.tier_load_wait.observe(m.tier_load_wait)
         self._success.labels(self.model_name, finish_reason or "abort").inc()

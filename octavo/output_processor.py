@@ -47,6 +47,7 @@ class _RequestState:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
+    tier_load_wait: float = 0.0
     beam: BeamGroup | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     sent_prompt_logprobs: bool = False  # DELTA outputs carry them once
@@ -155,6 +156,7 @@ class OutputProcessor:
             state.first_scheduled_time = seq.first_scheduled_time
             state.num_cached_tokens = seq.num_cached_tokens or 0
         state.num_preemptions = max(state.num_preemptions, seq.num_preemptions)
+        state.tier_load_wait = max(state.tier_load_wait, seq.tier_load_wait)
 
 
 def _finish_search(state: _RequestState, seq: Request) -> None:
@@ -171,6 +173,7 @@ def _finish_search(state: _RequestState, seq: Request) -> None:
     state.first_scheduled_time = seq.first_scheduled_time
     state.num_cached_tokens = seq.num_cached_tokens or 0
     state.num_preemptions = max(state.num_preemptions, seq.num_preemptions)
+    state.tier_load_wait = max(state.tier_load_wait, seq.tier_load_wait)
 
 
 def _output(state: _RequestState, finished: bool) -> RequestOutput:
@@ -209,6 +212,7 @@ def _output(state: _RequestState, finished: bool) -> RequestOutput:
             first_token_time=state.first_token_time,
             finish_time=time.time() if finished else None,
             num_preemptions=state.num_preemptions,
+            tier_load_wait=state.tier_load_wait,
         ),
         prompt_logprobs=prompt_logprobs,
     )

@@ -50,6 +50,7 @@ class Request:
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission, in tokens
     num_preemptions: int = 0
     num_computed_before: int = 0  # the most tokens it had computed before a preemption (a high-water mark)
+    tier_load_wait: float = 0.0  # seconds of steps it spent loading blocks from the second KV tier
     finish_reason: FinishReason | None = None
     admit_seq: int = 0  # admission order, for choosing preemption victims
     first_scheduled_time: float | None = None
@@ -140,6 +141,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    tier_load_wait: float = 0.0  # seconds of steps spent loading its blocks from the second KV tier
 
 
 @dataclass(slots=True)

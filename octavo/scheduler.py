@@ -49,7 +49,7 @@ class SchedulerStats:
     tier_blocks_corrupt: int = 0  # loads refused by their checksum
     tier_usage: float = 0.0
     tier_num_blocks: int = 0
-    num_tier_loads: int = 0  # admissions that waited for tier loads
+    num_tier_loads: int = 0  # rounds of tier loads (a waiting request's hit, or a running one's next blocks)
     num_swaps: int = 0  # preemptions that swap through the second tier (num_preemptions - this recompute)
 
 
@@ -68,6 +68,11 @@ class Scheduler:
         self.num_tier_loads = 0
         self.num_swaps = 0  # preemptions whose blocks go to the second tier (the rest recompute)
         self._loading: dict[str, Request] = {}  # waiting requests whose blocks load this step
+        self._run_loading: set[str] = set()  # running requests whose next blocks load this step
+        # running requests load blocks ahead of their computed tokens (one KV group only)
+        self._loads_ahead = kv_cache.tier is not None and kv_cache.num_groups == 1
+        self._refund = 0
+        self._step_start = 0.0  # when the last step was scheduled: loads wait for its end
         self._returned: list[Request] = []  # back from loading: admitted next step, or released
         self._admit_counter = itertools.count(1)
         self._finished_ids: list[str] = []
@@ -138,29 +143,31 @@ class Scheduler:
         immediately fought over again.
         """
         budget = self.config.max_num_batched_tokens
+        self._step_start = time.time()
         scheduled: dict[str, tuple[ScheduledRequest, list[tuple[int, int]]]] = {}
         preempted: list[str] = []
 
+        self._run_loading.clear()
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
+            if self._load_ahead(request, scheduled, preempted):
+                budget += self._refund
+                if request.status is RequestStatus.RUNNING:  # loads its next blocks this step
+                    idx = self.running.index(request) + 1
+                    continue
+            if request.status is not RequestStatus.RUNNING:
+                continue  # `request` was a victim; the next one now sits at `idx`
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new == 0:  # a beam waiting for the other beams of its search
                 idx += 1
                 continue
-            allocation = self.kv_cache.allocate_slots(request, num_new)
-            if allocation is None and self._release_returned():  # running requests come first
-                allocation = self.kv_cache.allocate_slots(request, num_new)
-            while allocation is None:
-                for victim in self._victims():
-                    budget += self._preempt(victim, scheduled)
-                    preempted.append(victim.request_id)
-                if request.status is not RequestStatus.RUNNING:
-                    break
-                idx = self.running.index(request)
-                allocation = self.kv_cache.allocate_slots(request, num_new)
+            allocation = self._with_room(request, lambda: self.kv_cache.allocate_slots(request, num_new),
+                                         scheduled, preempted)
+            budget += self._refund
             if allocation is None:
                 continue  # `request` was a victim; the next one now sits at `idx`
+            idx = self.running.index(request)
             scheduled[request.request_id] = self._schedule_one(request, num_new, allocation)
             budget -= num_new
             idx += 1
@@ -168,7 +175,7 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
         self._release_returned()  # back from the tier but not admitted: let their blocks go
-        if not scheduled and len(self.waiting) and self.running:
+        if not scheduled and not self._run_loading and len(self.waiting) and self.running:
             # Only beams waiting for siblings that cannot get in hold blocks: requeue them all, so
             # the queue's front search can be admitted whole (no step may leave everyone stuck).
             for victim in reversed(list(self.running)):
@@ -188,6 +195,53 @@ class Scheduler:
             tier_stores=stores,
             tier_loads=loads,
         )
+
+    def _with_room(self, request: Request, attempt, scheduled, preempted: list[str]):
+        """attempt() until it returns something: first letting go of blocks held for waiting
+        requests back from the tier, then preempting victims (the newest first). Returns its
+        result, or None when `request` itself became the victim; the budget the victims gave back
+        is left in self._refund."""
+        self._refund = 0
+        result = attempt()
+        if result is None and self._release_returned():  # running requests come first
+            result = attempt()
+        while result is None:
+            for victim in self._victims():
+                self._refund += self._preempt(victim, scheduled)
+                preempted.append(victim.request_id)
+            if request.status is not RequestStatus.RUNNING:
+                return None
+            result = attempt()
+        return result
+
+    def _load_ahead(self, request: Request, scheduled, preempted: list[str], make_room: bool = True) -> bool:
+        """Let a running request take its next blocks from the cache rather than compute them
+        (KVCacheManager.extend_from_tier): pool blocks at once, second-tier blocks loaded this
+        step, making room as for a chunk (unless not `make_room`). Returns whether it was handled
+        this step (loading, or preempted on the way); self._refund holds the budget victims gave
+        back."""
+        self._refund = 0
+        if not self._loads_ahead:
+            return False
+        kv = self.kv_cache
+        max_blocks = max(1, self.config.max_num_batched_tokens // kv.block_size)
+        def attempt():
+            return kv.extend_from_tier(request, max_blocks)
+        result = self._with_room(request, attempt, scheduled, preempted) if make_room else attempt()
+        if result is None:
+            return True
+        num_now, num_loading = result
+        request.num_computed_tokens += num_now * kv.block_size
+        self._count_cached(request, num_now)
+        if num_loading:
+            self._run_loading.add(request.request_id)
+            self.num_tier_loads += 1
+        return num_loading > 0
+
+    def _count_cached(self, request: Request, num_blocks: int) -> None:
+        """Blocks a request took from the cache before its first token count in its cached tokens."""
+        if num_blocks and request.num_cached_tokens is not None and not request.output_token_ids:
+            request.num_cached_tokens += num_blocks * self.kv_cache.block_size
 
     def _admit_waiting(
         self, budget: int, scheduled: dict[str, tuple[ScheduledRequest, list[tuple[int, int]]]]
@@ -216,6 +270,7 @@ class Scheduler:
             plan = self.kv_cache.plan_tier_load(request, computed)
             if plan is not None and self.kv_cache.is_tier_load_in_flight(plan):
                 break  # another request loads its blocks now: next step they are pool hits
+            loads_ahead = False
             if plan is not None:
                 first_chunk = min(request.num_tokens - plan.num_blocks * self.kv_cache.block_size, budget)
                 if self.kv_cache.start_tier_load(
@@ -224,11 +279,14 @@ class Scheduler:
                     self._loading[request.request_id] = request
                     self.num_tier_loads += 1
                     continue
-                if self.running:
+                # no room for all of it and a chunk: admit it with the pool's hit and let it load
+                # the rest while it runs, growing as a recomputed prompt would (one KV group)
+                loads_ahead = self._loads_ahead and self._room_to_load(computed)
+                if not loads_ahead and self.running:
                     break  # no room to load and run it now: wait for running requests to free some
                 # nothing runs and the pool cannot take the loads: go on with the pool's hit alone
             num_hit = computed.num_tokens(self.kv_cache.block_size)
-            num_new = request.num_tokens - num_hit
+            num_new = 0 if loads_ahead else request.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
@@ -248,9 +306,16 @@ class Scheduler:
                 groups[id(request.beam)] = request.beam
             if request.lora_id is not None:
                 loras.add(request.lora_id)
+            if loads_ahead:
+                self._load_ahead(request, scheduled, [], make_room=False)  # admission preempts nobody
+                continue
             scheduled[request.request_id] = self._schedule_one(request, num_new, allocation)
             budget -= num_new
         return budget
+
+    def _room_to_load(self, computed) -> bool:
+        """Whether the pool can hold a hit's blocks and load at least one more."""
+        return self.kv_cache.num_free_blocks > sum(1 for b in computed.blocks if b is not None and b.ref_cnt == 0)
 
     def _release_returned(self) -> bool:
         """Let go of the blocks held for requests back from the tier and not admitted (they stay
@@ -322,6 +387,7 @@ class Scheduler:
         if victim.request_id in scheduled:
             refund = scheduled.pop(victim.request_id)[0].num_tokens
         self.running.remove(victim)
+        self._run_loading.discard(victim.request_id)
         self.kv_cache.free(victim, preempted=True)
         if self.kv_cache.tier is not None:
             self.num_swaps += self.kv_cache.swap_preempted
@@ -383,6 +449,16 @@ class Scheduler:
         loads ended go back to the front of the queue (in their order), their blocks cached."""
         if result.tier_stored:
             self.kv_cache.finish_tier_stores(result.tier_stored)
+        waited = time.time() - self._step_start
+        for rid in self._loading:
+            self._loading[rid].tier_load_wait += waited
+        if self._loads_ahead:
+            for rid, num_blocks in self.kv_cache.finish_run_loads(result.tier_loaded).items():
+                request = self.requests[rid]
+                request.tier_load_wait += waited
+                request.num_computed_tokens += num_blocks * self.kv_cache.block_size
+                self._count_cached(request, num_blocks)
+            self._run_loading.clear()
         if not self._loading:
             return
         ended = self.kv_cache.finish_tier_loads(result.tier_loaded)

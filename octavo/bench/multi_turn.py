@@ -24,6 +24,8 @@ _COUNTERS = {
     "tier_hits": "octavo:kv_tier_hits_total",
     "preemptions": "octavo:num_preemptions_total",
     "recomputed": "octavo:recomputed_tokens_total",
+    "load_wait_s": "octavo:kv_tier_load_wait_seconds_sum",
+    "num_loading": "octavo:kv_tier_load_wait_seconds_count",
 }
 
 
@@ -109,6 +111,7 @@ def summarise_turns(records: list[tuple[int, RequestRecord]], counters: dict[str
         "tier_hit_rate": tier / queries if queries else math.nan,
         "preemptions": counters.get("preemptions", math.nan),
         "recomputed_tokens": counters.get("recomputed", math.nan),
+        "load_wait_ms": 1000 * counters["load_wait_s"] / counters["num_loading"] if counters.get("num_loading") else math.nan,
     }
 
 
@@ -124,6 +127,7 @@ TURN_FIGURES = [
     ("  of which the second tier", "tier_hit_rate", None, "", False),
     ("preemptions", "preemptions", None, "", True),
     ("tokens recomputed after preemption", "recomputed_tokens", None, "", True),
+    ("tier load wait per loading request", "load_wait_ms", None, " ms", True),
     ("wall time", "duration_s", None, " s", True),
 ]
 

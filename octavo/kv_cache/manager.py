@@ -143,6 +143,11 @@ class KVCacheManager:
         self._loading: dict[str, list[tuple[KVCacheBlock, TierKey]]] = {}
         self._tier_loads: list[TierTransfer] = []
         self._loaded_ids: dict[str, set[int]] = {}  # group-0 blocks loaded for a waiting request
+        # Running requests that load the next blocks of their table this step (`extend_from_tier`):
+        # rid -> the table index of the first one, and (target block, key) per load; loads of a
+        # request freed meanwhile are orphans, their blocks kept until the runner is done with them.
+        self._run_loads: dict[str, tuple[int, int, list[tuple[KVCacheBlock, TierKey]]]] = {}
+        self._orphan_loads: list[tuple[KVCacheBlock, TierKey]] = []
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -412,6 +417,14 @@ class KVCacheManager:
         self._clear_in_flight(rid)
         self._release_prefetched(rid)
         tables = self._tables.pop(rid, [])
+        if rid in self._run_loads:  # the runner writes its load targets this step: keep them till then
+            first, _, loads = self._run_loads.pop(rid)
+            targets = {id(block) for block, _ in loads}
+            table = tables[0]
+            kept = [b for b in table.blocks[first:] if id(b) not in targets]
+            self.pool.free(kept[::-1])
+            del table.blocks[first:], table.ids[first:]
+            self._orphan_loads.extend(loads)
         self._num_cached_blocks.pop(rid, None)
         for table in tables:
             held = table.held()
@@ -481,8 +494,117 @@ class KVCacheManager:
     def is_tier_load_in_flight(self, plan: TierPlan) -> bool:
         """Whether another request loads one of the plan's blocks this step (waiting one step
         then finds it in the pool, rather than reading it twice)."""
-        loading = {key for loads in self._loading.values() for _, key in loads}
+        loading = self._keys_loading()
         return any(key in loading for _, _, key in plan.loads)
+
+    def _keys_loading(self) -> set[TierKey]:
+        keys = {key for loads in self._loading.values() for _, key in loads}
+        return keys | {key for _, _, loads in self._run_loads.values() for _, key in loads}
+
+    def extend_from_tier(self, request: Request, max_blocks: int) -> tuple[int, int] | None:
+        """A running request whose next full blocks are cached takes them rather than computing
+        them. Returns (blocks computed now, blocks loading):
+        - (n, 0): its next n blocks were in the pool, shared at once: advance its computed tokens
+          by n blocks and compute on;
+        - (0, n): its next n table entries come from the second tier (loaded this step into free
+          blocks appended to its table; pool blocks after them shared): it computes nothing this
+          step, and `finish_run_loads` says how many arrived;
+        - (0, 0): its next block is in neither, or it is not at a block boundary: compute on;
+        - None: the pool cannot take its next tier block (the caller frees some, as for a chunk).
+        At most `max_blocks`, never its last token's block, never a block another request loads
+        this step. One KV group only (with sliding windows, loads happen at admission)."""
+        tables = self._tables.get(request.request_id)
+        if self.tier is None or self.num_groups != 1 or not len(self.tier) or tables is None \
+                or request.num_computed_tokens % self.block_size:
+            return 0, 0
+        table = tables[0]
+        start = request.num_computed_tokens // self.block_size
+        if len(table.blocks) != start:
+            return 0, 0
+        hashes = self._lookup_hashes(request)[start : start + max_blocks]
+        loading = self._keys_loading()
+        available = self.pool.num_free_blocks
+        plan: list[KVCacheBlock | TierKey] = []  # a pool block to share, or the key of a load
+        for h in hashes:
+            block = self.pool.lookup(h)
+            if block is not None:
+                cost, entry = int(block.ref_cnt == 0), block
+            elif (0, h) in loading or self.tier.lookup((0, h)) is None:
+                break
+            else:
+                cost, entry = 1, (0, h)
+            if cost > available:
+                break
+            available -= cost
+            plan.append(entry)
+        if not plan:
+            in_tier = bool(hashes) and (0, hashes[0]) not in loading and self.tier.lookup((0, hashes[0])) is not None
+            return None if in_tier else (0, 0)
+        num_shared = next((i for i, e in enumerate(plan) if not isinstance(e, KVCacheBlock)), len(plan))
+        if num_shared:  # pool hits first: computed now; loads (if any) from the next step
+            plan = plan[:num_shared]
+        self._take_from_tier(request, table, start, plan)
+        if num_shared:
+            self._note_extended(request.request_id, start + num_shared, num_shared, 0)
+            return num_shared, 0
+        return 0, len(plan)
+
+    def _take_from_tier(self, request: Request, table: _Table, start: int, plan: list) -> None:
+        shared = [e for e in plan if isinstance(e, KVCacheBlock)]
+        self.pool.touch(shared)  # out of the free queue before any allocation can evict them
+        targets = iter(self.pool.allocate(len(plan) - len(shared)))
+        loads = []
+        for entry in plan:
+            block = entry if isinstance(entry, KVCacheBlock) else next(targets)
+            table.extend([block])
+            if block is not entry:
+                loads.append((block, entry))
+                self._tier_loads.append(TierTransfer(block.block_id, self.tier.pin(entry), entry))
+        if loads:
+            self._run_loads[request.request_id] = (start, len(plan), loads)
+
+    def _note_extended(self, rid: str, num_cached: int, num_blocks: int, num_loaded: int) -> None:
+        """Count blocks a running request took from the cache as hits (they are cached already)."""
+        self.stats.num_hits_tokens += num_blocks * self.block_size
+        self.stats.num_tier_hits_tokens += num_loaded * self.block_size
+        self._num_cached_blocks[rid] = max(self._num_cached_blocks.get(rid, 0), num_cached)
+
+    def finish_run_loads(self, loaded: dict[int, bool]) -> dict[str, int]:
+        """Apply the runner's report on running requests' loads (`extend_from_tier`): a good block
+        enters the prefix cache; the request keeps the entries before its first bad one (freeing
+        the rest: a good block after it stays cached in the pool). Returns rid -> table entries
+        now computed (advance its computed tokens by as many blocks). Loads whose request was
+        freed meanwhile only fill the prefix cache."""
+        out = {}
+        for block, key in self._orphan_loads:  # their request was preempted or ended meanwhile
+            ok = loaded.get(block.block_id, False)
+            self.tier.unpin(key, ok)
+            if ok:
+                self.pool.cache_block(block, self._key(*key))
+            self.pool.free([block])
+        self._orphan_loads.clear()
+        for rid, (start, num_entries, loads) in self._run_loads.items():
+            bad_idx = num_entries
+            targets = {id(block): i for i, (block, _) in enumerate(loads)}
+            for block, key in loads:
+                ok = loaded.get(block.block_id, False)
+                self.tier.unpin(key, ok)
+                if ok:
+                    self.pool.cache_block(block, key[1])
+            table = self._tables[rid][0]
+            for idx in range(start, start + num_entries):
+                i = targets.get(id(table.blocks[idx]))
+                if i is not None and not loaded.get(loads[i][0].block_id, False):
+                    bad_idx = idx - start
+                    break
+            dropped = table.blocks[start + bad_idx :]
+            del table.blocks[start + bad_idx :], table.ids[start + bad_idx :]
+            self.pool.free(dropped[::-1])
+            num_loaded = sum(1 for idx in range(start, start + bad_idx) if id(table.blocks[idx]) in targets)
+            self._note_extended(rid, start + bad_idx, bad_idx, num_loaded)
+            out[rid] = bad_idx
+        self._run_loads.clear()
+        return out
 
     def take_tier_work(self) -> tuple[list[TierTransfer], list[TierTransfer]]:
         """(stores, loads) for this step's SchedulerOutput, and forget them here: every cached
@@ -541,6 +663,7 @@ class KVCacheManager:
     def blocks_held_for_loads(self) -> list[int]:
         """Block ids held for waiting requests' tier loads (one entry per reference)."""
         held = [b.block_id for blocks in self._prefetched.values() for b in blocks]
+        held += [b.block_id for b, _ in self._orphan_loads]
         return held + [b.block_id for loads in self._loading.values() for b, _ in loads]
 
     def num_blocks_held_for(self, request: Request) -> int:
@@ -575,6 +698,7 @@ class KVCacheManager:
         held_lists = [table.held() for tables in self._tables.values() for table in tables]
         held_lists += list(self._prefetched.values())
         held_lists += [[block for block, _ in loads] for loads in self._loading.values()]
+        held_lists.append([block for block, _ in self._orphan_loads])
         for blocks in held_lists:
             for block in blocks:
                 holders[block.block_id] = holders.get(block.block_id, 0) + 1

@@ -36,6 +36,7 @@ def test_a_tier_server_serves_its_conversations_again_after_a_restart(tmp_path, 
     summary = summarise_turns(records, counters, duration)
     assert summary["failed"] == 0 and summary["completed"] == 12, summary["errors"]
     assert summary["hit_rate"] > 0.3 and summary["tier_hit_rate"] > 0, summary  # later turns reuse their history
+    assert summary["load_wait_ms"] > 0, summary  # loads take a step: the wait per loading request is counted
     assert "KV tier closed" in (tmp_path / "first.log").read_text()
     table = format_turns({"tier": [summary]})
     assert "| TTFT p50 |" in table and "failed requests: tier: 0" in table

@@ -46,3 +46,66 @@ def test_a_hit_on_a_recomputing_victims_block_makes_it_worth_keeping_again():
     fill(kv, "new", list(range(200, 216)))
     stores, _ = kv.take_tier_work()
     assert len(stores) == 2
+
+
+def tier_holding(kv: KVCacheManager, tokens: list[int]) -> None:
+    """Compute `tokens` in the pool, then push them out to the tier (writes committed)."""
+    kv.remove(fill(kv, "old", tokens))
+    kv.remove(fill(kv, "flood", list(range(900, 900 + BS * kv.num_blocks))))
+    stores, _ = kv.take_tier_work()
+    kv.finish_tier_stores([(t.slot, True) for t in stores])
+    assert kv.get_computed_blocks(make_request("probe", tokens + [1])).num_blocks == 0
+
+
+def test_a_running_request_loads_its_next_blocks_and_keeps_those_before_the_first_bad_one():
+    kv = KVCacheManager(8, BS, tier=TierIndex(16))
+    history = list(range(24))  # six blocks
+    tier_holding(kv, history)
+    request = make_request("r", history + [77])
+    kv.allocate_slots(request, 0, kv.get_computed_blocks(request))  # admitted with no pool hit
+    assert kv.extend_from_tier(request, max_blocks=4) == (0, 4)  # at most max_blocks
+    _, loads = kv.take_tier_work()
+    assert len(loads) == 4 and kv.block_ids("r") == [t.block_id for t in loads]
+    bad = loads[2].block_id
+    arrived = kv.finish_run_loads({t.block_id: t.block_id != bad for t in loads})
+    assert arrived == {"r": 2}  # the third failed its checksum: the fourth is not kept either
+    assert kv.block_ids("r") == [loads[0].block_id, loads[1].block_id]
+    assert kv.pool.lookup(kv.pool.blocks[loads[3].block_id].block_hash) is kv.pool.blocks[loads[3].block_id]
+    assert kv.check_invariants() == []
+    request.num_computed_tokens = 8
+    assert kv.extend_from_tier(request, max_blocks=8) == (0, 0)  # block 3 left the tier (bad): compute it
+    assert kv.stats.num_tier_hits_tokens == 2 * BS
+
+
+def test_a_running_request_shares_pool_blocks_ahead_at_once_and_waits_for_room_for_tier_ones():
+    kv = KVCacheManager(6, BS, tier=TierIndex(16))
+    history = list(range(16))
+    tier_holding(kv, history)
+    sharer = fill(kv, "sharer", history[:8])  # blocks 0 and 1 back in the pool
+    request = make_request("r", history + [77])
+    kv.allocate_slots(request, 0, kv.get_computed_blocks(request))
+    assert kv.block_ids("r") == kv.block_ids("sharer")
+    request.num_computed_tokens = 8
+    hog = fill(kv, "hog", list(range(500, 516)))  # the four other blocks
+    assert kv.extend_from_tier(request, max_blocks=8) is None  # block 2 is in the tier, no room
+    kv.remove(hog)
+    assert kv.extend_from_tier(request, max_blocks=8) == (0, 2)
+    kv.remove(sharer)
+    assert kv.check_invariants() == []
+
+
+def test_a_request_freed_while_its_loads_are_in_flight_leaves_their_blocks_to_the_manager_until_they_end():
+    kv = KVCacheManager(8, BS, tier=TierIndex(16))
+    history = list(range(16))
+    tier_holding(kv, history)
+    request = make_request("r", history + [77])
+    kv.allocate_slots(request, 0, kv.get_computed_blocks(request))
+    assert kv.extend_from_tier(request, max_blocks=8) == (0, 4)
+    _, loads = kv.take_tier_work()
+    kv.free(request, preempted=True)  # preempted in the same step: the runner still writes those blocks
+    assert sorted(kv.blocks_held_for_loads()) == sorted(t.block_id for t in loads)
+    assert kv.num_free_blocks == 4 and kv.check_invariants() == []
+    assert kv.finish_run_loads({t.block_id: True for t in loads}) == {}
+    assert kv.num_free_blocks == 8 and kv.check_invariants() == []
+    again = make_request("again", history + [77])
+    assert kv.get_computed_blocks(again).num_blocks == 4  # what arrived stays cached in the pool

@@ -66,7 +66,8 @@ class ShadowKV:
     def run(self, s: Scheduler, out) -> dict:
         """Check every scheduled request's context in every group (the keys its window reads),
         then write its new tokens (as the runner does). Returns the tier's reports."""
-        held = {b for rid in s.requests for b in s.kv_cache.held_blocks(rid)}
+        held = Counter(b for rid in s.requests for b in s.kv_cache.held_blocks(rid))
+        read = {b for e in out.scheduled for table in e.block_tables for b in table}
         for t in out.tier_stores:  # copied out before anything writes the pool (it may be reused at once)
             self.disk[t.slot] = {o: self.slots[(t.block_id, o)] for o in range(BS) if (t.block_id, o) in self.slots}
         stored, self.pending_stores = [(slot, True) for slot in self.pending_stores], [t.slot for t in out.tier_stores]
@@ -88,7 +89,9 @@ class ShadowKV:
                     self.slots[(table[pos // BS], pos % BS)] = token
         loaded = {}
         for t in out.tier_loads:
-            assert t.block_id not in held, "a tier load writes a block some table holds"
+            # only the loading request's own table may hold it (a running request loading ahead),
+            # and nothing this step reads it
+            assert held[t.block_id] <= 1 and t.block_id not in read, "a tier load writes a block in use"
             self.num_loads += 1
             loaded[t.block_id] = self.num_loads % 3 != 0  # every third load fails its checksum
             for o in range(BS):

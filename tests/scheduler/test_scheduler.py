@@ -237,3 +237,40 @@ def test_aborting_waiting_requests_is_lazy_but_exact():
         s.finish_requests(["r0"], FinishReason.ABORT)
         assert [e.request_id for e in s.schedule().scheduled] == ["r3"]
         assert sorted(s.sequences_of("r3")) == ["r3"] and s.sequences_of("r1") == []
+
+
+def tier_run(out: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
+    """A runner whose tier writes and reads all succeed."""
+    return ModelRunnerOutput(sampled={sid: token for e in out.scheduled for sid in e.sample_ids},
+                             tier_stored=[(t.slot, True) for t in out.tier_stores],
+                             tier_loaded={t.block_id: True for t in out.tier_loads})
+
+
+def test_a_history_in_the_tier_too_big_to_load_at_once_starts_beside_running_requests_and_loads_as_it_runs():
+    """Its loads and first chunk do not fit beside a running request: rather than waiting for that
+    request to end, it is admitted with what fits and loads the rest while running (as a
+    recomputed prompt grows chunk by chunk), computing only its new tokens."""
+    from octavo.kv_cache.tier import TierIndex
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=128)
+    s = Scheduler(cfg, KVCacheManager(16, BS, tier=TierIndex(64)))
+    history = list(range(1000, 1040))  # ten blocks
+    for i, prompt in enumerate([history, list(range(2000, 2060))]):  # the second pushes the first out
+        s.add_request(make_request(f"fill{i}", prompt, max_tokens=1))
+        while s.has_unfinished_requests():
+            s.update(out := s.schedule(), tier_run(out))
+    s.update(out := s.schedule(), tier_run(out))  # commits the last writes
+    runner = make_request("runner", list(range(3000, 3017)), max_tokens=30)
+    s.add_request(runner)
+    s.update(out := s.schedule(), tier_run(out))
+    turn = make_request("turn", history + [5], max_tokens=1)
+    s.add_request(turn)
+    computed = 0
+    while turn.status is not RequestStatus.FINISHED:
+        out = s.schedule()
+        assert runner.request_id in plan(out)  # the running request is never held up
+        computed += plan(out).get("turn", 0)
+        s.update(out, tier_run(out))
+    assert runner.status is RequestStatus.RUNNING  # it did not wait for the runner to end
+    assert computed == 1 and turn.num_cached_tokens == 40  # its history came from the tier
+    assert turn.tier_load_wait > 0
+    assert s.stats().tier_hits == 40 and s.kv_cache.check_invariants() == []
