@@ -252,6 +252,7 @@ class Scheduler:
         loras = {r.lora_id for r in self.running if r.lora_id is not None}
         num_seqs = sum(r.num_samples_pending for r in self.running if r.beam is None)
         num_seqs += sum(g.width for g in groups.values())
+        reserved = 0  # free blocks the requests that started loading this step compute into next step
         while len(self.waiting) and budget > 0:
             request = self.waiting.peek()
             if request.beam is not None:  # a search holds beam_width sequences once it forks
@@ -273,15 +274,16 @@ class Scheduler:
             loads_ahead = False
             if plan is not None:
                 first_chunk = min(request.num_tokens - plan.num_blocks * self.kv_cache.block_size, budget)
-                if self.kv_cache.start_tier_load(
-                        request, plan, self.kv_cache.num_blocks_to_hold(first_chunk + self.kv_cache.block_size)):
+                chunk_blocks = self.kv_cache.num_blocks_to_hold(first_chunk + self.kv_cache.block_size)
+                if self.kv_cache.start_tier_load(request, plan, chunk_blocks + reserved):
                     self.waiting.pop()  # loads this step, comes back to the queue's front after it
                     self._loading[request.request_id] = request
                     self.num_tier_loads += 1
+                    reserved += chunk_blocks  # what it computes next step: later requests leave it
                     continue
                 # no room for all of it and a chunk: admit it with the pool's hit and let it load
                 # the rest while it runs, growing as a recomputed prompt would (one KV group)
-                loads_ahead = self._loads_ahead and self._room_to_load(computed)
+                loads_ahead = self._loads_ahead and not reserved and self._room_to_load(computed)
                 if not loads_ahead and self.running:
                     break  # no room to load and run it now: wait for running requests to free some
                 # nothing runs and the pool cannot take the loads: go on with the pool's hit alone
@@ -290,6 +292,8 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
+            if reserved and self.kv_cache.num_free_blocks - self.kv_cache.num_blocks_to_admit(request, num_new, computed) < reserved:
+                break  # it would take blocks a request loading ahead of it in the queue needs next step
             allocation = self.kv_cache.allocate_slots(request, num_new, computed)
             if allocation is None:
                 break

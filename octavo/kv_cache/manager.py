@@ -182,6 +182,14 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def num_blocks_to_admit(self, request: Request, num_new_tokens: int, computed: ComputedBlocks) -> int:
+        """Free blocks `allocate_slots(request, num_new_tokens, computed)` takes for a waiting
+        request (no table yet): its new blocks, and the hit's blocks that sit in the free queue."""
+        end = computed.num_tokens(self.block_size) + num_new_tokens
+        hits = computed.groups or [[] for _ in self.group_windows]
+        return sum(max(0, self.num_blocks_for(end) - len(hit)) + sum(1 for b in hit if b is not None and b.ref_cnt == 0)
+                   for hit in hits)
+
     def num_blocks_to_hold(self, num_tokens: int, max_chunk: int | None = None) -> int:
         """Blocks one sequence of `num_tokens` tokens holds at most (config.blocks_to_hold)."""
         return blocks_to_hold(self.group_windows, num_tokens, self.block_size, max_chunk)

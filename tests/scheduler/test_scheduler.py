@@ -274,3 +274,31 @@ def test_a_history_in_the_tier_too_big_to_load_at_once_starts_beside_running_req
     assert computed == 1 and turn.num_cached_tokens == 40  # its history came from the tier
     assert turn.tier_load_wait > 0
     assert s.stats().tier_hits == 40 and s.kv_cache.check_invariants() == []
+
+
+def test_requests_behind_one_loading_from_the_tier_leave_it_the_blocks_it_computes_into_next_step():
+    """The queue's front loads its history this step and computes its new tokens next step: a
+    request behind it admitted meanwhile must not take those blocks (it would wait again, behind
+    the newcomer, for as long as that runs: a multi-turn bench's worst TTFTs)."""
+    from octavo.kv_cache.tier import TierIndex
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=128)
+    s = Scheduler(cfg, KVCacheManager(16, BS, tier=TierIndex(64)))
+    history = list(range(1000, 1032))  # eight blocks
+    for i, prompt in enumerate([history, list(range(2000, 2060))]):  # the second pushes the first out
+        s.add_request(make_request(f"fill{i}", prompt, max_tokens=1))
+        while s.has_unfinished_requests():
+            s.update(out := s.schedule(), tier_run(out))
+    s.update(out := s.schedule(), tier_run(out))  # commits the last writes
+    turn = make_request("turn", history + list(range(5, 13)), max_tokens=2)  # loads 8 blocks, computes 2
+    newcomer = make_request("newcomer", list(range(3000, 3024)), max_tokens=2)  # would take 7 of the 8 left
+    s.add_request(turn)
+    s.add_request(newcomer)
+    out = s.schedule()
+    assert len(out.tier_loads) >= 7 and "newcomer" not in plan(out)
+    s.update(out, tier_run(out))
+    out = s.schedule()
+    assert plan(out)["turn"] == 8  # back from the tier: computes its new tokens at once
+    s.update(out, tier_run(out))
+    while s.has_unfinished_requests():
+        s.update(out := s.schedule(), tier_run(out))
+    assert s.kv_cache.check_invariants() == [] and s.kv_cache.num_free_blocks == 16
