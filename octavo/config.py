@@ -149,6 +149,7 @@ class CacheConfig:
     num_blocks: int | None = None
     kv_offload_bytes: int = 0  # the second KV tier's size (0: no tier)
     kv_offload_path: str | None = None  # its folder (None: one per model and setting under the cache)
+    kv_offload_medium: str = "auto"  # disk, host (memory), or auto: host on CUDA, disk on the CPU
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -159,6 +160,8 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_offload_medium not in ("auto", "disk", "host"):
+            raise ValueError(f"kv_offload_medium must be auto, disk or host, got {self.kv_offload_medium!r}")
         if self.kv_offload_bytes < 0:
             raise ValueError(f"kv_offload_size must be >= 0 bytes, got {self.kv_offload_bytes}")
         if self.kv_offload_bytes and not self.enable_prefix_caching:

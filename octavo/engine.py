@@ -21,7 +21,7 @@ from octavo.engine_args import EngineArgs, resolve_device
 from octavo.cache import cache_dir
 from octavo.kv_cache.manager import KVCacheManager
 from octavo.kv_cache.tier import TierIndex
-from octavo.kv_tier import DiskTier, open_disk_tier, tier_fingerprint
+from octavo.kv_tier import TierStore, open_disk_tier, open_host_tier, tier_fingerprint
 from octavo.lora.request import LoRARequest
 from octavo.memory import CUDA_GRAPH_RESERVE_BYTES, KVSizing, size_kv_cache
 from octavo.model_runner import ModelRunner, RunnerOptions
@@ -67,7 +67,7 @@ class LLMEngine:
                         "so the cache holds %d x the tokens one rank's memory would", tensor_parallel.world,
                         config.model_config.num_kv_heads, tensor_parallel.world)
         self.executor.init_kv_cache(sizing.num_blocks)
-        self.tier: DiskTier | None = None
+        self.tier: TierStore | None = None
         tier_index = self._open_tier(self.config) if config.cache.kv_offload_bytes else None
         kv = KVCacheManager(sizing.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                             tuple(g.window for g in config.model_config.kv_groups()), tier=tier_index)
@@ -104,8 +104,17 @@ class LLMEngine:
         )
 
     def _open_tier(self, config: EngineConfig) -> TierIndex | None:
-        """The second KV tier (its disk store attached to the runner) and its index; None when its
-        folder cannot be used (logged: the engine runs without it)."""
+        """The second KV tier (its store attached to the runner) and its index: host memory on
+        CUDA (pinned) or when asked, else files on disk; None when its folder cannot be used
+        (logged: the engine runs without it)."""
+        medium = config.cache.kv_offload_medium
+        if medium == "host" or (medium == "auto" and self.runner.device.type == "cuda"):
+            if config.cache.kv_offload_path is not None:
+                logger.warning("KV tier in host memory: --kv-offload-path %s is not used", config.cache.kv_offload_path)
+            self.tier, index = open_host_tier(config.cache.kv_offload_bytes, self.runner.tier_block_bytes(),
+                                              self.runner.host_buffer)
+            self.runner.attach_tier(self.tier)
+            return index
         fingerprint = tier_fingerprint(config.model_path or str(config.model), config.model_config, config.dtype,
                                        config.cache.block_size, config.quantization, self.runner.attention_backend)
         path = config.cache.kv_offload_path
@@ -175,7 +184,7 @@ class LLMEngine:
         """Stop the tensor-parallel workers, if any, and the grammar-compiling threads; write the
         pool's cached blocks the second tier lacks (a restart serves them) and close it."""
         if self.tier is not None:
-            flush = self.scheduler.kv_cache.tier_flush_plan()
+            flush = self.scheduler.kv_cache.tier_flush_plan() if self.tier.durable else []
             if flush:
                 self.runner.store_to_tier(flush)
             self.tier.close()

@@ -49,6 +49,9 @@ class EngineArgs:
                 "finds it again (default 0: off)", "bytes": True})
     kv_offload_path: str | None = field(default=None, metadata={
         "help": "folder of the second KV tier (default: one per model and setting under the cache directory)"})
+    kv_offload_medium: str = field(default="auto", metadata={
+        "help": "where the second KV tier lives: disk (files, kept across restarts), host (memory: pinned on "
+                "CUDA, gone at exit), or auto (host on CUDA, disk on the CPU)", "choices": ("auto", "disk", "host")})
     num_kv_blocks: int | None = field(default=None, metadata={
         "help": "exactly this many KV blocks (overrides the memory-based sizing)"})
     scheduling_policy: str = field(default="fcfs", metadata={
@@ -142,6 +145,7 @@ class EngineArgs:
                 num_blocks=self.num_kv_blocks,
                 kv_offload_bytes=self.kv_offload_size,
                 kv_offload_path=self.kv_offload_path,
+                kv_offload_medium=self.kv_offload_medium,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=self.max_num_batched_tokens,

@@ -18,7 +18,7 @@ from octavo.config import CacheConfig, ModelConfig
 from octavo.cuda_graphs import CudaGraphRunner, graph_batch_sizes
 from octavo.kernels import dispatch
 from octavo.kernels.metadata import AttentionMetadata, LoRAMapping, gather_contexts
-from octavo.kv_tier import DiskTier
+from octavo.kv_tier import TierStore
 from octavo.lora.layers import apply_lora
 from octavo.lora.slots import LoRASlots
 from octavo.memory import keep_freed_memory_mapped
@@ -128,7 +128,7 @@ class ModelRunner:
         if max_loras is not None:  # wraps the model's projections in place (see octavo.lora.layers)
             layers = apply_lora(model, model_config, max_loras, max_lora_rank)
             self.lora = LoRASlots(layers, model_config, max_loras, max_lora_rank)
-        self.tier: DiskTier | None = None  # the second KV tier (attach_tier)
+        self.tier: TierStore | None = None  # the second KV tier (attach_tier)
         self.graphs: CudaGraphRunner | None = None
         self._capture_graphs = False
         if not enforce_eager and self.lora is not None:
@@ -277,11 +277,16 @@ class ModelRunner:
 
     # ---- the second KV tier ------------------------------------------------------------------
 
-    def attach_tier(self, tier: DiskTier) -> None:
+    def attach_tier(self, tier: TierStore) -> None:
         """Use `tier` for the blocks the scheduler stores and loads (its slots hold one pool block)."""
         if tier.slot_bytes != self.tier_block_bytes():
             raise ValueError(f"the tier's slots hold {tier.slot_bytes} B, a pool block {self.tier_block_bytes()} B")
         self.tier = tier
+
+    def host_buffer(self, num_bytes: int):
+        """A writable host buffer of `num_bytes` (pinned on CUDA: copies to and from the device are
+        DMA) for a tier in host memory."""
+        return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda").numpy()
 
     def _tier_tensors(self) -> list[torch.Tensor]:
         """The pool's storage, one tensor per (layer of a block, K or V): what one block spans."""

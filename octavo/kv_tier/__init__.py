@@ -1,5 +1,6 @@
-"""The second KV tier's storage: where blocks the pool evicts are kept (files on local disk), and
-what a restart checks before reading them back. The index of what is where is octavo.kv_cache.tier."""
+"""The second KV tier's storage: where blocks the pool evicts are kept (files on local disk, or host
+memory), and what a restart checks before reading them back. The index of what is where is
+octavo.kv_cache.tier."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ from pathlib import Path
 from octavo.config import ModelConfig
 from octavo.kv_cache.tier import TierIndex
 from octavo.kv_tier.disk import DiskTier, TierUnavailable
+from octavo.kv_tier.host import HostTier
 
 logger = logging.getLogger("octavo")
 
-__all__ = ["DiskTier", "TierUnavailable", "open_disk_tier", "tier_fingerprint"]
+__all__ = ["DiskTier", "HostTier", "TierStore", "TierUnavailable", "open_disk_tier", "open_host_tier", "tier_fingerprint"]
+
+TierStore = DiskTier | HostTier  # what the runner moves blocks through (the same calls)
 
 
 def tier_fingerprint(model_path: str | Path, model_config: ModelConfig, dtype: str, block_size: int,
@@ -57,6 +61,35 @@ def open_disk_tier(path: str | Path, num_bytes: int, slot_bytes: int, fingerprin
                 path, num_found, "" if free is None or free >= num_slots * probe else
                 f"; the disk has {free / 2**30:.2f} GiB free: the tier stops growing when it fills")
     return disk, index
+
+
+def open_host_tier(num_bytes: int, slot_bytes: int, allocate) -> tuple[HostTier, TierIndex]:
+    """A tier of `num_bytes` in host memory; `allocate(n)` returns a writable buffer of n bytes
+    (pinned memory on CUDA)."""
+    num_slots = num_bytes // slot_bytes
+    if num_slots < 1:
+        raise ValueError(f"kv_offload_size {num_bytes} B holds no block of {slot_bytes} B")
+    available = _available_memory()
+    if available is not None and num_slots * slot_bytes > available:
+        raise ValueError(f"kv_offload_size {num_bytes / 2**30:.2f} GiB in host memory is more than the "
+                         f"{available / 2**30:.2f} GiB this machine has available: lower it, or use the disk "
+                         "(--kv-offload-medium disk)")
+    tier = HostTier(slot_bytes, num_slots, allocate(num_slots * slot_bytes))
+    logger.info("KV tier: %d blocks (%.2f GiB) in host memory; it starts empty at every start", num_slots,
+                num_slots * slot_bytes / 2**30)
+    return tier, TierIndex(num_slots)
+
+
+def _available_memory() -> int | None:
+    """Bytes of host memory available now (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def _free_bytes(path: Path) -> int | None:

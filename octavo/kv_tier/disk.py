@@ -87,6 +87,8 @@ class _Job:
 class DiskTier:
     """Slots of `slot_bytes` in one file under `path`; at most `num_slots` of them."""
 
+    durable = True  # what it holds at shutdown is served again after a restart
+
     def __init__(self, path: str | Path, slot_bytes: int, num_slots: int, fingerprint: dict,
                  max_queued_bytes: int = 256 << 20, direct: bool = True) -> None:
         """`max_queued_bytes`: host copies of blocks waiting to be written; a caller that would

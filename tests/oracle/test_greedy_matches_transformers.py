@@ -161,12 +161,15 @@ def test_parallel_greedy_samples_share_prompt_and_copy_on_write(make_llm, prompt
     assert llm.engine.scheduler.kv_cache.num_free_blocks == llm.engine.scheduler.kv_cache.num_blocks
 
 
+@pytest.mark.parametrize("medium", ["disk", "host"])
 def test_second_kv_tier_serves_evicted_prefixes_and_swapped_requests(make_llm, shared_prompts, shared_refs,
-                                                                      prompts, refs, tmp_path):
-    """A pool of 48 blocks (768 tokens) and a second tier on disk: the shared prompts' prefixes
-    are evicted between the two passes and come back from the tier; the oracle prompts together
-    overflow the pool, so requests are preempted and resume through the tier. Same tokens."""
-    llm = make_llm(num_kv_blocks=48, max_num_batched_tokens=128, kv_offload_size=256 << 20, kv_offload_path=str(tmp_path))
+                                                                      prompts, refs, tmp_path, medium):
+    """A pool of 48 blocks (768 tokens) and a second tier on disk or in host memory: the shared
+    prompts' prefixes are evicted between the two passes and come back from the tier; the oracle
+    prompts together overflow the pool, so requests are preempted and resume through the tier,
+    loading their blocks while others run. Same tokens."""
+    llm = make_llm(num_kv_blocks=48, max_num_batched_tokens=128, kv_offload_size=256 << 20, kv_offload_path=str(tmp_path),
+                   kv_offload_medium=medium)
     for rnd in range(2):
         outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in shared_prompts]
         check_all(outs, shared_refs, f"tier, shared prefix pass {rnd}")
