@@ -261,15 +261,17 @@ class ModelRunner:
         """One forward and sampling. `grammar` = (sequence ids, token bitmask [k, words]): those
         sequences sample only tokens their structured-output grammar allows.
 
-        With a second KV tier, the blocks the step evicts are copied out first (written to the
-        tier by its thread), the step's loads are read meanwhile, checked and copied into their
-        pool blocks before it returns, and finished writes are reported."""
+        With a second KV tier, the blocks the step evicts are copied out first (the step may
+        overwrite them), the step's loads are read meanwhile, checked and copied into their pool
+        blocks before it returns; the copies are handed to the tier after the forward (its
+        checksums then cost no forward thread a wait), and finished writes are reported."""
         if self.tier is None:
             return self._execute(sched, grammar)
-        if sched.tier_stores:
-            self.store_to_tier(sched.tier_stores)
+        copied = self._copy_out(sched.tier_stores) if sched.tier_stores else None
         loading = self._start_loads(sched.tier_loads) if sched.tier_loads else None
         out = self._execute(sched, grammar)
+        if copied is not None:
+            self.tier.submit_writes([t.slot for t in sched.tier_stores], [t.key for t in sched.tier_stores], copied[1])
         if loading is not None:
             out.tier_loaded = self._finish_loads(sched.tier_loads, *loading)
         out.tier_stored = self.tier.take_finished_writes()
@@ -305,13 +307,18 @@ class ModelRunner:
         return buf, [memoryview(rows[i].numpy()) for i in range(num_blocks)]
 
     def store_to_tier(self, stores: list[TierTransfer]) -> None:
-        """Copy the blocks out of the pool now (the step may overwrite them next) and queue
-        their writes; reported by the tier's take_finished_writes."""
+        """Copy the blocks out of the pool and queue their writes; reported by the tier's
+        take_finished_writes."""
+        _, views = self._copy_out(stores)
+        self.tier.submit_writes([t.slot for t in stores], [t.key for t in stores], views)
+
+    def _copy_out(self, stores: list[TierTransfer]) -> tuple[torch.Tensor, list[memoryview]]:
+        """The blocks' bytes, copied out of the pool into a host buffer (and a view of each)."""
         buf, views = self._host_blocks(len(stores))
         ids = torch.tensor([t.block_id for t in stores], dtype=torch.long, device=self.device)
         for i, tensor in enumerate(self._tier_tensors()):
             buf[:, i].copy_(tensor.index_select(0, ids))  # [n, block_size, kv_heads, head_dim]
-        self.tier.submit_writes([t.slot for t in stores], [t.key for t in stores], views)
+        return buf, views
 
     def _start_loads(self, loads: list[TierTransfer]):
         buf, views = self._host_blocks(len(loads))

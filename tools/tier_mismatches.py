@@ -22,6 +22,7 @@ MODES = {  # name -> engine options beside the pool (the oracle's modes)
     "chunked, budget 32": {"max_num_batched_tokens": 32},
     "block size 8": {"block_size": 8},
     "priority policy": {"scheduling_policy": "priority"},
+    "host-memory tier": {"kv_offload_medium": "host"},
 }
 
 
@@ -55,7 +56,8 @@ def main() -> None:
         prompts = requests(per_mode, seed=i)
         priorities = [j % 3 for j in range(len(prompts))]
         pool = args.pool * (16 // options.get("block_size", 16))
-        off, _ = run(prompts, params, priorities, num_kv_blocks=pool, **options)
+        off, _ = run(prompts, params, priorities, num_kv_blocks=pool,
+                     **{k: v for k, v in options.items() if not k.startswith("kv_offload")})
         with tempfile.TemporaryDirectory() as folder:
             on, stats = run(prompts, params, priorities, num_kv_blocks=pool, kv_offload_size=1 << 30,
                             kv_offload_path=folder, **options)
@@ -64,7 +66,7 @@ def main() -> None:
         mismatched += len(bad)
         print(f"{mode}: {len(bad)} of {len(prompts)} requests differ; tier blocks stored {stats.tier_blocks_stored}, "
               f"loaded {stats.tier_blocks_loaded}; tier hits {stats.tier_hits} of {stats.prefix_cache_hits} hit tokens; "
-              f"preemptions {stats.num_preemptions}" + (f"; first differing: {bad[:5]}" if bad else ""), flush=True)
+              f"preemptions {stats.num_preemptions}, tier load rounds {stats.num_tier_loads}" + (f"; first differing: {bad[:5]}" if bad else ""), flush=True)
     print(f"in all: {mismatched} of {total} greedy requests differ with the tier on")
 
 

@@ -9,8 +9,11 @@ Layout of `DIR/blocks.bin` (slot i at i * stride; stride = header + block bytes,
              crc32 of the block bytes, crc32 of the header fields before it, zero padding
 
 A batch of stores lands in neighbouring slots (the index hands out the lowest free slots first),
-so one write moves a run of many blocks (up to 32 MiB, through a page-aligned buffer, with
-O_DIRECT where the filesystem has it): transfers of megabytes, not of one block's pages.
+so one write moves a run of many blocks (up to 32 MiB, laid out in a page-aligned buffer, with
+O_DIRECT where the filesystem has it): transfers of megabytes, not of one block's pages. The
+caller lays the run out (copies and crc32s) on its own thread, between steps; the background
+thread only issues the writes and reads: on a 2-core machine a thread computing beside the
+forward slows it by more than its own time (the forward's threads wait for each other).
 
 What makes it safe to keep across restarts and crashes:
   * `DIR/fingerprint.json` names the model, dtype, block size, quantization and KV layout that
@@ -49,6 +52,7 @@ _FIELDS = struct.Struct("<8s32sIQI")  # magic, block hash, group, sequence, data
 HEADER_BYTES = 64
 PAGE_BYTES = 4096
 BOUNCE_BYTES = 32 << 20  # the page-aligned buffer a run of slots goes through (so runs are at most this)
+MAX_IMAGES = 8  # such buffers holding runs waiting to be written (with max_queued_bytes, what bounds the queue)
 DATA_FILE, FINGERPRINT_FILE, LOCK_FILE = "blocks.bin", "fingerprint.json", "lock"
 
 TierKey = tuple[int, bytes]
@@ -80,8 +84,9 @@ def unpack_header(raw: bytes) -> tuple[TierKey, int, int] | None:
 class _Job:
     slots: list[int]
     keys: list[TierKey]
-    buffers: list[memoryview]  # one block's bytes per slot
+    buffers: list[memoryview]  # a read: one block's bytes per slot
     future: Future
+    image: mmap.mmap | None = None  # a write: its run of neighbouring slots, laid out as in the file
 
 
 class DiskTier:
@@ -102,6 +107,8 @@ class DiskTier:
         self.slot_bytes, self.num_slots = slot_bytes, num_slots
         self.stride = self.stride_for(slot_bytes)
         self._bounce = mmap.mmap(-1, max(1, BOUNCE_BYTES // self.stride) * self.stride)  # page-aligned
+        self._images: list[mmap.mmap] = []  # free page-aligned buffers for runs being written
+        self._num_images = 0
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             self._lock_fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
@@ -209,16 +216,38 @@ class DiskTier:
     # ---- the runner's calls ------------------------------------------------------------------
 
     def submit_writes(self, slots: list[int], keys: list[TierKey], buffers: list[memoryview]) -> None:
-        """Write each buffer (one block's bytes, kept unchanged by the caller until reported) to
-        its slot, off the caller's thread. Reports come from `take_finished_writes`. Waits first
-        while more than max_queued_bytes are queued."""
+        """Write each buffer (one block's bytes; free to reuse when this returns) to its slot: laid
+        out here with its header, written by the background thread. Reports come from
+        `take_finished_writes`. Waits first while more than max_queued_bytes are queued."""
+        if not len(slots) == len(keys) == len(buffers):
+            raise ValueError("slots, keys and buffers must be as many")
+        for run in self._runs(slots):
+            image = self._take_image(len(run) * self.slot_bytes)
+            with memoryview(image) as view:
+                for j, i in enumerate(run):
+                    base = j * self.stride
+                    data = view[base + HEADER_BYTES : base + HEADER_BYTES + self.slot_bytes]
+                    data[:] = buffers[i]
+                    view[base : base + HEADER_BYTES] = pack_header(keys[i], self._seq, zlib.crc32(data))
+                    data.release()
+                    self._seq += 1
+            self._submit(self._writes, [slots[i] for i in run], [keys[i] for i in run], [], image)
+
+    def _take_image(self, num_bytes: int) -> mmap.mmap:
+        """A free page-aligned buffer for one run, once the queue has room for `num_bytes`."""
+        def room() -> bool:
+            under = self._queued_bytes + num_bytes <= self.max_queued_bytes or not self._queued_bytes
+            return under and bool(self._images or self._num_images < MAX_IMAGES)
+
         with self._cond:
-            if self._queued_bytes + len(buffers) * self.slot_bytes > self.max_queued_bytes and self._queued_bytes:
+            if not room():
                 self.num_write_waits += 1
-                self._cond.wait_for(lambda: self._queued_bytes + len(buffers) * self.slot_bytes <= self.max_queued_bytes
-                                    or not self._queued_bytes)
-            self._queued_bytes += len(buffers) * self.slot_bytes
-        self._submit(self._writes, slots, keys, buffers)
+                self._cond.wait_for(room)
+            self._queued_bytes += num_bytes
+            if self._images:
+                return self._images.pop()
+            self._num_images += 1
+        return mmap.mmap(-1, len(self._bounce))
 
     def submit_reads(self, slots: list[int], keys: list[TierKey], buffers: list[memoryview]) -> Future:
         """Read each slot into its buffer; the future's result is, per slot, whether the header
@@ -248,15 +277,17 @@ class DiskTier:
         os.close(self._fd)
         os.close(self._lock_fd)
         self._bounce.close()
+        for image in self._images:
+            image.close()
 
-    def _submit(self, queue: deque, slots, keys, buffers) -> Future:
-        if not len(slots) == len(keys) == len(buffers):
+    def _submit(self, queue: deque, slots, keys, buffers, image: mmap.mmap | None = None) -> Future:
+        if image is None and not len(slots) == len(keys) == len(buffers):
             raise ValueError("slots, keys and buffers must be as many")
         future: Future = Future()
         with self._cond:
             if self._closed:
                 raise RuntimeError("the KV tier is closed")
-            queue.append(_Job(list(slots), list(keys), list(buffers), future))
+            queue.append(_Job(list(slots), list(keys), list(buffers), future, image))
             self._cond.notify_all()
         return future
 
@@ -283,45 +314,36 @@ class DiskTier:
                 if not is_read:
                     self._done_writes.extend(zip(job.slots, result))
                     self._queued_bytes -= len(job.slots) * self.slot_bytes
+                    self._images.append(job.image)
                 self._busy = False
                 self._cond.notify_all()
 
-    def _runs(self, job: _Job) -> list[list[int]]:
-        """Positions of the job grouped into runs of consecutive slots (in slot order), each run
+    def _runs(self, slots: list[int]) -> list[list[int]]:
+        """Positions in `slots` grouped into runs of consecutive slots (in slot order), each run
         at most what the bounce buffer holds."""
         most = len(self._bounce) // self.stride
-        order = sorted(range(len(job.slots)), key=lambda i: job.slots[i])
+        order = sorted(range(len(slots)), key=lambda i: slots[i])
         runs: list[list[int]] = []
         for i in order:
-            if runs and job.slots[i] == job.slots[runs[-1][-1]] + 1 and len(runs[-1]) < most:
+            if runs and slots[i] == slots[runs[-1][-1]] + 1 and len(runs[-1]) < most:
                 runs[-1].append(i)
             else:
                 runs.append([i])
         return runs
 
     def _do_write(self, job: _Job) -> list[bool]:
-        """Each run: its slots laid out in the bounce buffer (header with the block's crc32, then
-        the block), one write."""
-        ok = [False] * len(job.slots)
-        view = memoryview(self._bounce)
-        for run in self._runs(job):
-            for j, i in enumerate(run):
-                base = j * self.stride
-                data = view[base + HEADER_BYTES : base + HEADER_BYTES + self.slot_bytes]
-                data[:] = job.buffers[i]
-                view[base : base + HEADER_BYTES] = pack_header(job.keys[i], self._seq, zlib.crc32(data))
-                self._seq += 1
-            try:
-                written = os.pwrite(self._fd, view[: len(run) * self.stride], job.slots[run[0]] * self.stride)
-            except OSError as exc:
-                self._warn_write("the disk is full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc)))
-                continue
-            self.num_bytes_written += written
-            for i in run[: written // self.stride]:  # a short write (a full disk) keeps its whole slots
-                ok[i] = True
-            if written < len(run) * self.stride:
-                self._warn_write(f"{written} of {len(run) * self.stride} bytes written: the disk is full")
-        return ok
+        """One run of neighbouring slots, laid out by submit_writes: one write."""
+        size = len(job.slots) * self.stride
+        try:
+            with memoryview(job.image) as view:
+                written = os.pwrite(self._fd, view[:size], job.slots[0] * self.stride)
+        except OSError as exc:
+            self._warn_write("the disk is full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc)))
+            return [False] * len(job.slots)
+        self.num_bytes_written += written
+        if written < size:
+            self._warn_write(f"{written} of {size} bytes written: the disk is full")
+        return [i < written // self.stride for i in range(len(job.slots))]  # a short write keeps its whole slots
 
     def _warn_write(self, what: str) -> None:
         if not self._warned_full:
@@ -334,7 +356,7 @@ class DiskTier:
         whose block matches the header's crc32 is copied out to the caller's buffer."""
         ok = [False] * len(job.slots)
         view = memoryview(self._bounce)
-        for run in self._runs(job):
+        for run in self._runs(job.slots):
             try:
                 got = os.preadv(self._fd, [view[: len(run) * self.stride]], job.slots[run[0]] * self.stride)
             except OSError as exc:

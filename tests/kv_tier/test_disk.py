@@ -130,3 +130,17 @@ def test_writes_queued_past_the_bound_wait_for_the_writer_and_all_land(tmp_path)
     ok, got = read(tier, list(range(12)), [key(i) for i in range(12)])
     assert all(ok) and got == [block(i) for i in range(12)]
     tier.close()
+
+
+def test_a_callers_buffer_is_free_to_reuse_once_its_write_is_submitted(tmp_path):
+    """The block is laid out (copied, checksummed) on the caller's thread, so the runner's host
+    copy can go at once, and the background thread only writes."""
+    tier = DiskTier(tmp_path, SLOT, 8, FP)
+    source = bytearray(block(1))
+    tier.submit_writes([0], [key(1)], [memoryview(source)])
+    source[:] = block(2)  # reused before the write has landed
+    tier.flush()
+    assert tier.take_finished_writes() == [(0, True)]
+    ok, got = read(tier, [0], [key(1)])
+    assert ok == [True] and got == [block(1)]
+    tier.close()

@@ -112,7 +112,7 @@ def fake_model(s: Scheduler, out, seed: int, tier_reports: dict | None = None) -
             beam = s.requests[e.request_id].beam
             if beam is not None:
                 k = 2 * beam.width
-                rng = random.Random(hash((seed, sid, len(s.requests[sid].all_token_ids))))
+                rng = random.Random(f"{seed}/{sid}/{len(s.requests[sid].all_token_ids)}")  # not hash(): salted per process
                 top = {t: -rng.random() * 3 for t in rng.sample(range(8), min(k, 8))}
                 logprobs[sid] = TokenLogprob(max(top, key=top.get), max(top.values()), top)
     return ModelRunnerOutput(sampled=sampled, logprobs=logprobs, **(tier_reports or {}))
