@@ -9,7 +9,8 @@
 # miss; run last, as its misses push the conversations out of the tier). Before it, the tier's
 # server is stopped (it writes its pool's cached blocks) and started again on the same folder, and
 # round 1's conversations are replayed against it and against a fresh server with an empty tier:
-# first turns' TTFT, warm (from the tier) vs cold. ONLY=restart runs round 1 once, then that.
+# first turns' TTFT, warm (from the tier) vs cold. ONLY=restart runs round 1 once, then that;
+# MISSES=0 leaves out the misses.
 # Usage: tools/compare_kv_tier.sh   (POOL, TIER, REPEATS, CONVERSATIONS, TURNS, MAXCONC, SYSTEM override)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -55,10 +56,14 @@ wait_up "http://127.0.0.1:$p_warm"; wait_up "http://127.0.0.1:$p_cold"
 grep -h "kept from before" "$LOGS/tier.log" | tail -n 1
 echo "== after a restart: round 1's conversations again, warm tier vs an empty one"
 bench 0 1 --base-url "http://127.0.0.1:$p_warm" --compare "http://127.0.0.1:$p_cold" --labels warm-restart,cold
-if [ "${ONLY:-}" != restart ]; then  # last: its misses push the conversations out of the tier
-  echo "== random prompts that miss everywhere (512 tokens, 16 out, 4 at once): tier vs off"
-  "$PY" -m octavo.cli bench serve random --num-requests 24 --input-len 512 --output-len 16 --max-concurrency 4 \
-    --base-url "http://127.0.0.1:$p_warm" --compare "http://127.0.0.1:$p_off" --labels tier,off --repeats "$REPEATS" \
-    2>&1 | grep -v -E "^(INFO|WARNING)|bench serve"
+if [ "${ONLY:-}" != restart ] && [ "${MISSES:-1}" != 0 ]; then  # last: its misses push the conversations out of the tier
+  # both orders: the server measured first in each round ran a few percent slower, whichever it was
+  for order in "tier off $p_warm $p_off 1000" "off tier $p_off $p_warm 2000"; do  # seeds apart: each repeat takes the next
+    set -- $order
+    echo "== random prompts that miss everywhere (512 tokens, 16 out, 4 at once): $1 first"
+    "$PY" -m octavo.cli bench serve random --num-requests 24 --input-len 512 --output-len 16 --max-concurrency 4 \
+      --seed "$5" --base-url "http://127.0.0.1:$3" --compare "http://127.0.0.1:$4" --labels "$1,$2" --repeats "$REPEATS" \
+      2>&1 | grep -v -E "^(INFO|WARNING)|bench serve"
+  done
 fi
 echo "logs: $LOGS"

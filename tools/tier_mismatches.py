@@ -59,8 +59,8 @@ def main() -> None:
         off, _ = run(prompts, params, priorities, num_kv_blocks=pool,
                      **{k: v for k, v in options.items() if not k.startswith("kv_offload")})
         with tempfile.TemporaryDirectory() as folder:
-            on, stats = run(prompts, params, priorities, num_kv_blocks=pool, kv_offload_size=1 << 30,
-                            kv_offload_path=folder, **options)
+            where = {} if options.get("kv_offload_medium") == "host" else {"kv_offload_path": folder}
+            on, stats = run(prompts, params, priorities, num_kv_blocks=pool, kv_offload_size=1 << 30, **where, **options)
         bad = [j for j, (a, b) in enumerate(zip(off, on)) if a != b]
         total += len(prompts)
         mismatched += len(bad)
