@@ -241,9 +241,13 @@ class KVCacheManager:
         """The hashes a prefix lookup may hit: every full block before the last token (none when
         caching is off, or for prompt logprobs, which need every prompt position computed, as
         vLLM v1 does)."""
+        num = self._num_lookup_blocks(request)
+        return self._block_hashes(request)[:num] if num else []
+
+    def _num_lookup_blocks(self, request: Request) -> int:
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
-            return []
-        return self._block_hashes(request)[: (request.num_tokens - 1) // self.block_size]
+            return 0
+        return (request.num_tokens - 1) // self.block_size
 
     def _in_pool(self, group: int, block_hash: bytes) -> bool:
         return self.pool.lookup(self._key(group, block_hash)) is not None
@@ -529,7 +533,10 @@ class KVCacheManager:
         start = request.num_computed_tokens // self.block_size
         if len(table.blocks) != start:
             return 0, 0
-        hashes = self._lookup_hashes(request)[start : start + max_blocks]
+        end = min(self._num_lookup_blocks(request), start + max_blocks)
+        if end <= start:  # decoding, or nothing left before the last token: compute on
+            return 0, 0
+        hashes = self._block_hashes(request)[start:end]
         loading = self._keys_loading()
         available = self.pool.num_free_blocks
         plan: list[KVCacheBlock | TierKey] = []  # a pool block to share, or the key of a load

@@ -246,19 +246,26 @@ def tier_run(out: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
                              tier_loaded={t.block_id: True for t in out.tier_loads})
 
 
-def test_a_history_in_the_tier_too_big_to_load_at_once_starts_beside_running_requests_and_loads_as_it_runs():
-    """Its loads and first chunk do not fit beside a running request: rather than waiting for that
-    request to end, it is admitted with what fits and loads the rest while running (as a
-    recomputed prompt grows chunk by chunk), computing only its new tokens."""
+def scheduler_with_history_in_the_tier(history: list[int]) -> Scheduler:
+    """A 16-block pool whose tier holds `history`'s blocks (pushed out of the pool by another
+    prompt), every write committed."""
     from octavo.kv_cache.tier import TierIndex
     cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=128)
     s = Scheduler(cfg, KVCacheManager(16, BS, tier=TierIndex(64)))
-    history = list(range(1000, 1040))  # ten blocks
     for i, prompt in enumerate([history, list(range(2000, 2060))]):  # the second pushes the first out
         s.add_request(make_request(f"fill{i}", prompt, max_tokens=1))
         while s.has_unfinished_requests():
             s.update(out := s.schedule(), tier_run(out))
     s.update(out := s.schedule(), tier_run(out))  # commits the last writes
+    return s
+
+
+def test_a_history_in_the_tier_too_big_to_load_at_once_starts_beside_running_requests_and_loads_as_it_runs():
+    """Its loads and first chunk do not fit beside a running request: rather than waiting for that
+    request to end, it is admitted with what fits and loads the rest while running (as a
+    recomputed prompt grows chunk by chunk), computing only its new tokens."""
+    history = list(range(1000, 1040))  # ten blocks
+    s = scheduler_with_history_in_the_tier(history)
     runner = make_request("runner", list(range(3000, 3017)), max_tokens=30)
     s.add_request(runner)
     s.update(out := s.schedule(), tier_run(out))
@@ -280,15 +287,8 @@ def test_requests_behind_one_loading_from_the_tier_leave_it_the_blocks_it_comput
     """The queue's front loads its history this step and computes its new tokens next step: a
     request behind it admitted meanwhile must not take those blocks (it would wait again, behind
     the newcomer, for as long as that runs: a multi-turn bench's worst TTFTs)."""
-    from octavo.kv_cache.tier import TierIndex
-    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=128)
-    s = Scheduler(cfg, KVCacheManager(16, BS, tier=TierIndex(64)))
     history = list(range(1000, 1032))  # eight blocks
-    for i, prompt in enumerate([history, list(range(2000, 2060))]):  # the second pushes the first out
-        s.add_request(make_request(f"fill{i}", prompt, max_tokens=1))
-        while s.has_unfinished_requests():
-            s.update(out := s.schedule(), tier_run(out))
-    s.update(out := s.schedule(), tier_run(out))  # commits the last writes
+    s = scheduler_with_history_in_the_tier(history)
     turn = make_request("turn", history + list(range(5, 13)), max_tokens=2)  # loads 8 blocks, computes 2
     newcomer = make_request("newcomer", list(range(3000, 3024)), max_tokens=2)  # would take 7 of the 8 left
     s.add_request(turn)
