@@ -38,10 +38,6 @@ class HostTier:
         self._done_writes: list[tuple[int, bool]] = []
         self._closed = False
 
-    @staticmethod
-    def stride_for(slot_bytes: int) -> int:
-        return slot_bytes
-
     def recover(self) -> list[tuple[TierKey, int]]:
         """Nothing: host memory starts empty."""
         return []
