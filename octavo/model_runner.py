@@ -10,6 +10,7 @@ import dataclasses
 
 import logging
 import mmap
+import time
 from dataclasses import dataclass
 
 import torch
@@ -262,18 +263,32 @@ class ModelRunner:
         sequences sample only tokens their structured-output grammar allows.
 
         With a second KV tier, the blocks the step evicts are copied out first (the step may
-        overwrite them), the step's loads are read meanwhile, checked and copied into their pool
-        blocks before it returns; the copies are handed to the tier after the forward (its
-        checksums then cost no forward thread a wait), and finished writes are reported."""
+        overwrite them). Loads into blocks this step's forward reads (a running request's next
+        blocks) are read, checked and copied in before it; a request that reads a block whose
+        checksum failed is left out of the step (the scheduler rolls it back). Other loads are
+        read meanwhile and copied in before it returns. The copies are handed to the tier after
+        the forward (its checksums then cost no forward thread a wait), and finished writes are
+        reported."""
         if self.tier is None:
             return self._execute(sched, grammar)
         copied = self._copy_out(sched.tier_stores) if sched.tier_stores else None
-        loading = self._start_loads(sched.tier_loads) if sched.tier_loads else None
+        read_now = {b for e in sched.scheduled for b in e.block_ids}
+        now = [t for t in sched.tier_loads if t.block_id in read_now]
+        later = [t for t in sched.tier_loads if t.block_id not in read_now]
+        waited = time.perf_counter()
+        loading_now = self._start_loads(now) if now else None  # first in the reader's queue
+        loading = self._start_loads(later) if later else None
+        loaded = self._finish_loads(now, *loading_now) if now else {}
+        waited = time.perf_counter() - waited if now else 0.0
+        bad = {block_id for block_id, ok in loaded.items() if not ok}
+        if bad:
+            sched, grammar = _without_readers_of(bad, sched, grammar)
         out = self._execute(sched, grammar)
         if copied is not None:
             self.tier.submit_writes([t.slot for t in sched.tier_stores], [t.key for t in sched.tier_stores], copied[1])
         if loading is not None:
-            out.tier_loaded = self._finish_loads(sched.tier_loads, *loading)
+            loaded |= self._finish_loads(later, *loading)
+        out.tier_loaded, out.tier_read_seconds = loaded, waited
         out.tier_stored = self.tier.take_finished_writes()
         return out
 
@@ -449,3 +464,14 @@ class ModelRunner:
         self._workspace = None
         torch.cuda.empty_cache()
         return max(0, peak)
+
+
+def _without_readers_of(bad: set[int], sched: SchedulerOutput, grammar):
+    """The step without the requests whose tables hold a block in `bad` (and their grammar rows)."""
+    keep = [e for e in sched.scheduled if bad.isdisjoint(e.block_ids)]
+    sched = dataclasses.replace(sched, scheduled=keep)
+    if grammar is not None:
+        kept_ids = {sid for e in keep for sid in e.sample_ids}
+        rows = [i for i, sid in enumerate(grammar[0]) if sid in kept_ids]
+        grammar = ([grammar[0][i] for i in rows], grammar[1][rows])
+    return sched, grammar

@@ -78,7 +78,8 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)
     # Second KV tier. stores: blocks whose cached content this step evicts; the runner copies
     # them out before anything writes the pool (then writes them to the tier off the step's
-    # path). loads: tier slots to read into pool blocks held for a waiting request; the runner
+    # path). loads: tier slots to read into pool blocks, held for a waiting request or in a
+    # running request's table (read before the forward, which computes after them); the runner
     # reports each one (checksum passed or not) in this step's ModelRunnerOutput.
     tier_stores: list[TierTransfer] = field(default_factory=list)
     tier_loads: list[TierTransfer] = field(default_factory=list)
@@ -105,6 +106,7 @@ class ModelRunnerOutput:
     # step), and (slot, written) of the stores finished since the last step (any step's)
     tier_loaded: dict[int, bool] = field(default_factory=dict)
     tier_stored: list[tuple[int, bool]] = field(default_factory=list)
+    tier_read_seconds: float = 0.0  # how long the forward waited for the loads it reads
 
 
 @dataclass(slots=True)

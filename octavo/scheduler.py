@@ -69,9 +69,9 @@ class Scheduler:
         self.num_swaps = 0  # preemptions whose blocks go to the second tier (the rest recompute)
         self._loading: dict[str, Request] = {}  # waiting requests whose blocks load this step
         self._run_loading: set[str] = set()  # running requests whose next blocks load this step
+        self._rolled_back: set[str] = set()  # requests whose load failed: their chunk of the step is void
         # running requests load blocks ahead of their computed tokens (one KV group only)
         self._loads_ahead = kv_cache.tier is not None and kv_cache.num_groups == 1
-        self._refund = 0
         self._step_start = 0.0  # when the last step was scheduled: loads wait for its end
         self._returned: list[Request] = []  # back from loading: admitted next step, or released
         self._admit_counter = itertools.count(1)
@@ -151,20 +151,20 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
-            if self._load_ahead(request, scheduled, preempted):
-                budget += self._refund
-                if request.status is RequestStatus.RUNNING:  # loads its next blocks this step
-                    idx = self.running.index(request) + 1
-                    continue
+            refund, computes = self._load_ahead(request, scheduled, preempted)  # loads count as computed
+            budget += refund
             if request.status is not RequestStatus.RUNNING:
                 continue  # `request` was a victim; the next one now sits at `idx`
+            if not computes:  # takes more of its history from the cache next step
+                idx = self.running.index(request) + 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new == 0:  # a beam waiting for the other beams of its search
                 idx += 1
                 continue
-            allocation = self._with_room(request, lambda: self.kv_cache.allocate_slots(request, num_new),
-                                         scheduled, preempted)
-            budget += self._refund
+            allocation, refund = self._with_room(request, lambda: self.kv_cache.allocate_slots(request, num_new),
+                                                 scheduled, preempted)
+            budget += refund
             if allocation is None:
                 continue  # `request` was a victim; the next one now sits at `idx`
             idx = self.running.index(request)
@@ -199,44 +199,44 @@ class Scheduler:
     def _with_room(self, request: Request, attempt, scheduled, preempted: list[str]):
         """attempt() until it returns something: first letting go of blocks held for waiting
         requests back from the tier, then preempting victims (the newest first). Returns its
-        result, or None when `request` itself became the victim; the budget the victims gave back
-        is left in self._refund."""
-        self._refund = 0
+        result (None when `request` itself became the victim) and the budget victims gave back."""
+        refund = 0
         result = attempt()
         if result is None and self._release_returned():  # running requests come first
             result = attempt()
         while result is None:
             for victim in self._victims():
-                self._refund += self._preempt(victim, scheduled)
+                refund += self._preempt(victim, scheduled)
                 preempted.append(victim.request_id)
             if request.status is not RequestStatus.RUNNING:
-                return None
+                return None, refund
             result = attempt()
-        return result
+        return result, refund
 
-    def _load_ahead(self, request: Request, scheduled, preempted: list[str], make_room: bool = True) -> bool:
+    def _load_ahead(self, request: Request, scheduled, preempted: list[str], make_room: bool = True) -> tuple[int, bool]:
         """Let a running request take its next blocks from the cache rather than compute them
-        (KVCacheManager.extend_from_tier): pool blocks at once, second-tier blocks loaded this
-        step, making room as for a chunk (unless not `make_room`). Returns whether it was handled
-        this step (loading, or preempted on the way); self._refund holds the budget victims gave
-        back."""
-        self._refund = 0
+        (KVCacheManager.extend_from_tier): pool blocks at once, second-tier blocks read before
+        this step's forward, making room as for a chunk (unless not `make_room`). Either way they
+        count as computed now (if a load fails, `_finish_tier_work` rolls the request back).
+        Returns the budget victims gave back and whether the request computes on this step: not
+        when its next block is cached too (more is taken next step) or it could take nothing."""
         if not self._loads_ahead:
-            return False
+            return 0, True
         kv = self.kv_cache
         max_blocks = max(1, self.config.max_num_batched_tokens // kv.block_size)
         def attempt():
             return kv.extend_from_tier(request, max_blocks)
-        result = self._with_room(request, attempt, scheduled, preempted) if make_room else attempt()
+        result, refund = self._with_room(request, attempt, scheduled, preempted) if make_room else (attempt(), 0)
         if result is None:
-            return True
-        num_now, num_loading = result
-        request.num_computed_tokens += num_now * kv.block_size
-        self._count_cached(request, num_now)
+            return refund, False
+        num_taken, num_loading = result
+        request.num_computed_tokens += num_taken * kv.block_size
         if num_loading:
             self._run_loading.add(request.request_id)
             self.num_tier_loads += 1
-        return num_loading > 0
+        else:
+            self._count_cached(request, num_taken)
+        return refund, not (num_taken and kv.next_block_cached(request))
 
     def _count_cached(self, request: Request, num_blocks: int) -> None:
         """Blocks a request took from the cache before its first token count in its cached tokens."""
@@ -273,16 +273,18 @@ class Scheduler:
                 break  # another request loads its blocks now: next step they are pool hits
             loads_ahead = False
             if plan is not None:
-                first_chunk = min(request.num_tokens - plan.num_blocks * self.kv_cache.block_size, budget)
-                chunk_blocks = self.kv_cache.num_blocks_to_hold(first_chunk + self.kv_cache.block_size)
-                if self.kv_cache.start_tier_load(request, plan, chunk_blocks + reserved):
-                    self.waiting.pop()  # loads this step, comes back to the queue's front after it
-                    self._loading[request.request_id] = request
-                    self.num_tier_loads += 1
-                    reserved += chunk_blocks  # what it computes next step: later requests leave it
-                    continue
-                # no room for all of it and a chunk: admit it with the pool's hit and let it load
-                # the rest while it runs, growing as a recomputed prompt would (one KV group)
+                if not self._loads_ahead:  # several KV groups: it loads while waiting, computes next step
+                    first_chunk = min(request.num_tokens - plan.num_blocks * self.kv_cache.block_size, budget)
+                    chunk_blocks = self.kv_cache.num_blocks_to_hold(first_chunk + self.kv_cache.block_size)
+                    if self.kv_cache.start_tier_load(request, plan, chunk_blocks + reserved):
+                        self.waiting.pop()  # loads this step, comes back to the queue's front after it
+                        self._loading[request.request_id] = request
+                        self.num_tier_loads += 1
+                        reserved += chunk_blocks  # what it computes next step: later requests leave it
+                        continue
+                # one KV group: admit it with the pool's hit; it loads the rest as it runs (in this
+                # step, computing after its loads, when the pool has room), growing as a chunked
+                # prompt would
                 loads_ahead = self._loads_ahead and not reserved and self._room_to_load(computed)
                 if not loads_ahead and self.running:
                     break  # no room to load and run it now: wait for running requests to free some
@@ -311,8 +313,11 @@ class Scheduler:
             if request.lora_id is not None:
                 loras.add(request.lora_id)
             if loads_ahead:
-                self._load_ahead(request, scheduled, [], make_room=False)  # admission preempts nobody
-                continue
+                _, computes = self._load_ahead(request, scheduled, [], make_room=False)  # preempts nobody
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                allocation = self.kv_cache.allocate_slots(request, num_new) if computes else None
+                if allocation is None:
+                    continue  # more to take, or no room for a chunk beside its loads: next step
             scheduled[request.request_id] = self._schedule_one(request, num_new, allocation)
             budget -= num_new
         return budget
@@ -412,13 +417,13 @@ class Scheduler:
         Returns every sequence that received a token this step (finished ones included).
         """
         now = time.time()
-        self._finish_tier_work(result)
+        self._finish_tier_work(output, result)
         changed: list[Request] = []
         searches: dict[int, BeamGroup] = {}
         for entry in output.scheduled:
             request = self.requests.get(entry.request_id)
-            if request is None:
-                continue
+            if request is None or entry.request_id in self._rolled_back:
+                continue  # gone, or a load it read failed: the runner skipped it
             # The forward has now written KV for [0, start_pos + num_tokens): only now may those
             # full blocks be shared (before it, a preemption could leave hashes on unwritten KV).
             self.kv_cache.cache_blocks(request, entry.start_pos + entry.num_tokens)
@@ -448,20 +453,27 @@ class Scheduler:
                 changed.extend(self._advance_search(search, now))
         return changed
 
-    def _finish_tier_work(self, result: ModelRunnerOutput) -> None:
-        """Apply the runner's tier reports: finished writes become findable; requests whose
-        loads ended go back to the front of the queue (in their order), their blocks cached."""
+    def _finish_tier_work(self, output: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """Apply the runner's tier reports: finished writes become findable; a running request
+        whose load failed rolls back to the blocks before the bad one (its chunk of the step is
+        void: the runner skipped it); requests whose loads ended while waiting go back to the
+        front of the queue (in their order), their blocks cached."""
         if result.tier_stored:
             self.kv_cache.finish_tier_stores(result.tier_stored)
         waited = time.time() - self._step_start
         for rid in self._loading:
             self._loading[rid].tier_load_wait += waited
+        self._rolled_back.clear()
         if self._loads_ahead:
-            for rid, num_blocks in self.kv_cache.finish_run_loads(result.tier_loaded).items():
+            computing = {e.request_id for e in output.scheduled}
+            for rid, (first, kept, planned) in self.kv_cache.finish_run_loads(result.tier_loaded).items():
                 request = self.requests[rid]
-                request.tier_load_wait += waited
-                request.num_computed_tokens += num_blocks * self.kv_cache.block_size
-                self._count_cached(request, num_blocks)
+                # computing beside its loads, it waited for the reads; otherwise for the whole step
+                request.tier_load_wait += result.tier_read_seconds if rid in computing else waited
+                self._count_cached(request, kept)
+                if kept < planned:
+                    request.num_computed_tokens = (first + kept) * self.kv_cache.block_size
+                    self._rolled_back.add(rid)
             self._run_loading.clear()
         if not self._loading:
             return

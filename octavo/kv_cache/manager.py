@@ -515,14 +515,16 @@ class KVCacheManager:
 
     def extend_from_tier(self, request: Request, max_blocks: int) -> tuple[int, int] | None:
         """A running request whose next full blocks are cached takes them rather than computing
-        them. Returns (blocks computed now, blocks loading):
-        - (n, 0): its next n blocks were in the pool, shared at once: advance its computed tokens
-          by n blocks and compute on;
-        - (0, n): its next n table entries come from the second tier (loaded this step into free
-          blocks appended to its table; pool blocks after them shared): it computes nothing this
-          step, and `finish_run_loads` says how many arrived;
-        - (0, 0): its next block is in neither, or it is not at a block boundary: compute on;
-        - None: the pool cannot take its next tier block (the caller frees some, as for a chunk).
+        them. Returns (table entries taken, how many of them load from the second tier):
+        - (n, 0): its next n blocks were in the pool, shared at once;
+        - (n, k): k of them come from the second tier, read before this step's forward into free
+          blocks appended to its table, the others shared from the pool; `finish_run_loads` says
+          whether all arrived (if not, the runner skips the request's chunk of the step and the
+          caller rolls it back);
+        - (0, 0): its next block is in neither, or it is not at a block boundary;
+        - None: the pool cannot take its next cached block (the caller frees some, as for a chunk).
+        Either way the caller counts the entries computed, and may compute on after them in the
+        same step unless `next_block_cached` (then taking more next step beats recomputing).
         At most `max_blocks`, never its last token's block, never a block another request loads
         this step. One KV group only (with sliding windows, loads happen at admission)."""
         tables = self._tables.get(request.request_id)
@@ -555,14 +557,22 @@ class KVCacheManager:
         if not plan:
             in_tier = bool(hashes) and (0, hashes[0]) not in loading and self.tier.lookup((0, hashes[0])) is not None
             return None if in_tier else (0, 0)
-        num_shared = next((i for i, e in enumerate(plan) if not isinstance(e, KVCacheBlock)), len(plan))
-        if num_shared:  # pool hits first: computed now; loads (if any) from the next step
-            plan = plan[:num_shared]
         self._take_from_tier(request, table, start, plan)
-        if num_shared:
-            self._note_extended(request.request_id, start + num_shared, num_shared, 0)
-            return num_shared, 0
-        return 0, len(plan)
+        num_loading = sum(1 for e in plan if not isinstance(e, KVCacheBlock))
+        if not num_loading:  # all shared from the pool: computed now (loads count when they end)
+            self._note_extended(request.request_id, start + len(plan), len(plan), 0)
+        return len(plan), num_loading
+
+    def next_block_cached(self, request: Request) -> bool:
+        """Whether the block at the request's computed tokens (on a block boundary) is one it may
+        take from the cache (pool or second tier) rather than compute."""
+        if self.tier is None or request.num_computed_tokens % self.block_size:
+            return False
+        idx = request.num_computed_tokens // self.block_size
+        if idx >= self._num_lookup_blocks(request):
+            return False
+        h = self._block_hashes(request)[idx]
+        return self._in_either_tier(0, h)
 
     def _take_from_tier(self, request: Request, table: _Table, start: int, plan: list) -> None:
         shared = [e for e in plan if isinstance(e, KVCacheBlock)]
@@ -584,12 +594,14 @@ class KVCacheManager:
         self.stats.num_tier_hits_tokens += num_loaded * self.block_size
         self._num_cached_blocks[rid] = max(self._num_cached_blocks.get(rid, 0), num_cached)
 
-    def finish_run_loads(self, loaded: dict[int, bool]) -> dict[str, int]:
+    def finish_run_loads(self, loaded: dict[int, bool]) -> dict[str, tuple[int, int, int]]:
         """Apply the runner's report on running requests' loads (`extend_from_tier`): a good block
-        enters the prefix cache; the request keeps the entries before its first bad one (freeing
-        the rest: a good block after it stays cached in the pool). Returns rid -> table entries
-        now computed (advance its computed tokens by as many blocks). Loads whose request was
-        freed meanwhile only fill the prefix cache."""
+        enters the prefix cache; the request keeps the entries before its first bad one and frees
+        the rest, with anything it allocated after them this step (a good block after it stays
+        cached in the pool). Returns rid -> (first entry, entries kept, entries planned): a
+        request that kept fewer than planned stands at (first + kept) blocks computed and its
+        chunk of this step (skipped by the runner) is void. Loads whose request was freed
+        meanwhile only fill the prefix cache."""
         out = {}
         for block, key in self._orphan_loads:  # their request was preempted or ended meanwhile
             ok = loaded.get(block.block_id, False)
@@ -612,12 +624,14 @@ class KVCacheManager:
                 if i is not None and not loaded.get(loads[i][0].block_id, False):
                     bad_idx = idx - start
                     break
-            dropped = table.blocks[start + bad_idx :]
-            del table.blocks[start + bad_idx :], table.ids[start + bad_idx :]
-            self.pool.free(dropped[::-1])
+            if bad_idx < num_entries:
+                dropped = table.blocks[start + bad_idx :]
+                del table.blocks[start + bad_idx :], table.ids[start + bad_idx :]
+                self.pool.free(dropped[::-1])
+                self._clear_in_flight(rid)  # its chunk's blocks are never cached
             num_loaded = sum(1 for idx in range(start, start + bad_idx) if id(table.blocks[idx]) in targets)
             self._note_extended(rid, start + bad_idx, bad_idx, num_loaded)
-            out[rid] = bad_idx
+            out[rid] = (start, bad_idx, num_entries)
         self._run_loads.clear()
         return out
 

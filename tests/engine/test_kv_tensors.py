@@ -37,3 +37,19 @@ def test_bfloat16_pool_has_the_asked_dtype_and_distinct_tensors():
     caches = allocate_kv_caches(CFG, 4, 16, torch.bfloat16, torch.device("cpu"))
     ptrs = {t.data_ptr() for kv in caches for t in kv}
     assert len(ptrs) == 60 and all(t.dtype == torch.bfloat16 and t.is_contiguous() for kv in caches for t in kv)
+
+
+def test_a_step_leaves_out_the_requests_that_read_a_block_whose_load_failed_with_their_grammar_rows():
+    from octavo.model_runner import _without_readers_of
+    from octavo.outputs import SampleRow, ScheduledRequest, SchedulerOutput
+    from octavo.sampling.params import SamplingParams
+
+    def entry(rid, blocks):
+        return ScheduledRequest(rid, [1], 0, blocks, SamplingParams(), [SampleRow(rid, 0)], [1])
+
+    sched = SchedulerOutput(scheduled=[entry("a", [0, 1]), entry("b", [2, 3]), entry("c", [4])], copies=[(5, 6)])
+    mask = torch.tensor([[1], [2], [3]], dtype=torch.int32)
+    kept, grammar = _without_readers_of({3}, sched, (["a", "b", "c"], mask))
+    assert [e.request_id for e in kept.scheduled] == ["a", "c"] and kept.copies == [(5, 6)]
+    assert grammar[0] == ["a", "c"] and grammar[1].tolist() == [[1], [3]]
+    assert [e.request_id for e in sched.scheduled] == ["a", "b", "c"]  # the scheduler's copy is untouched

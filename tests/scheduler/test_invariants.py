@@ -62,15 +62,27 @@ class ShadowKV:
         self.disk: dict[int, dict[int, int]] = {}  # tier slot -> offset -> token
         self.pending_stores: list[int] = []
         self.num_loads = 0
+        self.skipped: list[tuple[str, int]] = []
 
     def run(self, s: Scheduler, out) -> dict:
-        """Check every scheduled request's context in every group (the keys its window reads),
-        then write its new tokens (as the runner does). Returns the tier's reports."""
+        """Load the tier's blocks (as the runner does: before the forward), leave out the requests
+        that read a block whose load failed, check every other scheduled request's context in
+        every group (the keys its window reads), then write its new tokens. Returns the tier's
+        reports; `self.skipped` holds (request id, chunk start) of the requests left out."""
         held = Counter(b for rid in s.requests for b in s.kv_cache.held_blocks(rid))
-        read = {b for e in out.scheduled for table in e.block_tables for b in table}
         for t in out.tier_stores:  # copied out before anything writes the pool (it may be reused at once)
             self.disk[t.slot] = {o: self.slots[(t.block_id, o)] for o in range(BS) if (t.block_id, o) in self.slots}
         stored, self.pending_stores = [(slot, True) for slot in self.pending_stores], [t.slot for t in out.tier_stores]
+        loaded = {}
+        for t in out.tier_loads:
+            # only the loading request's own table may hold it (a running request loading ahead)
+            assert held[t.block_id] <= 1, "a tier load writes a block another request holds"
+            self.num_loads += 1
+            loaded[t.block_id] = self.num_loads % 3 != 0  # every third load fails its checksum
+            for o in range(BS):
+                self.slots[(t.block_id, o)] = self.disk[t.slot][o] if loaded[t.block_id] else -1  # -1: garbage
+        bad = {b for b, ok in loaded.items() if not ok}
+        self.skipped = [(e.request_id, e.start_pos) for e in out.scheduled if bad & set(e.block_ids)]
         for src, dst in out.copies:
             for offset in range(BS):
                 if (src, offset) in self.slots:
@@ -78,6 +90,8 @@ class ShadowKV:
                 else:
                     self.slots.pop((dst, offset), None)
         for e in out.scheduled:
+            if bad & set(e.block_ids):
+                continue
             tokens = s.requests[e.request_id].all_token_ids
             assert len(e.block_tables) == len(self.windows)
             for table, window in zip(e.block_tables, self.windows):
@@ -87,19 +101,13 @@ class ShadowKV:
                     assert self.slots.get(slot) == tokens[pos], f"{e.request_id} reads unwritten or foreign KV at {pos}"
                 for pos, token in zip(range(e.start_pos, e.start_pos + e.num_tokens), e.token_ids):
                     self.slots[(table[pos // BS], pos % BS)] = token
-        loaded = {}
-        for t in out.tier_loads:
-            # only the loading request's own table may hold it (a running request loading ahead),
-            # and nothing this step reads it
-            assert held[t.block_id] <= 1 and t.block_id not in read, "a tier load writes a block in use"
-            self.num_loads += 1
-            loaded[t.block_id] = self.num_loads % 3 != 0  # every third load fails its checksum
-            for o in range(BS):
-                if loaded[t.block_id]:
-                    self.slots[(t.block_id, o)] = self.disk[t.slot][o]
-                else:
-                    self.slots[(t.block_id, o)] = -1  # garbage: never to be read
         return {"tier_stored": stored, "tier_loaded": loaded}
+
+    def check_rolled_back(self, s: Scheduler) -> None:
+        """A request left out of the step has not advanced past the chunk it did not compute."""
+        for rid, start in self.skipped:
+            request = s.requests.get(rid)
+            assert request is None or request.num_computed_tokens <= start, f"{rid} kept a chunk it never computed"
 
 
 def fake_model(s: Scheduler, out, seed: int, tier_reports: dict | None = None) -> ModelRunnerOutput:
@@ -163,6 +171,7 @@ def test_random_operations_keep_invariants(ops, num_blocks, budget, caching, pol
         elif op[0] == "step":
             out = s.schedule()
             s.update(out, fake_model(s, out, op[1], shadow.run(s, out)))
+            shadow.check_rolled_back(s)
         else:
             live = sorted(s.requests)
             if live:
@@ -179,6 +188,7 @@ def test_random_operations_keep_invariants(ops, num_blocks, budget, caching, pol
         idle, was_idle = not (out.scheduled or out.tier_loads), idle
         assert not (idle and was_idle), f"nothing scheduled while requests wait: livelock; running {[(r.request_id, r.num_computed_tokens, r.num_tokens, r.beam and sorted(r.beam.running), r.beam and sorted(r.beam.candidates)) for r in s.running]}, waiting {[r.request_id for r in s.waiting]}, {ops}"
         s.update(out, fake_model(s, out, 1, shadow.run(s, out)))
+        shadow.check_rolled_back(s)
         check_invariants(s)
     assert not s.has_unfinished_requests()
     assert s.kv_cache.num_free_blocks == num_blocks
@@ -200,6 +210,7 @@ def test_a_pool_too_small_for_the_shared_prefixes_serves_them_from_the_tier_and_
         for _ in range(rng.randint(0, 4)):
             out = s.schedule()
             s.update(out, fake_model(s, out, rng.randrange(50), shadow.run(s, out)))
+            shadow.check_rolled_back(s)
             check_invariants(s)
     for _ in range(3000):
         if not s.has_unfinished_requests():
@@ -207,6 +218,7 @@ def test_a_pool_too_small_for_the_shared_prefixes_serves_them_from_the_tier_and_
         out = s.schedule()
         assert out.scheduled or out.tier_loads
         s.update(out, fake_model(s, out, 1, shadow.run(s, out)))
+        shadow.check_rolled_back(s)
         check_invariants(s)
     assert not s.has_unfinished_requests()
     stats = s.stats()

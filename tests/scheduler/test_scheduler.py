@@ -243,21 +243,64 @@ def tier_run(out: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
     """A runner whose tier writes and reads all succeed."""
     return ModelRunnerOutput(sampled={sid: token for e in out.scheduled for sid in e.sample_ids},
                              tier_stored=[(t.slot, True) for t in out.tier_stores],
-                             tier_loaded={t.block_id: True for t in out.tier_loads})
+                             tier_loaded={t.block_id: True for t in out.tier_loads},
+                             tier_read_seconds=0.001 * bool(out.tier_loads))
 
 
-def scheduler_with_history_in_the_tier(history: list[int]) -> Scheduler:
-    """A 16-block pool whose tier holds `history`'s blocks (pushed out of the pool by another
-    prompt), every write committed."""
+def scheduler_with_history_in_the_tier(history: list[int], windows: tuple = (None,)) -> Scheduler:
+    """A pool of 16 blocks per KV group whose tier holds `history`'s blocks (pushed out of the
+    pool by another prompt), every write committed."""
     from octavo.kv_cache.tier import TierIndex
     cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=128)
-    s = Scheduler(cfg, KVCacheManager(16, BS, tier=TierIndex(64)))
+    s = Scheduler(cfg, KVCacheManager(16 * len(windows), BS, tier=TierIndex(64), group_windows=windows))
     for i, prompt in enumerate([history, list(range(2000, 2060))]):  # the second pushes the first out
         s.add_request(make_request(f"fill{i}", prompt, max_tokens=1))
         while s.has_unfinished_requests():
             s.update(out := s.schedule(), tier_run(out))
     s.update(out := s.schedule(), tier_run(out))  # commits the last writes
     return s
+
+
+def test_a_history_in_the_tier_loads_and_its_new_tokens_compute_in_the_same_step():
+    """The loads are read before the forward, which computes the request's new tokens after them:
+    a returning conversation pays no step for its history."""
+    history = list(range(1000, 1032))  # eight blocks
+    s = scheduler_with_history_in_the_tier(history)
+    turn = make_request("turn", history + list(range(5, 13)), max_tokens=2)
+    s.add_request(turn)
+    out = s.schedule()
+    num_loads = len(out.tier_loads)
+    assert num_loads >= 7 and plan(out) == {"turn": 8}  # (the fill left its first block)
+    assert {t.block_id for t in out.tier_loads} <= set(out.scheduled[0].block_ids)
+    s.update(out, tier_run(out))
+    assert turn.output_token_ids == [7] and turn.num_cached_tokens == 32 and turn.tier_load_wait > 0
+    while s.has_unfinished_requests():
+        s.update(out := s.schedule(), tier_run(out))
+    assert s.stats().tier_hits == BS * num_loads and s.kv_cache.check_invariants() == [] and s.kv_cache.num_free_blocks == 16
+
+
+def test_a_bad_load_voids_the_chunk_computed_after_it_and_the_request_computes_from_the_bad_block():
+    history = list(range(1000, 1032))  # eight blocks
+    s = scheduler_with_history_in_the_tier(history)
+    turn = make_request("turn", history + list(range(5, 13)), max_tokens=2)
+    s.add_request(turn)
+    out = s.schedule()
+    assert plan(out) == {"turn": 8}
+    bad = out.tier_loads[-3].block_id
+    idx = out.scheduled[0].block_ids.index(bad)
+    result = tier_run(out)
+    result.tier_loaded[bad] = False
+    del result.sampled["turn"]  # the runner leaves out a request that reads a bad block
+    s.update(out, result)
+    assert turn.num_computed_tokens == idx * BS and not turn.output_token_ids  # rolled back to the bad block
+    out = s.schedule()
+    assert plan(out) == {"turn": 40 - idx * BS} and not out.tier_loads  # the bad block left the tier: computed
+    assert out.scheduled[0].start_pos == idx * BS
+    s.update(out, tier_run(out))
+    assert turn.output_token_ids == [7] and turn.num_cached_tokens == idx * BS
+    while s.has_unfinished_requests():
+        s.update(out := s.schedule(), tier_run(out))
+    assert s.kv_cache.check_invariants() == [] and s.kv_cache.num_free_blocks == 16
 
 
 def test_a_history_in_the_tier_too_big_to_load_at_once_starts_beside_running_requests_and_loads_as_it_runs():
@@ -284,21 +327,23 @@ def test_a_history_in_the_tier_too_big_to_load_at_once_starts_beside_running_req
 
 
 def test_requests_behind_one_loading_from_the_tier_leave_it_the_blocks_it_computes_into_next_step():
-    """The queue's front loads its history this step and computes its new tokens next step: a
-    request behind it admitted meanwhile must not take those blocks (it would wait again, behind
-    the newcomer, for as long as that runs: a multi-turn bench's worst TTFTs)."""
+    """With sliding-window groups the queue's front loads its history while waiting and computes
+    its new tokens next step: a request behind it admitted meanwhile must not take those blocks
+    (it would wait again, behind the newcomer, for as long as that runs: a multi-turn bench's
+    worst TTFTs)."""
     history = list(range(1000, 1032))  # eight blocks
-    s = scheduler_with_history_in_the_tier(history)
-    turn = make_request("turn", history + list(range(5, 13)), max_tokens=2)  # loads 8 blocks, computes 2
-    newcomer = make_request("newcomer", list(range(3000, 3024)), max_tokens=2)  # would take 7 of the 8 left
+    s = scheduler_with_history_in_the_tier(history, windows=(None, 8))
+    turn = make_request("turn", history + list(range(5, 13)), max_tokens=2)  # loads 10 blocks, computes 8 tokens
+    newcomer = make_request("newcomer", list(range(3000, 3036)), max_tokens=2)  # 9 blocks a group
     s.add_request(turn)
     s.add_request(newcomer)
     out = s.schedule()
-    assert len(out.tier_loads) >= 7 and "newcomer" not in plan(out)
+    assert len(out.tier_loads) == 10 and plan(out) == {}
+    assert s.kv_cache.num_free_blocks >= 18  # the newcomer fitted, but not beside the turn's next chunk
     s.update(out, tier_run(out))
     out = s.schedule()
     assert plan(out)["turn"] == 8  # back from the tier: computes its new tokens at once
     s.update(out, tier_run(out))
     while s.has_unfinished_requests():
         s.update(out := s.schedule(), tier_run(out))
-    assert s.kv_cache.check_invariants() == [] and s.kv_cache.num_free_blocks == 16
+    assert s.kv_cache.check_invariants() == [] and s.kv_cache.num_free_blocks == 32
