@@ -10,8 +10,9 @@
 # server is stopped (it writes its pool's cached blocks) and started again on the same folder, and
 # round 1's conversations are replayed against it and against a fresh server with an empty tier:
 # first turns' TTFT, warm (from the tier) vs cold. ONLY=restart runs round 1 once, then that;
-# MISSES=0 leaves out the misses.
-# Usage: tools/compare_kv_tier.sh   (POOL, TIER, REPEATS, CONVERSATIONS, TURNS, MAXCONC, SYSTEM override)
+# ONLY=misses runs only the misses (on a fresh tier); MISSES=0 leaves them out. Comparisons rotate
+# which server goes first each round (the first runs a few percent slower, whichever it is).
+# Usage: tools/compare_kv_tier.sh   (POOL, TIER, REPEATS, CONVERSATIONS, TURNS, MAXCONC, SYSTEM, MISS_REPEATS override)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -31,10 +32,21 @@ bench() {  # seed repeats url [--compare url ...] --labels ...
     --user-len 64 --output-len 32 --think-time 1 --max-concurrency "$MAXCONC" --seed "$seed" --repeats "$repeats" "$@" 2>&1 \
     | grep -v -E "^(INFO|WARNING)|bench multi-turn"
 }
+misses() {  # tier_url off_url: random prompts, $MISS_REPEATS rounds, each server first in half of them
+  echo "== random prompts that miss everywhere (512 tokens, 16 out, 4 at once)"
+  "$PY" -m octavo.cli bench serve random --num-requests 24 --input-len 512 --output-len 16 --max-concurrency 4 \
+    --seed 1000 --base-url "$1" --compare "$2" --labels tier,off --repeats "${MISS_REPEATS:-6}" \
+    2>&1 | grep -v -E "^(INFO|WARNING)|bench serve"
+}
 trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
 p_off=$(port); p_tier=$(port); p_big=$(port)
 pid_off=$(serve off "$p_off" --num-kv-blocks "$POOL")
 pid_tier=$(serve tier "$p_tier" --num-kv-blocks "$POOL" --kv-offload-size "$TIER" --kv-offload-path "$TIER_DIR")
+if [ "${ONLY:-}" = misses ]; then
+  wait_up "http://127.0.0.1:$p_tier"; wait_up "http://127.0.0.1:$p_off"
+  misses "http://127.0.0.1:$p_tier" "http://127.0.0.1:$p_off"
+  echo "logs: $LOGS"; exit 0
+fi
 if [ "${ONLY:-}" != restart ]; then
   pid_big=$(serve unbounded "$p_big" --num-kv-blocks 4096)
   for p in "$p_off" "$p_tier" "$p_big"; do wait_up "http://127.0.0.1:$p"; done
@@ -57,13 +69,6 @@ grep -h "kept from before" "$LOGS/tier.log" | tail -n 1
 echo "== after a restart: round 1's conversations again, warm tier vs an empty one"
 bench 0 1 --base-url "http://127.0.0.1:$p_warm" --compare "http://127.0.0.1:$p_cold" --labels warm-restart,cold
 if [ "${ONLY:-}" != restart ] && [ "${MISSES:-1}" != 0 ]; then  # last: its misses push the conversations out of the tier
-  # both orders: the server measured first in each round ran a few percent slower, whichever it was
-  for order in "tier off $p_warm $p_off 1000" "off tier $p_off $p_warm 2000"; do  # seeds apart: each repeat takes the next
-    set -- $order
-    echo "== random prompts that miss everywhere (512 tokens, 16 out, 4 at once): $1 first"
-    "$PY" -m octavo.cli bench serve random --num-requests 24 --input-len 512 --output-len 16 --max-concurrency 4 \
-      --seed "$5" --base-url "http://127.0.0.1:$3" --compare "http://127.0.0.1:$4" --labels "$1,$2" --repeats "$REPEATS" \
-      2>&1 | grep -v -E "^(INFO|WARNING)|bench serve"
-  done
+  misses "http://127.0.0.1:$p_warm" "http://127.0.0.1:$p_off"
 fi
 echo "logs: $LOGS"

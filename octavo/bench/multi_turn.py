@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from octavo.bench.serve import RequestRecord, _one, median
+from octavo.bench.serve import RequestRecord, _one, median, round_order
 from octavo.simulator.simulator import percentiles
 from octavo.simulator.workload import SimRequest
 
@@ -162,10 +162,11 @@ async def compare_conversations(
     targets: list[tuple[str, str]], rounds: list[list[list[SimRequest]]], **kwargs: Any,
 ) -> dict[str, list[dict[str, Any]]]:
     """Each round's conversations on every (label, base_url) in turn (fresh conversations per
-    round: a server would hit the last round's). Returns label -> one summary per round."""
+    round: a server would hit the last round's), in `round_order`. Returns label -> one summary
+    per round."""
     results: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in targets}
-    for conversations in rounds:
-        for label, url in targets:
+    for r, conversations in enumerate(rounds):
+        for label, url in round_order(targets, r):
             records, counters, duration = await run_conversations(url, conversations, **kwargs)
             results[label].append(summarise_turns(records, counters, duration))
     return results

@@ -201,16 +201,24 @@ def figure(summary: dict[str, Any], key: str, sub: str | None) -> float:
     return float(value)
 
 
+def round_order(targets: list, round_index: int) -> list:
+    """The servers in the order round `round_index` measures them: rotated one place a round, so
+    each goes first as often as the others (the server measured first in a round runs a few
+    percent slower on this machine, whichever it is; an even number of rounds cancels that)."""
+    shift = round_index % len(targets) if targets else 0
+    return targets[shift:] + targets[:shift]
+
+
 async def compare_servers(
     targets: list[tuple[str, str]], rounds: list[list[SimRequest]], warmup: list[SimRequest], **kwargs: Any
 ) -> dict[str, list[dict[str, Any]]]:
-    """Run each round's workload on every (label, base_url) in turn (A, B, A, B, ...: drift on the
+    """Run each round's workload on every (label, base_url) in turn (`round_order`: drift on the
     machine hits every server alike), each preceded by the uncounted `warmup` requests. Give each
     round fresh prompts: both servers cache prefixes, so a repeated prompt would be a cache hit.
     Returns label -> one summary per round."""
     results: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in targets}
-    for workload in rounds:
-        for label, url in targets:
+    for r, workload in enumerate(rounds):
+        for label, url in round_order(targets, r):
             if warmup:
                 await run_serve_benchmark(url, warmup, **{**kwargs, "request_rate": float("inf"), "progress": False})
             records, duration = await run_serve_benchmark(url, workload, **kwargs)

@@ -97,3 +97,11 @@ def test_comparison_table_medians_and_ratios():
             if line.startswith("| ") and "---" not in line}
     assert rows["output tok/s"] == ["100.0", "45.0", "2.22x"]  # medians 100 and 45
     assert rows["TTFT median"] == ["11.0 ms", "33.0 ms", "3.00x"]  # latency ratio: other / first
+
+
+def test_each_server_goes_first_in_as_many_rounds_as_the_others():
+    from octavo.bench.serve import round_order
+
+    orders = [round_order(["a", "b", "c"], r) for r in range(6)]
+    assert orders[:3] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert sorted(o[0] for o in orders) == ["a", "a", "b", "b", "c", "c"]
