@@ -272,7 +272,7 @@ class ModelRunner:
         if self.tier is None:
             return self._execute(sched, grammar)
         copied = self._copy_out(sched.tier_stores) if sched.tier_stores else None
-        read_now = {b for e in sched.scheduled for b in e.block_ids}
+        read_now = {b for e in sched.scheduled for b in e.block_ids} if sched.tier_loads else set()
         now = [t for t in sched.tier_loads if t.block_id in read_now]
         later = [t for t in sched.tier_loads if t.block_id not in read_now]
         waited = time.perf_counter()
