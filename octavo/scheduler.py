@@ -70,8 +70,8 @@ class Scheduler:
         self._loading: dict[str, Request] = {}  # waiting requests whose blocks load this step
         self._run_loading: set[str] = set()  # running requests whose next blocks load this step
         self._rolled_back: set[str] = set()  # requests whose load failed: their chunk of the step is void
-        # running requests load blocks ahead of their computed tokens (one KV group only)
-        self._loads_ahead = kv_cache.tier is not None and kv_cache.num_groups == 1
+        # running requests load blocks ahead of their computed tokens (one global KV group only)
+        self._loads_ahead = kv_cache.tier is not None and kv_cache.group_windows == (None,)
         self._step_start = 0.0  # when the last step was scheduled: loads wait for its end
         self._returned: list[Request] = []  # back from loading: admitted next step, or released
         self._admit_counter = itertools.count(1)
@@ -465,8 +465,9 @@ class Scheduler:
             self._loading[rid].tier_load_wait += waited
         self._rolled_back.clear()
         if self._loads_ahead:
-            computing = {e.request_id for e in output.scheduled}
-            for rid, (first, kept, planned) in self.kv_cache.finish_run_loads(result.tier_loaded).items():
+            ended = self.kv_cache.finish_run_loads(result.tier_loaded)
+            computing = {e.request_id for e in output.scheduled} if ended else set()
+            for rid, (first, kept, planned) in ended.items():
                 request = self.requests[rid]
                 # computing beside its loads, it waited for the reads; otherwise for the whole step
                 request.tier_load_wait += result.tier_read_seconds if rid in computing else waited

@@ -526,9 +526,9 @@ class KVCacheManager:
         Either way the caller counts the entries computed, and may compute on after them in the
         same step unless `next_block_cached` (then taking more next step beats recomputing).
         At most `max_blocks`, never its last token's block, never a block another request loads
-        this step. One KV group only (with sliding windows, loads happen at admission)."""
+        this step. One global KV group only (with sliding windows, loads happen at admission)."""
         tables = self._tables.get(request.request_id)
-        if self.tier is None or self.num_groups != 1 or not len(self.tier) or tables is None \
+        if self.tier is None or self.group_windows != (None,) or not len(self.tier) or tables is None \
                 or request.num_computed_tokens % self.block_size:
             return 0, 0
         table = tables[0]
