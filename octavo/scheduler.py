@@ -285,7 +285,7 @@ class Scheduler:
                 # one KV group: admit it with the pool's hit; it loads the rest as it runs (in this
                 # step, computing after its loads, when the pool has room), growing as a chunked
                 # prompt would
-                loads_ahead = self._loads_ahead and not reserved and self._room_to_load(computed)
+                loads_ahead = self._loads_ahead and self._room_to_load(computed)
                 if not loads_ahead and self.running:
                     break  # no room to load and run it now: wait for running requests to free some
                 # nothing runs and the pool cannot take the loads: go on with the pool's hit alone
