@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 
+from octavo.config import DEFAULT_MAX_WAIT_STEPS
 from octavo.server.tools import TOOL_CALL_PARSERS
 
 DEFAULT_CHATS = [
@@ -251,15 +252,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from octavo.simulator.report import format_comparison, plot_timelines
-    from octavo.simulator.simulator import COMPARISONS, BASELINE, SimConfig, StepCostModel, simulate
+    from octavo.simulator.report import format_comparison, format_scheduling, plot_timelines
+    from octavo.simulator.simulator import BASELINE, COMPARISONS, SCHEDULING_POLICIES, SimConfig, StepCostModel, simulate
     from octavo.simulator.workload import random_workload, shared_prefix_workload, trace_workload
 
     if args.workload == "random":
         workload = random_workload(args.num_requests, args.input_len, args.output_len, args.range_ratio, args.seed, args.request_rate)
     elif args.workload == "shared-prefix":
         workload = shared_prefix_workload(args.num_requests, args.num_prefixes, args.prefix_len, args.suffix_len,
-                                          args.output_len, args.seed, args.request_rate)
+                                          args.output_len, args.seed, args.request_rate, cold_fraction=args.cold_fraction)
     else:
         if not args.trace:
             raise ValueError("--workload trace needs --trace FILE")
@@ -268,6 +269,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         num_kv_tokens=args.kv_tokens, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         cost=StepCostModel(args.fixed_s, args.per_token_s, args.per_kv_token_s),
+        concurrency=args.concurrency, max_wait_steps=args.max_wait_steps,
     )
     baseline = simulate(workload, BASELINE, cfg)
     results, report = [baseline], {"baseline": baseline.summary(), "comparisons": {}}
@@ -279,6 +281,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         results.append(variant)
         report["comparisons"][title] = variant.summary()
         print("\n" + format_comparison(title, variant, baseline))
+    scheduling = [simulate(workload, policy, cfg) for policy in SCHEDULING_POLICIES]
+    report["scheduling"] = {r.policy: r.summary() for r in scheduling}
+    print("\n" + format_scheduling(scheduling))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)
@@ -526,6 +531,13 @@ def _add_simulate(sub) -> None:
     sim.add_argument("--num-prefixes", type=int, default=4)
     sim.add_argument("--prefix-len", type=int, default=512)
     sim.add_argument("--suffix-len", type=int, default=64)
+    sim.add_argument("--cold-fraction", type=float, default=0.0,
+                     help="shared-prefix: this share of requests has a prefix of its own (cold; reported apart)")
+    sim.add_argument("--concurrency", type=int, default=None,
+                     help="a closed loop of this many clients (each sends its next request when one ends); "
+                          "arrival times are ignored")
+    sim.add_argument("--max-wait-steps", type=int, default=DEFAULT_MAX_WAIT_STEPS,
+                     help="cache-aware: the wait bound in steps")
     sim.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--kv-tokens", type=int, default=16384, help="KV-cache capacity in tokens, the same for every policy")

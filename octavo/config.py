@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 128
+DEFAULT_MAX_WAIT_STEPS = 32  # cache-aware scheduling's bound on steps passed over (docs/BENCHMARKS.md)
+DEFAULT_AGING_TOKENS_PER_STEP = 4  # cache-aware scheduling's aging (docs/BENCHMARKS.md)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +170,10 @@ class CacheConfig:
             raise ValueError("the second KV tier (kv_offload_size) keeps prefix-cache blocks: it needs prefix caching on")
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority", "cache-aware")
+PREEMPTION_VICTIMS = ("cheapest", "newest")
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """Per-step limits and policies of the scheduler."""
@@ -178,6 +184,19 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
     max_loras: int | None = None  # distinct LoRA adapters per step (None: LoRA is off)
+    # cache-aware: a request passed over (a later arrival admitted while it waits) in this many
+    # steps goes ahead of every request that arrived after it (at its priority), whatever they
+    # would reuse from the cache: it then waits no longer than first come, first served makes it
+    max_wait_steps: int = DEFAULT_MAX_WAIT_STEPS
+    # cache-aware: tokens of score a waiting request gains per step it waits (aging), so a cold
+    # request overtakes one that reuses N more tokens after N / this steps
+    aging_tokens_per_step: int = DEFAULT_AGING_TOKENS_PER_STEP
+    # which running request a full pool preempts: the one whose loss costs least (tokens to
+    # recompute, or blocks to swap), or the most recently admitted (vLLM's rule)
+    preemption_victim: str = "cheapest"
+    # a request re-admitted after a preemption is not chosen again as a victim for this many
+    # steps, nor while it recomputes what it lost (unless every running request is protected)
+    resume_protect_steps: int = 8
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -186,8 +205,14 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
+        if self.preemption_victim not in PREEMPTION_VICTIMS:
+            raise ValueError(f"preemption victim must be one of {', '.join(PREEMPTION_VICTIMS)}, got {self.preemption_victim!r}")
+        if self.max_wait_steps < 1:
+            raise ValueError(f"max_wait_steps must be >= 1, got {self.max_wait_steps}")
+        if self.aging_tokens_per_step < 0 or self.resume_protect_steps < 0:
+            raise ValueError("aging_tokens_per_step and resume_protect_steps must be >= 0")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "with chunked prefill off, max_num_batched_tokens "

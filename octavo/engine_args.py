@@ -8,6 +8,9 @@ from octavo.config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_MAX_WAIT_STEPS,
+    PREEMPTION_VICTIMS,
+    SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -55,8 +58,17 @@ class EngineArgs:
     num_kv_blocks: int | None = field(default=None, metadata={
         "help": "exactly this many KV blocks (overrides the memory-based sizing)"})
     scheduling_policy: str = field(default="fcfs", metadata={
-        "help": "fcfs, or priority (the request's `priority` field: lower runs first, and is preempted last)",
-        "choices": ("fcfs", "priority")})
+        "help": "fcfs; priority (the request's `priority` field: lower runs first, and is preempted last); or "
+                "cache-aware (waiting requests that reuse the most cached tokens first, with aging and a bound: "
+                "see max_wait_steps; the priority field still comes first)",
+        "choices": SCHEDULING_POLICIES})
+    max_wait_steps: int = field(default=DEFAULT_MAX_WAIT_STEPS, metadata={
+        "help": "cache-aware: a waiting request passed over (a later arrival admitted first) in this many steps "
+                "goes ahead of everything that arrived after it"})
+    preemption_victim: str = field(default="cheapest", metadata={
+        "help": "which running request a full KV cache preempts: cheapest (fewest tokens to recompute, or blocks "
+                "to swap; not one that just resumed) or newest (the last admitted, vLLM's rule)",
+        "choices": PREEMPTION_VICTIMS})
     dtype: str = field(default="auto", metadata={
         "help": "activations, dense weights and KV cache. auto: float32 for quantized weights (the C++ "
                 "kernels' input); for dense weights bfloat16 where the CPU has bf16 units (AVX512_BF16 or "
@@ -153,6 +165,8 @@ class EngineArgs:
                 max_model_len=max_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy,
+                max_wait_steps=self.max_wait_steps,
+                preemption_victim=self.preemption_victim,
                 max_loras=self.max_loras if self.enable_lora else None,
             ),
             dtype=self.dtype,

@@ -43,6 +43,8 @@ class EngineMetrics:
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Preemptions (the victim resumes from what is cached).")
         self.recomputed = counter("recomputed_tokens", "Tokens computed again after a preemption (the recompute tax).")
+        self.repreemptions = counter("num_repreemptions", "Preemptions of a request preempted before (thrashing).")
+        self.resumed = counter("num_resumed", "Admissions of a preempted request.")
         self.tier_hits = counter("kv_tier_hits", "Prompt tokens whose KV was loaded from the second KV tier.")
         self.tier_stored = counter("kv_tier_blocks_stored", "Blocks written to the second KV tier.")
         self.tier_loaded = counter("kv_tier_blocks_loaded", "Blocks loaded from the second KV tier.")
@@ -76,6 +78,8 @@ class EngineMetrics:
         self.preemptions.inc(s.num_preemptions - (last.scheduler.num_preemptions if last else 0))
         prev = last.scheduler if last else None
         self.recomputed.inc(s.num_recomputed_tokens - (prev.num_recomputed_tokens if prev else 0))
+        self.repreemptions.inc(s.num_repreemptions - (prev.num_repreemptions if prev else 0))
+        self.resumed.inc(s.num_resumed - (prev.num_resumed if prev else 0))
         self.tier_hits.inc(s.tier_hits - (prev.tier_hits if prev else 0))
         self.tier_stored.inc(s.tier_blocks_stored - (prev.tier_blocks_stored if prev else 0))
         self.tier_loaded.inc(s.tier_blocks_loaded - (prev.tier_blocks_loaded if prev else 0))

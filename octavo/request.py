@@ -53,6 +53,9 @@ class Request:
     tier_load_wait: float = 0.0  # seconds of steps it spent loading blocks from the second KV tier
     finish_reason: FinishReason | None = None
     admit_seq: int = 0  # admission order, for choosing preemption victims
+    admit_step: int = 0  # the scheduler step of its last admission (a resumed request is not a victim soon)
+    queued_step: int = 0  # the scheduler step it last entered the waiting queue (cache-aware aging)
+    num_passed_over: int = 0  # steps in which a later arrival was admitted while it waited (cache-aware)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -1,4 +1,5 @@
-"""Waiting queues of the scheduler: first come first served, or by priority then arrival.
+"""Waiting queues of the scheduler: first come first served, by priority then arrival, or ranked
+each step by a key the scheduler computes (cache-aware: reusable cached tokens, with aging).
 
 Removal (an abort, a stop) is O(1): the request is marked dead and skipped when it reaches the
 front; the queue compacts itself when dead entries outnumber live ones, so memory stays
@@ -10,8 +11,10 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
+from octavo.config import SCHEDULING_POLICIES
 from octavo.request import Request
 
 _COMPACT_SLACK = 64  # dead entries tolerated beyond the number of live ones before a rebuild
@@ -117,9 +120,22 @@ class PriorityQueue(_LazyRemoval):
         return (entry[3] for entry in sorted(self._heap) if not self._is_dead(entry[3]))
 
 
-def make_waiting_queue(policy: str) -> FCFSQueue | PriorityQueue:
+class RankedQueue(FCFSQueue):
+    """FCFS between ranks (new requests at the back, preempted ones at the front); `rank(key)`
+    reorders it by a key the caller computes from state the queue cannot see (the cache).
+    The sort is stable: requests with equal keys keep their order."""
+
+    def rank(self, key: Callable[[Request], Any]) -> None:
+        """Reorder by `key` (smallest first), dropping dead entries. O(n log n) plus n keys."""
+        self._queue = deque(sorted((r for r in self._queue if not self._is_dead(r)), key=key))
+        self._dead.clear()
+
+
+def make_waiting_queue(policy: str) -> FCFSQueue | PriorityQueue | RankedQueue:
     if policy == "fcfs":
         return FCFSQueue()
     if policy == "priority":
         return PriorityQueue()
-    raise ValueError(f"unknown scheduling policy {policy!r}; supported: fcfs, priority")
+    if policy == "cache-aware":
+        return RankedQueue()
+    raise ValueError(f"unknown scheduling policy {policy!r}; supported: {', '.join(SCHEDULING_POLICIES)}")

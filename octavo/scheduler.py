@@ -4,9 +4,11 @@ There are no prefill and decode phases. Every request has `num_computed_tokens` 
 up with `num_tokens` (prompt plus sampled outputs); a step hands out at most
 `max_num_batched_tokens` of that catching up, running requests first (a decode is 1 token, an
 unfinished prompt a chunk), then waiting requests in queue order. A prompt larger than what is
-left of the budget is chunked. When the pool runs out of blocks, the most recently admitted
-request (the lowest priority one under `priority`) is preempted: its full blocks stay in the
-prefix cache, so it resumes from what is still cached and recomputes the rest. With a second KV
+left of the budget is chunked. Waiting requests are admitted in queue order: arrival (fcfs),
+priority then arrival, or (cache-aware) the most tokens reused from the cache with aging and a
+bound on the wait. When the pool runs out of blocks, a running request is preempted: the one whose
+loss costs least (or the most recently admitted, vLLM's rule); its full blocks stay in the prefix
+cache, so it resumes from what is still cached and recomputes the rest. With a second KV
 tier that is a swap: blocks the pool evicts go to the tier, and a waiting request whose prefix
 continues there waits one step while they load (the others run on).
 """
@@ -43,6 +45,8 @@ class SchedulerStats:
     num_scheduled_tokens: int
     num_scheduled_requests: int
     num_recomputed_tokens: int = 0  # tokens computed again after a preemption (the recompute tax)
+    num_repreemptions: int = 0  # preemptions of a request preempted before
+    num_resumed: int = 0  # admissions of a preempted request
     tier_hits: int = 0  # prompt tokens whose KV came from the second tier (counted in prefix_cache_hits)
     tier_blocks_stored: int = 0
     tier_blocks_loaded: int = 0
@@ -64,7 +68,10 @@ class Scheduler:
         self.waiting = make_waiting_queue(config.policy)
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_repreemptions = 0  # preemptions of a request preempted before
+        self.num_resumed = 0  # admissions of a preempted request
         self.num_recomputed_tokens = 0
+        self._num_steps = 0
         self.num_tier_loads = 0
         self.num_swaps = 0  # preemptions whose blocks go to the second tier (the rest recompute)
         self._loading: dict[str, Request] = {}  # waiting requests whose blocks load this step
@@ -90,6 +97,7 @@ class Scheduler:
         self._sequences.setdefault(request.user_request_id, set()).add(request.request_id)
         if request.beam is not None:
             request.beam.start(request.request_id)
+        request.queued_step = self._num_steps
         self.waiting.add(request)
 
     def check_fits(self, request: Request) -> None:
@@ -137,40 +145,29 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose this step's work. Mutates queues, block tables and `num_computed_tokens`.
 
-        Running requests are served in admission order; if one cannot get blocks, the newest
-        running request is preempted until it can (or until it is itself the victim). Waiting
+        Running requests are served in admission order; if one cannot get blocks, victims
+        (`_choose_victim`) are preempted until it can (or until it is itself the victim). Waiting
         requests are admitted only when nothing was preempted this step, so a freed block is not
         immediately fought over again.
         """
         budget = self.config.max_num_batched_tokens
         self._step_start = time.time()
+        self._num_steps += 1
         scheduled: dict[str, tuple[ScheduledRequest, list[tuple[int, int]]]] = {}
         preempted: list[str] = []
 
         self._run_loading.clear()
+        done: set[str] = set()  # running requests dealt with this step: always a prefix of `running`
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
-            refund, computes = self._load_ahead(request, scheduled, preempted)  # loads count as computed
-            budget += refund
-            if request.status is not RequestStatus.RUNNING:
-                continue  # `request` was a victim; the next one now sits at `idx`
-            if not computes:  # takes more of its history from the cache next step
-                idx = self.running.index(request) + 1
-                continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new == 0:  # a beam waiting for the other beams of its search
+            num_preempted = len(preempted)
+            budget = self._schedule_running(request, budget, scheduled, preempted)
+            done.add(request.request_id)
+            if len(preempted) == num_preempted:
                 idx += 1
-                continue
-            allocation, refund = self._with_room(request, lambda: self.kv_cache.allocate_slots(request, num_new),
-                                                 scheduled, preempted)
-            budget += refund
-            if allocation is None:
-                continue  # `request` was a victim; the next one now sits at `idx`
-            idx = self.running.index(request)
-            scheduled[request.request_id] = self._schedule_one(request, num_new, allocation)
-            budget -= num_new
-            idx += 1
+            else:  # victims left the list, before `idx` or at it
+                idx = sum(r.request_id in done for r in self.running)
 
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
@@ -196,9 +193,27 @@ class Scheduler:
             tier_loads=loads,
         )
 
+    def _schedule_running(self, request: Request, budget: int, scheduled, preempted: list[str]) -> int:
+        """Give a running request its next tokens (after what it takes from the cache), making
+        room by preemption if needed (it may be the victim itself). Returns the budget left."""
+        refund, computes = self._load_ahead(request, scheduled, preempted)  # loads count as computed
+        budget += refund
+        if request.status is not RequestStatus.RUNNING or not computes:
+            return budget  # a victim, or it takes more of its history from the cache next step
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        if num_new == 0:  # a beam waiting for the other beams of its search
+            return budget
+        allocation, refund = self._with_room(request, lambda: self.kv_cache.allocate_slots(request, num_new),
+                                             scheduled, preempted)
+        budget += refund
+        if allocation is None:
+            return budget  # `request` was a victim
+        scheduled[request.request_id] = self._schedule_one(request, num_new, allocation)
+        return budget - num_new
+
     def _with_room(self, request: Request, attempt, scheduled, preempted: list[str]):
         """attempt() until it returns something: first letting go of blocks held for waiting
-        requests back from the tier, then preempting victims (the newest first). Returns its
+        requests back from the tier, then preempting victims (`_choose_victim`). Returns its
         result (None when `request` itself became the victim) and the budget victims gave back."""
         refund = 0
         result = attempt()
@@ -253,6 +268,11 @@ class Scheduler:
         num_seqs = sum(r.num_samples_pending for r in self.running if r.beam is None)
         num_seqs += sum(g.width for g in groups.values())
         reserved = 0  # free blocks the requests that started loading this step compute into next step
+        ranked = (self.config.policy == "cache-aware" and budget > 0 and len(self.waiting) > 1
+                  and num_seqs < self.config.max_num_seqs)  # else nobody is admitted: the order can wait
+        if ranked:
+            self.waiting.rank(self._cache_aware_key())
+        latest = None  # the latest arrival admitted this step
         while len(self.waiting) and budget > 0:
             request = self.waiting.peek()
             if request.beam is not None:  # a search holds beam_width sequences once it forks
@@ -299,14 +319,8 @@ class Scheduler:
             allocation = self.kv_cache.allocate_slots(request, num_new, computed)
             if allocation is None:
                 break
-            self.waiting.pop()
-            if request.num_cached_tokens is None:
-                request.num_cached_tokens = num_hit
-                request.first_scheduled_time = time.time()
-            request.num_computed_tokens = num_hit
-            request.status = RequestStatus.RUNNING
-            request.admit_seq = next(self._admit_counter)
-            self.running.append(request)
+            self._admit(request, num_hit)
+            latest = request.arrival_time if latest is None else max(latest, request.arrival_time)
             num_seqs += need
             if request.beam is not None:
                 groups[id(request.beam)] = request.beam
@@ -320,7 +334,38 @@ class Scheduler:
                     continue  # more to take, or no room for a chunk beside its loads: next step
             scheduled[request.request_id] = self._schedule_one(request, num_new, allocation)
             budget -= num_new
+        if ranked and latest is not None:
+            for request in self.waiting:  # passed over by a later arrival: one step nearer the bound
+                request.num_passed_over += request.arrival_time < latest
         return budget
+
+    def _admit(self, request: Request, num_hit: int) -> None:
+        """Move the queue's front request to the running set with `num_hit` tokens from the cache."""
+        self.waiting.pop()
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_hit
+            request.first_scheduled_time = time.time()
+        request.num_computed_tokens = num_hit
+        request.status = RequestStatus.RUNNING
+        request.admit_seq = next(self._admit_counter)
+        request.admit_step = self._num_steps
+        self.num_resumed += request.num_preemptions > 0
+        self.running.append(request)
+
+    def _cache_aware_key(self):
+        """The cache-aware order: priority first; then preempted requests and those passed over
+        by later arrivals in `max_wait_steps` steps (oldest first: the bound, after which nothing
+        that arrived later goes ahead of them); then the most tokens reused from the cache, plus
+        `aging_tokens_per_step` per step waited (so a cold request rises steadily)."""
+        step, bound, aging = self._num_steps, self.config.max_wait_steps, self.config.aging_tokens_per_step
+        reusable = self.kv_cache.reusable_tokens_counter()  # used by one sort: the cache does not change meanwhile
+
+        def key(request: Request) -> tuple:
+            if request.num_preemptions or request.num_passed_over >= bound:
+                return (request.priority, 0, 0, request.arrival_time)
+            waited = step - request.queued_step
+            return (request.priority, 1, -(reusable(request) + aging * waited), request.arrival_time)
+        return key
 
     def _room_to_load(self, computed) -> bool:
         """Whether the pool can hold a hit's blocks and load at least one more."""
@@ -376,9 +421,32 @@ class Scheduler:
         return entry, allocation.copies
 
     def _choose_victim(self) -> Request:
-        if self.config.policy == "priority":
+        """`cheapest`: among the running requests of the lowest priority but the oldest, the one
+        whose loss costs least (KVCacheManager.preemption_cost) among those that free a block,
+        sparing requests that resumed lately; ties go to the newest. `newest`: the most recently admitted (under
+        priorities: the latest arrival of the lowest priority)."""
+        if self.config.preemption_victim == "newest":
+            if self.config.policy == "fcfs":
+                return self.running[-1]
             return max(self.running, key=lambda r: (r.priority, r.arrival_time, r.admit_seq))
-        return self.running[-1]
+        lowest = max(r.priority for r in self.running)
+        candidates = [r for r in self.running if r.priority == lowest]
+        if len(candidates) > 1 and candidates[0] is self.running[0]:
+            candidates = candidates[1:]  # the oldest always progresses: no two requests starve each other
+        candidates = [r for r in candidates if not self._is_resuming(r)] or candidates
+
+        def cost(request: Request) -> tuple:
+            num_tokens, num_freed = self.kv_cache.preemption_cost(request)
+            return (num_freed == 0, num_tokens, -request.admit_seq)
+        return min(candidates, key=cost)
+
+    def _is_resuming(self, request: Request) -> bool:
+        """A request re-admitted after a preemption, within `resume_protect_steps` of it or still
+        recomputing what it lost: preempting it again is how preemption thrashes."""
+        if not request.num_preemptions:
+            return False
+        recent = self._num_steps - request.admit_step < self.config.resume_protect_steps
+        return recent or request.num_computed_tokens < request.num_computed_before
 
     def _victims(self) -> list[Request]:
         """The victim, with every running beam of its search when it is a beam: a search advances
@@ -405,7 +473,9 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_before = max(victim.num_computed_before, victim.num_computed_tokens - refund)
         victim.num_computed_tokens = 0
+        self.num_repreemptions += victim.num_preemptions > 0
         victim.num_preemptions += 1
+        victim.queued_step = self._num_steps
         self.num_preemptions += 1
         self.waiting.add_preempted(victim)
         return refund
@@ -629,6 +699,8 @@ class Scheduler:
             num_scheduled_tokens=self._last_num_scheduled_tokens,
             num_scheduled_requests=self._last_num_scheduled_requests,
             num_recomputed_tokens=self.num_recomputed_tokens,
+            num_repreemptions=self.num_repreemptions,
+            num_resumed=self.num_resumed,
             tier_hits=kv.stats.num_tier_hits_tokens,
             tier_blocks_stored=tier.stats.num_stored if tier else 0,
             tier_blocks_loaded=tier.stats.num_loaded if tier else 0,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dataclasses import dataclass, field
 
 from octavo.config import blocks_to_hold
@@ -236,6 +238,64 @@ class KVCacheManager:
             first = self._first_needed_block(g, num_hit * self.block_size)
             groups.append([None] * first + [self.pool.lookup(self._key(g, h)) for h in hashes[first:num_hit]])
         return ComputedBlocks(groups)
+
+    def num_reusable_tokens(self, request: Request) -> int:
+        """Tokens of the request's prefix its admission would take from the cache now: the pool,
+        and the second tier where there is one. Changes nothing but the request's hashes (made
+        once)."""
+        return self.reusable_tokens_counter()(request)
+
+    def reusable_tokens_counter(self) -> Callable[[Request], int]:
+        """`num_reusable_tokens` for many requests at one moment (the cache must not change while
+        it is used): a walk of each request's block hashes up to its first miss, except that a
+        request whose chain matches one counted before through that one's last hit starts there
+        (requests of one system prompt cost one walk between them, then a comparison each)."""
+        bs, num_lookup, block_hashes = self.block_size, self._num_lookup_blocks, self._block_hashes
+        if self.group_windows != (None,):
+            available = self._in_pool if self.tier is None else self._in_either_tier
+            return lambda r: self._num_hit(self._lookup_hashes(r), available) * bs
+        cached, tier = self.pool.cached, self.tier
+        last: dict[bytes, tuple[list[bytes], int, int]] = {}  # first hash -> (hashes, hit, lookup size) counted last
+
+        def count(request: Request) -> int:
+            num = num_lookup(request)
+            if num == 0:
+                return 0
+            hashes = block_hashes(request)
+            num_hit = 0
+            seen = last.get(hashes[0])
+            if seen is not None:
+                other, other_hit, other_num = seen
+                if other_hit == 0 or (other_hit <= num and hashes[other_hit - 1] == other[other_hit - 1]):
+                    num_hit = min(other_hit, num)  # the same chain through the other's hits
+                    if other_hit < other_num and other_hit < num and hashes[other_hit] == other[other_hit]:
+                        return num_hit * bs  # and the same first miss
+            while num_hit < num and (hashes[num_hit] in cached or (tier is not None and tier.lookup((0, hashes[num_hit])) is not None)):
+                num_hit += 1
+            last[hashes[0]] = (hashes, num_hit, num)
+            return num_hit * bs
+        return count
+
+    def preemption_cost(self, request: Request) -> tuple[int, int]:
+        """What preempting a running request would cost and give back: (tokens it would compute
+        again, or with a second tier that takes preempted blocks the blocks it would write there;
+        blocks freed). Only blocks it alone holds count: shared ones stay held; a full block the
+        tier already has costs nothing; a partial block is always recomputed. Changes nothing."""
+        bs = self.block_size
+        swaps = self.tier is not None and self.swap_preempted
+        cost = num_freed = 0
+        for g, table in enumerate(self._tables.get(request.request_id, [])):
+            for idx in range(table.num_dropped, len(table.blocks)):
+                block = table.blocks[idx]
+                if block is None or block.ref_cnt != 1:
+                    continue
+                num_freed += 1
+                num_tokens = min(bs, max(0, request.num_computed_tokens - idx * bs))
+                if block.block_hash is None or not swaps:
+                    cost += num_tokens
+                elif self.tier.lookup(self._tier_key(self._key(g, block.block_hash))) is None:
+                    cost += 1  # one block to write (and read back): far cheaper than recomputing it
+        return cost, num_freed
 
     def _lookup_hashes(self, request: Request) -> list[bytes]:
         """The hashes a prefix lookup may hit: every full block before the last token (none when

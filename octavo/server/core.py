@@ -82,7 +82,7 @@ class OpenAIServer:
         config = engine.config
         self.max_model_len = config.scheduler.max_model_len
         self.vocab_size = config.model_config.vocab_size
-        self.priority_enabled = config.scheduler.policy == "priority"
+        self.priority_enabled = config.scheduler.policy in ("priority", "cache-aware")
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="octavo-tokenize")
         self.grammars = IsolatedCompiler(engine.grammar_cache, self.limits.grammar_compile_timeout_s)
         # adapters by the name a request's `model` field selects (kept in step with the engine)
@@ -117,7 +117,7 @@ class OpenAIServer:
         if bad is not None:
             raise APIError(400, bad[1], "BadRequestError", bad[0])
         if req.priority != 0 and not self.priority_enabled:
-            raise APIError(400, "priority needs a server started with --scheduling-policy priority",
+            raise APIError(400, "priority needs a server started with --scheduling-policy priority (or cache-aware)",
                            "BadRequestError", "priority")
         return lora
 

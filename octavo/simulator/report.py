@@ -19,13 +19,36 @@ _ROWS = (
 )
 
 
-def format_comparison(title: str, variant: SimResult, baseline: SimResult) -> str:
-    header = (title, variant.policy, baseline.policy)
-    rows = [header] + [(name, fmt(variant), fmt(baseline)) for name, fmt in _ROWS]
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)) for row in rows]
+_SCHEDULING_ROWS = (
+    ("throughput (out tok/s)", lambda r: f"{r.throughput_tok_s:.1f}"),
+    ("makespan (s)", lambda r: f"{r.makespan_s:.1f}"),
+    ("prompt tokens reused", lambda r: str(r.prompt_tokens_reused)),
+    ("prompt tokens computed", lambda r: str(r.prompt_tokens_computed)),
+    ("preemptions", lambda r: str(r.preemptions)),
+    ("tokens recomputed", lambda r: str(r.recomputed_tokens)),
+    ("re-preemptions / resumed", lambda r: f"{r.repreemptions} / {r.resumed}"),
+    ("longest wait / passed over (steps)", lambda r: f"{r.max_wait_steps} / {r.max_passed_over}"),
+    ("TTFT p50 / p99 (s)", lambda r: "{p50:.2f} / {p99:.2f}".format(**r.ttft_s)),
+    ("cold TTFT p50 / p99 (s)", lambda r: "{p50:.2f} / {p99:.2f}".format(**r.cold_ttft_s) if r.cold_ttft_s else "-"),
+)
+
+
+def format_table(title: str, results: list[SimResult], rows=_ROWS) -> str:
+    """One column per result, one line per row of (name, format)."""
+    table = [(title, *(r.policy for r in results))] + [(name, *(fmt(r) for r in results)) for name, fmt in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)) for row in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def format_comparison(title: str, variant: SimResult, baseline: SimResult) -> str:
+    return format_table(title, [variant, baseline])
+
+
+def format_scheduling(results: list[SimResult]) -> str:
+    """The waiting order and victim rules side by side (SCHEDULING_POLICIES)."""
+    return format_table("scheduling policy", results, _SCHEDULING_ROWS)
 
 
 def plot_timelines(results: list[SimResult], path: str | Path) -> None:

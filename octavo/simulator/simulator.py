@@ -7,7 +7,11 @@ Policies are expressed with the real objects, not re-implemented:
     batch computed (finished sequences are padding, as in a static `generate`);
   * paging: blocks of `block_size`; reserving the maximum length: one block of max_model_len
     tokens per sequence, which is exactly what a contiguous reservation is;
-  * prefix caching and chunked prefill: the scheduler's and manager's own switches.
+  * prefix caching and chunked prefill: the scheduler's and manager's own switches;
+  * the waiting order (fcfs, priority, cache-aware) and the preemption victim rule: the
+    scheduler's own policies (SCHEDULING_POLICIES below runs them on one trace).
+With `concurrency`, arrival times are ignored: a closed loop of that many clients, each sending
+its next request when the last one ends (as `octavo bench serve --max-concurrency` does).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from octavo.config import SchedulerConfig
+from octavo.config import DEFAULT_MAX_WAIT_STEPS, SchedulerConfig
 from octavo.kv_cache.manager import KVCacheManager
 from octavo.outputs import ModelRunnerOutput, SchedulerOutput
 from octavo.request import Request, RequestStatus
@@ -49,6 +53,8 @@ class Policy:
     paged: bool = True
     prefix_caching: bool = True
     chunked_prefill: bool = True
+    scheduling: str = "fcfs"
+    victim: str = "cheapest"
 
 
 BASELINE = Policy("continuous+paged+cache+chunked")
@@ -57,6 +63,14 @@ COMPARISONS = (
     ("reserve max length vs paging", Policy("reserve max length", paged=False), BASELINE),
     ("prefix caching off vs on", Policy("prefix caching off", prefix_caching=False), BASELINE),
     ("chunked prefill off vs on", Policy("chunked prefill off", chunked_prefill=False), BASELINE),
+)
+# the waiting order and the victim rule, side by side on one trace ("newest victim" is the rule
+# the scheduler had before cache-aware scheduling, vLLM's)
+SCHEDULING_POLICIES = (
+    Policy("fcfs, newest victim", victim="newest"),
+    Policy("fcfs"),
+    Policy("priority", scheduling="priority"),
+    Policy("cache-aware", scheduling="cache-aware"),
 )
 
 
@@ -68,6 +82,8 @@ class SimConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     cost: StepCostModel = field(default_factory=StepCostModel)
+    concurrency: int | None = None  # a closed loop of this many clients (None: arrival times)
+    max_wait_steps: int = DEFAULT_MAX_WAIT_STEPS
 
     def __post_init__(self) -> None:
         if self.num_kv_tokens < self.max_model_len:
@@ -93,6 +109,13 @@ class SimResult:
     peak_running: int
     ttft_s: dict[str, float]
     itl_s: dict[str, float]
+    prompt_tokens_reused: int = 0  # prompt tokens taken from the prefix cache (a resumed request's own included)
+    recomputed_tokens: int = 0  # tokens computed again after a preemption
+    repreemptions: int = 0  # preemptions of a request preempted before
+    resumed: int = 0  # admissions of a preempted request
+    max_wait_steps: int = 0  # the longest any request waited from arrival to its first admission
+    max_passed_over: int = 0  # the most steps any request was passed over by a later arrival (cache-aware)
+    cold_ttft_s: dict[str, float] = field(default_factory=dict)  # requests marked cold in the workload
     timeline: dict[str, list[float]] = field(default_factory=dict)
 
     def summary(self) -> dict:
@@ -121,7 +144,8 @@ def build_scheduler(policy: Policy, cfg: SimConfig) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
             max_num_batched_tokens=budget, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
-            enable_chunked_prefill=policy.chunked_prefill,
+            enable_chunked_prefill=policy.chunked_prefill, policy=policy.scheduling,
+            preemption_victim=policy.victim, max_wait_steps=cfg.max_wait_steps,
         ),
         kv,
     )
@@ -143,77 +167,134 @@ def used_slots(s: Scheduler) -> int:
     return sum(fill.values())
 
 
-def simulate(workload: list[SimRequest], policy: Policy, cfg: SimConfig) -> SimResult:
-    """Run the workload to completion under `policy`; the clock advances by the cost model."""
-    sched = build_scheduler(policy, cfg)
-    pending = sorted(range(len(workload)), key=lambda i: workload[i].arrival_time)
-    requests: dict[str, Request] = {}
-    token_times: dict[str, list[float]] = {}
-    clock, steps, useful_slot_steps, kv_util_sum, kv_steps, prompt_computed = 0.0, 0, 0, 0.0, 0, 0
-    batch_size, peak_running = 0, 0
-    timeline: dict[str, list[float]] = {"t": [], "running": [], "allocated_slots": [], "used_slots": []}
-    next_idx = 0
+class _Feed:
+    """Which workload requests enter the scheduler when: at their arrival times (all of a static
+    batch at once), or, with `cfg.concurrency`, whenever fewer than that many are unfinished."""
 
-    while next_idx < len(pending) or sched.has_unfinished_requests():
-        may_add = policy.continuous or not sched.has_unfinished_requests()
-        added = 0
-        while may_add and next_idx < len(pending) and workload[pending[next_idx]].arrival_time <= clock:
-            if not policy.continuous and added == cfg.max_num_seqs:
+    def __init__(self, workload: list[SimRequest], policy: Policy, cfg: SimConfig) -> None:
+        self.workload, self.policy, self.cfg = workload, policy, cfg
+        self.pending = sorted(range(len(workload)), key=lambda i: workload[i].arrival_time)
+        self.next_idx = 0
+        self.batch_size = 0
+
+    def has_more(self) -> bool:
+        return self.next_idx < len(self.pending)
+
+    def next_arrival(self) -> float:
+        return self.workload[self.pending[self.next_idx]].arrival_time
+
+    def take(self, sched: Scheduler, clock: float) -> list[Request]:
+        """The requests to add now (each arriving at `clock` in a closed loop)."""
+        policy, cfg, out = self.policy, self.cfg, []
+        if not policy.continuous and sched.has_unfinished_requests():
+            return out
+        while self.has_more():
+            if cfg.concurrency is not None:
+                if len(sched.requests) + len(out) >= cfg.concurrency:
+                    break
+            elif self.next_arrival() > clock or (not policy.continuous and len(out) == cfg.max_num_seqs):
                 break
-            w = workload[pending[next_idx]]
-            rid = str(pending[next_idx])
-            req = Request(rid, list(w.prompt_token_ids), SamplingParams(temperature=0.0, max_tokens=w.output_len, ignore_eos=True),
-                          arrival_time=w.arrival_time)
-            sched.add_request(req)  # raises RequestRefused for a request that can never fit
-            requests[rid], token_times[rid] = req, []
-            next_idx += 1
-            added += 1
-        if added and not policy.continuous:
-            batch_size = added
-        if not sched.has_unfinished_requests():
-            clock = max(clock, workload[pending[next_idx]].arrival_time)
-            continue
+            w = self.workload[self.pending[self.next_idx]]
+            arrival = clock if cfg.concurrency is not None else w.arrival_time
+            params = SamplingParams(temperature=0.0, max_tokens=w.output_len, ignore_eos=True)
+            out.append(Request(str(self.pending[self.next_idx]), list(w.prompt_token_ids), params,
+                               arrival_time=arrival, priority=w.priority))
+            self.next_idx += 1
+        if out and not policy.continuous:
+            self.batch_size = len(out)
+        return out
 
-        out = sched.schedule()
-        num_tokens, attended = out.num_scheduled_tokens, _attended(out)
-        if not policy.continuous:  # padding: idle slots of the static batch compute too
-            idle = max(0, batch_size - len(out.scheduled))
-            longest = max((e.start_pos + e.num_tokens for e in out.scheduled), default=0)
-            num_tokens, attended = num_tokens + idle, attended + idle * longest
-        clock += cfg.cost.step_time(num_tokens, attended)
-        steps += 1
-        useful_slot_steps += len(out.scheduled)
-        prompt_computed += sum(max(0, min(e.start_pos + e.num_tokens, len(e.prompt_token_ids)) - e.start_pos) for e in out.scheduled)
+
+@dataclass(slots=True)
+class _Record:
+    """What a run observed, step by step."""
+
+    token_times: dict[str, list[float]] = field(default_factory=dict)
+    added_step: dict[str, int] = field(default_factory=dict)
+    first_step: dict[str, int] = field(default_factory=dict)
+    steps: int = 0
+    useful_slot_steps: int = 0
+    kv_util_sum: float = 0.0
+    kv_steps: int = 0
+    prompt_computed: int = 0
+    peak_running: int = 0
+    timeline: dict[str, list[float]] = field(
+        default_factory=lambda: {"t": [], "running": [], "allocated_slots": [], "used_slots": []})
+
+    def step(self, sched: Scheduler, out: SchedulerOutput, clock: float) -> None:
+        self.steps += 1
+        self.useful_slot_steps += len(out.scheduled)
+        self.prompt_computed += sum(max(0, min(e.start_pos + e.num_tokens, len(e.prompt_token_ids)) - e.start_pos)
+                                    for e in out.scheduled)
+        for e in out.scheduled:
+            self.first_step.setdefault(e.request_id, self.steps)
         allocated = (sched.kv_cache.num_blocks - sched.kv_cache.num_free_blocks) * sched.kv_cache.block_size
         used = used_slots(sched)
         if allocated:
-            kv_util_sum += used / allocated
-            kv_steps += 1
-        peak_running = max(peak_running, len(sched.running))
+            self.kv_util_sum += used / allocated
+            self.kv_steps += 1
+        self.peak_running = max(self.peak_running, len(sched.running))
         for key, value in (("t", clock), ("running", len(sched.running)), ("allocated_slots", allocated), ("used_slots", used)):
-            timeline[key].append(value)
+            self.timeline[key].append(value)
+
+
+def simulate(workload: list[SimRequest], policy: Policy, cfg: SimConfig) -> SimResult:
+    """Run the workload to completion under `policy`; the clock advances by the cost model."""
+    sched = build_scheduler(policy, cfg)
+    feed, rec = _Feed(workload, policy, cfg), _Record()
+    requests: dict[str, Request] = {}
+    clock = 0.0
+    while feed.has_more() or sched.has_unfinished_requests():
+        for req in feed.take(sched, clock):
+            sched.add_request(req)  # raises RequestRefused for a request that can never fit
+            requests[req.request_id], rec.token_times[req.request_id] = req, []
+            rec.added_step[req.request_id] = rec.steps
+        if not sched.has_unfinished_requests():
+            clock = max(clock, feed.next_arrival())
+            continue
+        out = sched.schedule()
+        num_tokens, attended = out.num_scheduled_tokens, _attended(out)
+        if not policy.continuous:  # padding: idle slots of the static batch compute too
+            idle = max(0, feed.batch_size - len(out.scheduled))
+            longest = max((e.start_pos + e.num_tokens for e in out.scheduled), default=0)
+            num_tokens, attended = num_tokens + idle, attended + idle * longest
+        clock += cfg.cost.step_time(num_tokens, attended)
+        rec.step(sched, out, clock)
         sampled = {sid: (len(requests[sid].output_token_ids) * 7919 + int(sid)) % 49152
                    for e in out.scheduled for sid in e.sample_ids}
         for req in sched.update(out, ModelRunnerOutput(sampled=sampled)):
-            token_times[req.request_id].append(clock)
-
-    ttft = [token_times[rid][0] - r.arrival_time for rid, r in requests.items() if token_times[rid]]
-    itl = [b - a for times in token_times.values() for a, b in zip(times, times[1:])]
-    output_tokens = sum(r.num_output_tokens for r in requests.values())
+            rec.token_times[req.request_id].append(clock)
     assert all(r.status is RequestStatus.FINISHED for r in requests.values())
+    return _result(policy, cfg, sched, requests, rec, clock, workload)
+
+
+def _result(policy: Policy, cfg: SimConfig, sched: Scheduler, requests: dict[str, Request], rec: _Record,
+            clock: float, workload: list[SimRequest]) -> SimResult:
+    times = rec.token_times
+    ttft = {rid: times[rid][0] - r.arrival_time for rid, r in requests.items() if times[rid]}
+    itl = [b - a for ts in times.values() for a, b in zip(ts, ts[1:])]
+    output_tokens = sum(r.num_output_tokens for r in requests.values())
+    steps = rec.steps
     return SimResult(
         policy=policy.name,
         num_requests=len(requests),
         num_steps=steps,
         makespan_s=clock,
         output_tokens=output_tokens,
-        prompt_tokens_computed=prompt_computed,
+        prompt_tokens_computed=rec.prompt_computed,
         throughput_tok_s=output_tokens / clock if clock else math.nan,
-        slot_utilisation=useful_slot_steps / (cfg.max_num_seqs * steps) if steps else math.nan,
-        kv_utilisation=kv_util_sum / kv_steps if kv_steps else math.nan,
+        slot_utilisation=rec.useful_slot_steps / (cfg.max_num_seqs * steps) if steps else math.nan,
+        kv_utilisation=rec.kv_util_sum / rec.kv_steps if rec.kv_steps else math.nan,
         preemptions=sched.num_preemptions,
-        peak_running=peak_running,
-        ttft_s=percentiles(ttft),
+        peak_running=rec.peak_running,
+        ttft_s=percentiles(list(ttft.values())),
         itl_s=percentiles(itl),
-        timeline=timeline,
+        timeline=rec.timeline,
+        prompt_tokens_reused=sched.kv_cache.stats.num_hits_tokens,
+        recomputed_tokens=sched.num_recomputed_tokens,
+        repreemptions=sched.num_repreemptions,
+        resumed=sched.num_resumed,
+        max_wait_steps=max((rec.first_step[rid] - rec.added_step[rid] - 1 for rid in rec.first_step), default=0),
+        max_passed_over=max((r.num_passed_over for r in requests.values()), default=0),
+        cold_ttft_s=percentiles([t for rid, t in ttft.items() if workload[int(rid)].cold]),
     )

@@ -15,6 +15,8 @@ class SimRequest:
     arrival_time: float
     prompt_token_ids: tuple[int, ...]
     output_len: int
+    priority: int = 0
+    cold: bool = False  # shares no prefix with any other request (reported apart: do they starve?)
 
 
 def _arrivals(n: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
@@ -47,21 +49,31 @@ def random_workload(
 
 def shared_prefix_workload(
     num_requests: int, num_prefixes: int, prefix_len: int, suffix_len: int, output_len: int, seed: int = 0,
-    rate: float = float("inf"), burstiness: float = 1.0,
+    rate: float = float("inf"), burstiness: float = 1.0, cold_fraction: float = 0.0,
 ) -> list[SimRequest]:
-    """Each request: one of `num_prefixes` shared prefixes (round robin) + its own random suffix."""
+    """Each request: one of `num_prefixes` shared prefixes (round robin) + its own random suffix;
+    a `cold_fraction` of them (spread evenly) has a prefix of its own instead (same lengths)."""
+    if not 0.0 <= cold_fraction <= 1.0:
+        raise ValueError(f"the cold fraction must be in [0, 1], got {cold_fraction}")
     rng = random.Random(seed)
-    prefixes = [tuple(rng.randrange(VOCAB) for _ in range(prefix_len)) for _ in range(num_prefixes)]
+
+    def tokens(n: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(VOCAB) for _ in range(n))
+
+    prefixes = [tokens(prefix_len) for _ in range(num_prefixes)]
     arrivals = _arrivals(num_requests, rate, burstiness, rng)
-    return [
-        SimRequest(t, prefixes[i % num_prefixes] + tuple(rng.randrange(VOCAB) for _ in range(suffix_len)), output_len)
-        for i, t in enumerate(arrivals)
-    ]
+    out, num_warm = [], 0
+    for i, t in enumerate(arrivals):
+        cold = int((i + 1) * cold_fraction) > int(i * cold_fraction)
+        prefix = tokens(prefix_len) if cold else prefixes[num_warm % num_prefixes]
+        num_warm += not cold
+        out.append(SimRequest(t, prefix + tokens(suffix_len), output_len, cold=cold))
+    return out
 
 
 def trace_workload(path: str | Path) -> list[SimRequest]:
     """A JSON list (or {"requests": [...]}) of entries with prompt_token_ids or prompt_len, max_tokens
-    or output_len, and optionally arrival_time (seconds; default 0)."""
+    or output_len, and optionally arrival_time (seconds; default 0) and priority (lower first)."""
     data = json.loads(Path(path).read_text())
     entries = data["requests"] if isinstance(data, dict) else data
     out = []
@@ -75,7 +87,7 @@ def trace_workload(path: str | Path) -> list[SimRequest]:
         n_out = e.get("max_tokens", e.get("output_len"))
         if n_out is None:
             raise ValueError(f"trace entry {i} needs max_tokens or output_len")
-        out.append(SimRequest(float(e.get("arrival_time", 0.0)), prompt, int(n_out)))
+        out.append(SimRequest(float(e.get("arrival_time", 0.0)), prompt, int(n_out), int(e.get("priority", 0))))
     return out
 
 

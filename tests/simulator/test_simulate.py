@@ -8,7 +8,9 @@ import pytest
 
 import octavo.scheduler
 from octavo.kv_cache.manager import KVCacheManager
-from octavo.simulator.simulator import BASELINE, Policy, SimConfig, StepCostModel, build_scheduler, simulate
+from octavo.simulator.simulator import (
+    BASELINE, SCHEDULING_POLICIES, Policy, SimConfig, StepCostModel, build_scheduler, simulate,
+)
 from octavo.simulator.workload import SimRequest, random_workload, shared_prefix_workload, trace_workload
 
 STATIC = Policy("static", continuous=False)
@@ -112,3 +114,33 @@ def test_cli_compares_four_policy_pairs_and_plots(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads(js.read_text())
     assert len(data["comparisons"]) == 4 and data["baseline"]["num_requests"] == 12
+    assert "scheduling policy" in out and "cache-aware" in out and "tokens recomputed" in out
+    assert set(data["scheduling"]) == {"fcfs, newest victim", "fcfs", "priority", "cache-aware"}
+
+
+def test_cache_aware_reuses_more_than_fcfs_on_shared_prefixes_under_memory_pressure():
+    # 8 prefixes of 8 blocks, round robin; the pool holds about two of them at a time; 8 clients
+    work = shared_prefix_workload(48, num_prefixes=8, prefix_len=128, suffix_len=8, output_len=4, cold_fraction=0.1)
+    assert sum(w.cold for w in work) == 4
+    cfg = SimConfig(num_kv_tokens=512, max_num_seqs=8, max_model_len=256, concurrency=8)
+    results = {p.name: simulate(work, p, cfg) for p in SCHEDULING_POLICIES}
+    fcfs, aware = results["fcfs"], results["cache-aware"]
+    assert aware.prompt_tokens_reused > 1.5 * fcfs.prompt_tokens_reused
+    assert aware.prompt_tokens_computed < fcfs.prompt_tokens_computed
+    assert aware.makespan_s < fcfs.makespan_s
+    assert aware.max_passed_over <= cfg.max_wait_steps and fcfs.max_passed_over == 0
+    assert aware.cold_ttft_s["p50"] > 0 and all(r.num_requests == 48 for r in results.values())
+
+
+def test_a_closed_loop_keeps_at_most_concurrency_requests_in_flight(monkeypatch):
+    seen = []
+    real = octavo.scheduler.Scheduler.schedule
+
+    def spy(self):
+        seen.append(len(self.requests))
+        return real(self)
+
+    monkeypatch.setattr(octavo.scheduler.Scheduler, "schedule", spy)
+    work = [req(100 * i, 3) for i in range(10)]
+    res = simulate(work, BASELINE, SimConfig(num_kv_tokens=512, max_model_len=256, concurrency=3, cost=UNIT_COST))
+    assert max(seen) == 3 and res.num_requests == 10
