@@ -11,6 +11,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_MAX_WAIT_STEPS = 32  # cache-aware scheduling's bound on steps passed over (docs/BENCHMARKS.md)
 DEFAULT_AGING_TOKENS_PER_STEP = 4  # cache-aware scheduling's aging (docs/BENCHMARKS.md)
+DEFAULT_ADMISSION_HEADROOM_STEPS = 64  # room kept for running requests at admission (docs/BENCHMARKS.md)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +197,11 @@ class SchedulerConfig:
     preemption_victim: str = "cheapest"
     # a request re-admitted after a preemption is not chosen again as a victim for this many
     # steps, nor while it recomputes what it lost (unless every running request is protected)
-    resume_protect_steps: int = 8
+    resume_protect_steps: int = 32
+    # a waiting request is admitted only if the pool keeps free the blocks the running requests
+    # take over their next this-many tokens (0: admit while any block is free, vLLM's rule):
+    # admitting into memory the running requests are about to need is what makes preemptions
+    admission_headroom_steps: int = DEFAULT_ADMISSION_HEADROOM_STEPS
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -211,8 +216,8 @@ class SchedulerConfig:
             raise ValueError(f"preemption victim must be one of {', '.join(PREEMPTION_VICTIMS)}, got {self.preemption_victim!r}")
         if self.max_wait_steps < 1:
             raise ValueError(f"max_wait_steps must be >= 1, got {self.max_wait_steps}")
-        if self.aging_tokens_per_step < 0 or self.resume_protect_steps < 0:
-            raise ValueError("aging_tokens_per_step and resume_protect_steps must be >= 0")
+        if min(self.aging_tokens_per_step, self.resume_protect_steps, self.admission_headroom_steps) < 0:
+            raise ValueError("aging_tokens_per_step, resume_protect_steps and admission_headroom_steps must be >= 0")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "with chunked prefill off, max_num_batched_tokens "

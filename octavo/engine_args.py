@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from octavo.config import (
+    DEFAULT_ADMISSION_HEADROOM_STEPS,
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
@@ -69,6 +70,10 @@ class EngineArgs:
         "help": "which running request a full KV cache preempts: cheapest (fewest tokens to recompute, or blocks "
                 "to swap; not one that just resumed) or newest (the last admitted, vLLM's rule)",
         "choices": PREEMPTION_VICTIMS})
+    admission_headroom_steps: int = field(default=DEFAULT_ADMISSION_HEADROOM_STEPS, metadata={
+        "help": "admit a waiting request only while the KV cache keeps room for the running requests' next N "
+                "tokens each (0: admit while any block is free, vLLM's rule); fewer preemptions, fewer tokens "
+                "recomputed"})
     dtype: str = field(default="auto", metadata={
         "help": "activations, dense weights and KV cache. auto: float32 for quantized weights (the C++ "
                 "kernels' input); for dense weights bfloat16 where the CPU has bf16 units (AVX512_BF16 or "
@@ -167,6 +172,7 @@ class EngineArgs:
                 policy=self.scheduling_policy,
                 max_wait_steps=self.max_wait_steps,
                 preemption_victim=self.preemption_victim,
+                admission_headroom_steps=self.admission_headroom_steps,
                 max_loras=self.max_loras if self.enable_lora else None,
             ),
             dtype=self.dtype,

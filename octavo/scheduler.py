@@ -273,6 +273,7 @@ class Scheduler:
         if ranked:
             self.waiting.rank(self._cache_aware_key())
         latest = None  # the latest arrival admitted this step
+        headroom = self._growth_blocks(self.config.admission_headroom_steps)  # kept free for the running requests
         while len(self.waiting) and budget > 0:
             request = self.waiting.peek()
             if request.beam is not None:  # a search holds beam_width sequences once it forks
@@ -314,8 +315,10 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            if reserved and self.kv_cache.num_free_blocks - self.kv_cache.num_blocks_to_admit(request, num_new, computed) < reserved:
-                break  # it would take blocks a request loading ahead of it in the queue needs next step
+            if (headroom or reserved) and self.kv_cache.num_free_blocks - self.kv_cache.num_blocks_to_admit(request, num_new, computed) < headroom + reserved:
+                # it would take blocks the running requests grow into soon (a preemption to come),
+                # or that a request loading ahead of it in the queue computes into next step
+                break
             allocation = self.kv_cache.allocate_slots(request, num_new, computed)
             if allocation is None:
                 break
@@ -338,6 +341,18 @@ class Scheduler:
             for request in self.waiting:  # passed over by a later arrival: one step nearer the bound
                 request.num_passed_over += request.arrival_time < latest
         return budget
+
+    def _growth_blocks(self, num_steps: int) -> int:
+        """New blocks the running requests take over their next `num_steps` tokens each (none past
+        their max_tokens). O(running)."""
+        if num_steps == 0:
+            return 0
+        bs, total = self.kv_cache.block_size, 0
+        for r in self.running:
+            max_tokens = r.sampling_params.max_tokens
+            left = num_steps if max_tokens is None else min(num_steps, r.num_prompt_tokens + max_tokens - r.num_tokens)
+            total += -(-(r.num_tokens + left) // bs) - -(-r.num_tokens // bs)
+        return total
 
     def _admit(self, request: Request, num_hit: int) -> None:
         """Move the queue's front request to the running set with `num_hit` tokens from the cache."""

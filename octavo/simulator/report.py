@@ -26,7 +26,7 @@ _SCHEDULING_ROWS = (
     ("prompt tokens computed", lambda r: str(r.prompt_tokens_computed)),
     ("preemptions", lambda r: str(r.preemptions)),
     ("tokens recomputed", lambda r: str(r.recomputed_tokens)),
-    ("re-preemptions / resumed", lambda r: f"{r.repreemptions} / {r.resumed}"),
+    ("re-preemptions / resumed / most of one", lambda r: f"{r.repreemptions} / {r.resumed} / {r.max_preemptions}"),
     ("longest wait / passed over (steps)", lambda r: f"{r.max_wait_steps} / {r.max_passed_over}"),
     ("TTFT p50 / p99 (s)", lambda r: "{p50:.2f} / {p99:.2f}".format(**r.ttft_s)),
     ("cold TTFT p50 / p99 (s)", lambda r: "{p50:.2f} / {p99:.2f}".format(**r.cold_ttft_s) if r.cold_ttft_s else "-"),

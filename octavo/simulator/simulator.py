@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from octavo.config import DEFAULT_MAX_WAIT_STEPS, SchedulerConfig
+from octavo.config import DEFAULT_ADMISSION_HEADROOM_STEPS, DEFAULT_MAX_WAIT_STEPS, SchedulerConfig
 from octavo.kv_cache.manager import KVCacheManager
 from octavo.outputs import ModelRunnerOutput, SchedulerOutput
 from octavo.request import Request, RequestStatus
@@ -55,6 +55,7 @@ class Policy:
     chunked_prefill: bool = True
     scheduling: str = "fcfs"
     victim: str = "cheapest"
+    admission_headroom_steps: int = DEFAULT_ADMISSION_HEADROOM_STEPS
 
 
 BASELINE = Policy("continuous+paged+cache+chunked")
@@ -64,10 +65,11 @@ COMPARISONS = (
     ("prefix caching off vs on", Policy("prefix caching off", prefix_caching=False), BASELINE),
     ("chunked prefill off vs on", Policy("chunked prefill off", chunked_prefill=False), BASELINE),
 )
-# the waiting order and the victim rule, side by side on one trace ("newest victim" is the rule
-# the scheduler had before cache-aware scheduling, vLLM's)
+# the waiting order and the preemption rules, side by side on one trace ("fcfs, vLLM's rules":
+# the newest running request is the victim, and admission takes any free block; what the
+# scheduler did before cache-aware scheduling)
 SCHEDULING_POLICIES = (
-    Policy("fcfs, newest victim", victim="newest"),
+    Policy("fcfs, vLLM's rules", victim="newest", admission_headroom_steps=0),
     Policy("fcfs"),
     Policy("priority", scheduling="priority"),
     Policy("cache-aware", scheduling="cache-aware"),
@@ -113,6 +115,7 @@ class SimResult:
     recomputed_tokens: int = 0  # tokens computed again after a preemption
     repreemptions: int = 0  # preemptions of a request preempted before
     resumed: int = 0  # admissions of a preempted request
+    max_preemptions: int = 0  # the most times one request was preempted
     max_wait_steps: int = 0  # the longest any request waited from arrival to its first admission
     max_passed_over: int = 0  # the most steps any request was passed over by a later arrival (cache-aware)
     cold_ttft_s: dict[str, float] = field(default_factory=dict)  # requests marked cold in the workload
@@ -146,6 +149,7 @@ def build_scheduler(policy: Policy, cfg: SimConfig) -> Scheduler:
             max_num_batched_tokens=budget, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
             enable_chunked_prefill=policy.chunked_prefill, policy=policy.scheduling,
             preemption_victim=policy.victim, max_wait_steps=cfg.max_wait_steps,
+            admission_headroom_steps=policy.admission_headroom_steps,
         ),
         kv,
     )
@@ -294,6 +298,7 @@ def _result(policy: Policy, cfg: SimConfig, sched: Scheduler, requests: dict[str
         recomputed_tokens=sched.num_recomputed_tokens,
         repreemptions=sched.num_repreemptions,
         resumed=sched.num_resumed,
+        max_preemptions=max((r.num_preemptions for r in requests.values()), default=0),
         max_wait_steps=max((rec.first_step[rid] - rec.added_step[rid] - 1 for rid in rec.first_step), default=0),
         max_passed_over=max((r.num_passed_over for r in requests.values()), default=0),
         cold_ttft_s=percentiles([t for rid, t in ttft.items() if workload[int(rid)].cold]),

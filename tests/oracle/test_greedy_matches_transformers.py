@@ -101,8 +101,9 @@ def test_chunked_prefill_mixed_with_decodes(make_llm, prompts, refs):
 
 
 def test_preemption_by_recompute(make_llm, prompts, refs):
-    # 48 blocks of 16 = 768 tokens: the longest request (664) fits alone, all of them never do
-    llm = make_llm(num_kv_blocks=48, enable_prefix_caching=False)
+    # 48 blocks of 16 = 768 tokens: the longest request (664) fits alone, all of them never do;
+    # vLLM's rules (the newest is the victim; admission takes any free block)
+    llm = make_llm(num_kv_blocks=48, enable_prefix_caching=False, preemption_victim="newest", admission_headroom_steps=0)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert llm.engine.get_stats().scheduler.num_preemptions > 0
     check_all(outs, refs, "preemption")
@@ -126,6 +127,21 @@ def test_priority_policy_preempting_scheduled_requests_with_caching(make_llm, pr
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert llm.engine.scheduler.kv_cache.check_invariants() == []
     check_all(outs, refs, "priority preemption+cache")
+
+
+def test_cache_aware_policy_on_a_tiny_pool(make_llm, prompts, refs, shared_prompts, shared_refs):
+    """Cache-aware admission (a wait bound of 2 steps passed over, so the bound's path runs too),
+    the cheapest victims, admission without headroom so that requests are preempted: the shared
+    prompts' and the oracle prompts' tokens, in one batch, equal transformers'."""
+    victim = "cheapest"
+    llm = make_llm(num_kv_blocks=48, max_num_batched_tokens=96, scheduling_policy="cache-aware", max_wait_steps=2,
+                   preemption_victim=victim, admission_headroom_steps=0)
+    outs = llm.generate(shared_prompts + prompts, GREEDY, use_tqdm=False)
+    stats = llm.engine.get_stats().scheduler
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits >= 7 * 304, stats
+    assert llm.engine.scheduler.kv_cache.check_invariants() == []
+    check_all(outs[: len(shared_prompts)], shared_refs, f"cache-aware, {victim} victim, shared prefixes")
+    check_all(outs[len(shared_prompts) :], refs, f"cache-aware, {victim} victim")
 
 
 @pytest.mark.parametrize("caching", [True, False])

@@ -124,7 +124,7 @@ def test_requests_that_arrived_together_are_never_passed_over():
 def three_running(victim: str) -> tuple[Scheduler, SchedulerOutput]:
     """c and a share a cached 2-block prefix (a alone holds one block), b holds 3 blocks of its
     own; the pool is full and every request needs a block on the next step."""
-    s = make_scheduler(num_blocks=7, policy="fcfs", preemption_victim=victim)
+    s = make_scheduler(num_blocks=7, policy="fcfs", preemption_victim=victim, admission_headroom_steps=0)
     shared = PREFIX[:8]
     for rid, prompt in (("c", shared + [1, 2, 3]), ("a", shared + [4, 5, 6]), ("b", 11)):
         s.add_request(make_request(rid, prompt, max_tokens=4))
@@ -178,9 +178,9 @@ def test_with_a_tier_a_block_already_stored_costs_nothing():
 
 
 def test_a_request_that_just_resumed_is_not_the_victim():
-    s = make_scheduler(num_blocks=32, preemption_victim="cheapest")
+    s = make_scheduler(num_blocks=64, preemption_victim="cheapest", admission_headroom_steps=0)
     for rid, n in (("old", 10), ("resumed", 3), ("other", 9)):
-        s.add_request(make_request(rid, n, max_tokens=20))
+        s.add_request(make_request(rid, n, max_tokens=60))
     step(s)
     resumed = s.requests["resumed"]
     assert s._choose_victim() is resumed  # the cheapest: fewest tokens of its own
@@ -222,3 +222,16 @@ def test_the_counter_for_many_requests_equals_one_walk_each(chains, cached, tier
     want = [next((i for i, h in enumerate(hashes) if not available(0, h)), len(hashes)) * BS
             for hashes in map(kv._lookup_hashes, requests)]
     assert got == want
+
+
+def test_admission_keeps_room_for_the_running_requests_to_grow():
+    # a decodes towards 4 + 20 tokens (6 blocks); the pool has 7: b (2 blocks) fits now, but
+    # only by taking blocks a grows into within its next 20 tokens
+    for headroom, admitted in ((0, True), (20, False), (4, True)):
+        s = make_scheduler(num_blocks=7, admission_headroom_steps=headroom)
+        a = make_request("a", 4, max_tokens=20)
+        s.add_request(a)
+        step(s)
+        s.add_request(make_request("b", 6, max_tokens=2))
+        step(s)
+        assert (s.requests["b"].status is RequestStatus.RUNNING) is admitted, headroom

@@ -147,16 +147,17 @@ def check_invariants(s: Scheduler) -> None:
 # with dropped entries): found by a 24,000-example run
 @example(ops=[("add", 1, 1, 0, 1), ("add", 1, 1, 0, 1), ("add", 3, 4, 1, 3), ("add", 12, 2, 0, 1), ("add", 1, 1, 0, 1),
               ("abort", 0)], num_blocks=8, budget=16, caching=True, policy="fcfs", windows=(5,), tier_slots=3,
-         victim="newest", max_wait=128)
+         victim="newest", max_wait=128, headroom=0)
 @settings(max_examples=150, deadline=None)
 @given(ops=ops, num_blocks=st.integers(8, 24), budget=st.sampled_from([4, 16, 64]), caching=st.booleans(),
        policy=st.sampled_from(["fcfs", "priority", "cache-aware"]), victim=st.sampled_from(["cheapest", "newest"]),
-       max_wait=st.sampled_from([2, 128]),
+       max_wait=st.sampled_from([2, 128]), headroom=st.sampled_from([0, 4, 64]),
        windows=st.sampled_from([(None,), (None,), (None, 6), (5,), (None, 9, 4)]),
        tier_slots=st.sampled_from([None, None, 3, 40]))
-def test_random_operations_keep_invariants(ops, num_blocks, budget, caching, policy, windows, tier_slots, victim, max_wait):
+def test_random_operations_keep_invariants(ops, num_blocks, budget, caching, policy, windows, tier_slots, victim, max_wait,
+                                           headroom):
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=6, max_model_len=64, policy=policy,
-                          preemption_victim=victim, max_wait_steps=max_wait)
+                          preemption_victim=victim, max_wait_steps=max_wait, admission_headroom_steps=headroom)
     tier = TierIndex(tier_slots) if tier_slots and caching else None
     s = Scheduler(cfg, KVCacheManager(num_blocks * len(windows), BS, enable_prefix_caching=caching, group_windows=windows,
                                       tier=tier))

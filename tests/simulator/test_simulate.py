@@ -1,5 +1,6 @@
 """The simulator on hand-checked traces, driving the real Scheduler and KVCacheManager."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -81,7 +82,7 @@ def test_the_simulator_drives_the_real_scheduler(monkeypatch):
 def test_preemption_under_memory_pressure_keeps_every_request_whole():
     work = random_workload(24, input_len=40, output_len=30, range_ratio=0.5, seed=3)
     cfg = SimConfig(num_kv_tokens=512, block_size=16, max_num_seqs=16, max_num_batched_tokens=256, max_model_len=128)
-    r = simulate(work, BASELINE, cfg)
+    r = simulate(work, dataclasses.replace(BASELINE, admission_headroom_steps=0), cfg)
     assert r.preemptions > 0
     assert r.output_tokens == sum(w.output_len for w in work)
     assert r.prompt_tokens_computed > sum(len(w.prompt_token_ids) for w in work)  # recompute after preemption
@@ -115,7 +116,7 @@ def test_cli_compares_four_policy_pairs_and_plots(tmp_path):
     data = json.loads(js.read_text())
     assert len(data["comparisons"]) == 4 and data["baseline"]["num_requests"] == 12
     assert "scheduling policy" in out and "cache-aware" in out and "tokens recomputed" in out
-    assert set(data["scheduling"]) == {"fcfs, newest victim", "fcfs", "priority", "cache-aware"}
+    assert set(data["scheduling"]) == {"fcfs, vLLM's rules", "fcfs", "priority", "cache-aware"}
 
 
 def test_cache_aware_reuses_more_than_fcfs_on_shared_prefixes_under_memory_pressure():
@@ -144,3 +145,11 @@ def test_a_closed_loop_keeps_at_most_concurrency_requests_in_flight(monkeypatch)
     work = [req(100 * i, 3) for i in range(10)]
     res = simulate(work, BASELINE, SimConfig(num_kv_tokens=512, max_model_len=256, concurrency=3, cost=UNIT_COST))
     assert max(seen) == 3 and res.num_requests == 10
+
+
+def test_the_default_rules_recompute_at_most_half_of_vllms_under_memory_pressure():
+    work = random_workload(48, 64, 48, range_ratio=0.9, seed=1)
+    cfg = SimConfig(num_kv_tokens=1024, max_num_seqs=32, max_model_len=256, max_num_batched_tokens=256)
+    before, after = (simulate(work, policy, cfg) for policy in SCHEDULING_POLICIES[:2])
+    assert before.recomputed_tokens > 0 and after.recomputed_tokens <= before.recomputed_tokens / 2
+    assert after.max_preemptions <= 2 and after.preemptions < before.preemptions
