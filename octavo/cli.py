@@ -304,6 +304,8 @@ def add_workload_flags(p: argparse.ArgumentParser, with_seed: bool = True, multi
     p.add_argument("--num-prefixes", type=int, default=4, help="prefix-repetition: distinct prefixes")
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--suffix-len", type=int, default=64)
+    p.add_argument("--cold-fraction", type=float, default=0.0,
+                   help="prefix-repetition: this share of requests has a prefix of its own (cold; its TTFT reported apart)")
     if with_seed:
         p.add_argument("--seed", type=int, default=0, help="workload seed")
     if multi_turn:
@@ -321,7 +323,7 @@ def load_workload(args: argparse.Namespace):
         return random_workload(args.num_requests, args.input_len, args.output_len, args.range_ratio, args.seed)
     if args.workload == "prefix-repetition":
         return shared_prefix_workload(args.num_requests, args.num_prefixes, args.prefix_len, args.suffix_len,
-                                      args.output_len, args.seed)
+                                      args.output_len, args.seed, cold_fraction=args.cold_fraction)
     if not args.file:
         raise ValueError("replay needs a FILE: octavo bench throughput replay ../shared/workloads/random_n64.json")
     return trace_workload(args.file)

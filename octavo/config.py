@@ -153,6 +153,7 @@ class CacheConfig:
     kv_offload_bytes: int = 0  # the second KV tier's size (0: no tier)
     kv_offload_path: str | None = None  # its folder (None: one per model and setting under the cache)
     kv_offload_medium: str = "auto"  # disk, host (memory), or auto: host on CUDA, disk on the CPU
+    pinned_prefix_share: float = 0.25  # the most of the pool pinned prefixes may hold
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -169,6 +170,8 @@ class CacheConfig:
             raise ValueError(f"kv_offload_size must be >= 0 bytes, got {self.kv_offload_bytes}")
         if self.kv_offload_bytes and not self.enable_prefix_caching:
             raise ValueError("the second KV tier (kv_offload_size) keeps prefix-cache blocks: it needs prefix caching on")
+        if not 0.0 <= self.pinned_prefix_share < 1.0:
+            raise ValueError(f"pinned_prefix_share must be in [0, 1), got {self.pinned_prefix_share}")
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "cache-aware")

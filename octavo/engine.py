@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +35,7 @@ from octavo.outputs import EngineStats
 from octavo.scheduler import Scheduler
 from octavo.structured.manager import StructuredOutputManager
 from octavo.threads import ThreadGovernor
-from octavo.tokenizer import encode_prompt, load_tokenizer
+from octavo.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
 
 logger = logging.getLogger("octavo")
 
@@ -73,7 +75,9 @@ class LLMEngine:
                             tuple(g.window for g in config.model_config.kv_groups()), tier=tier_index)
         if self.tier is not None:
             kv.swap_preempted = self._swap_is_cheaper(self.config)
+        kv.max_pinned_blocks = int(config.cache.pinned_prefix_share * sizing.num_blocks)
         self.scheduler = Scheduler(config.scheduler, kv)
+        self._pin_counter = itertools.count()
         self.structured = StructuredOutputManager(tokenizer, config.model_config.vocab_size, self.eos_token_ids,
                                                   config.grammar_cache_bytes)
         self.outputs = OutputProcessor(tokenizer)
@@ -178,7 +182,40 @@ class LLMEngine:
         for lora_id, module in enumerate(args.lora_modules, start=1):
             name, path = module.split("=", 1)
             engine.add_lora(LoRARequest(name, lora_id, path))
+        if args.pinned_prefix:
+            engine.pin_prefix_files(args.pinned_prefix)
         return engine
+
+    def pin_prefix(self, prompt: str | list[int] | dict) -> tuple[int, int]:
+        """Compute a prompt's KV and keep its full blocks in the pool for good (never evicted; a
+        later prompt that starts with it hits them). `prompt`: text, token ids, or {"messages":
+        [...]} rendered with the chat template (no generation prompt: what a chat request with
+        those messages first starts with). Steps the engine until it is done (other requests run
+        along). Returns (tokens, blocks) it pinned; raises ValueError past the pinned share."""
+        if isinstance(prompt, dict):
+            prompt = apply_chat_template(self.tokenizer, prompt["messages"], add_generation_prompt=False)
+        rid = f"pin-{next(self._pin_counter)}"
+        kv = self.scheduler.kv_cache
+        before = kv.num_pinned_blocks
+        self.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), pin=True)
+        while rid in self.outputs:
+            self.step()
+        num_blocks = kv.num_pinned_blocks - before
+        return num_blocks * kv.block_size, num_blocks
+
+    def pin_prefix_files(self, paths: tuple[str, ...]) -> None:
+        """pin_prefix for each file (text: a completion prompt; JSON: {"messages": [...]} or token
+        ids), then log what is pinned (the start-up line names the files and the pool's share)."""
+        names = []
+        for path in paths:
+            text = Path(path).read_text()
+            prompt = json.loads(text) if path.endswith(".json") else text
+            num_tokens, _ = self.pin_prefix(prompt)
+            names.append(f"{Path(path).name} ({num_tokens} tokens)")
+        kv = self.scheduler.kv_cache
+        logger.info("pinned prefixes: %s; %d of the pool's %d blocks (at most %d: --pinned-prefix-share %.2f)",
+                    ", ".join(names), kv.num_pinned_blocks, kv.num_blocks, kv.max_pinned_blocks,
+                    self.config.cache.pinned_prefix_share)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any, and the grammar-compiling threads; write the
@@ -237,6 +274,7 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        pin: bool = False,
     ) -> None:
         """Queue a request. Raises ValueError (RequestRefused) if it can never run; nothing is kept.
         `lora_request` runs it with that adapter (loaded on first use).
@@ -270,6 +308,7 @@ class LLMEngine:
             beam=beam,
             lora_id=None if lora_request is None else lora_request.lora_int_id,
             lora_cache_key=lora_cache_key,
+            pin=pin,
         )
         self.scheduler.add_request(request)
         if params.structured_outputs is not None:  # cached above; kept until the request ends

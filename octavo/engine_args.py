@@ -70,6 +70,12 @@ class EngineArgs:
         "help": "which running request a full KV cache preempts: cheapest (fewest tokens to recompute, or blocks "
                 "to swap; not one that just resumed) or newest (the last admitted, vLLM's rule)",
         "choices": PREEMPTION_VICTIMS})
+    pinned_prefix: tuple[str, ...] = field(default=(), metadata={
+        "help": "prompts whose KV stays in the pool for good (never evicted), computed at start: text files (a "
+                "completion prompt) or JSON files ({\"messages\": [...]}: the chat template's rendering, a system "
+                "prompt for instance; or a list of token ids); needs prefix caching", "nargs": True})
+    pinned_prefix_share: float = field(default=0.25, metadata={
+        "help": "the most of the KV pool pinned prefixes may hold (default 0.25)"})
     admission_headroom_steps: int = field(default=DEFAULT_ADMISSION_HEADROOM_STEPS, metadata={
         "help": "admit a waiting request only while the KV cache keeps room for the running requests' next N "
                 "tokens each (0: admit while any block is free, vLLM's rule); fewer preemptions, fewer tokens "
@@ -118,6 +124,9 @@ class EngineArgs:
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+        object.__setattr__(self, "pinned_prefix", tuple(self.pinned_prefix))
+        if self.pinned_prefix and not self.enable_prefix_caching:
+            raise ValueError("pinned prefixes (--pinned-prefix) are prefix-cache blocks: they need prefix caching on")
         bad = [m for m in self.lora_modules if "=" not in m or not m.split("=", 1)[0] or not m.split("=", 1)[1]]
         if bad:
             raise ValueError(f"lora_modules entries must be name=path, got {bad[0]!r}")
@@ -163,6 +172,7 @@ class EngineArgs:
                 kv_offload_bytes=self.kv_offload_size,
                 kv_offload_path=self.kv_offload_path,
                 kv_offload_medium=self.kv_offload_medium,
+                pinned_prefix_share=self.pinned_prefix_share,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=self.max_num_batched_tokens,

@@ -53,7 +53,13 @@ class LLM:
         self.close()
 
     def reset_prefix_cache(self) -> int:
+        """Forget the cached prefixes (but the pinned ones). Returns how many blocks were forgotten."""
         return self.engine.reset_prefix_cache()
+
+    def pin_prefix(self, prompt: str | list[int] | dict) -> tuple[int, int]:
+        """Keep a prompt's KV cached for good (LLMEngine.pin_prefix): text, token ids, or
+        {"messages": [...]}. Returns the (tokens, blocks) pinned."""
+        return self.engine.pin_prefix(prompt)
 
     def generate(
         self,

@@ -113,6 +113,7 @@ class ModelRunner:
         collectives inside the sharded layers keep them together) but does not sample."""
         self.model = model
         self.model_config = model_config
+        self._global_groups = [g.window is None for g in model_config.kv_groups()]  # which tables tier loads may write
         self.block_size = cache_config.block_size
         self.device = torch.device(device)
         self.eos_token_ids = eos_token_ids
@@ -272,7 +273,7 @@ class ModelRunner:
         if self.tier is None:
             return self._execute(sched, grammar)
         copied = self._copy_out(sched.tier_stores) if sched.tier_stores else None
-        read_now = {b for e in sched.scheduled for b in e.block_ids} if sched.tier_loads else set()
+        read_now = {b for e in sched.scheduled for b in _global_block_ids(e, self._global_groups)} if sched.tier_loads else set()
         now = [t for t in sched.tier_loads if t.block_id in read_now]
         later = [t for t in sched.tier_loads if t.block_id not in read_now]
         waited = time.perf_counter()
@@ -282,7 +283,7 @@ class ModelRunner:
         waited = time.perf_counter() - waited if now else 0.0
         bad = {block_id for block_id, ok in loaded.items() if not ok}
         if bad:
-            sched, grammar = _without_readers_of(bad, sched, grammar)
+            sched, grammar = _without_readers_of(bad, sched, grammar, self._global_groups)
         out = self._execute(sched, grammar)
         if copied is not None:
             self.tier.submit_writes([t.slot for t in sched.tier_stores], [t.key for t in sched.tier_stores], copied[1])
@@ -466,9 +467,17 @@ class ModelRunner:
         return max(0, peak)
 
 
-def _without_readers_of(bad: set[int], sched: SchedulerOutput, grammar):
+def _global_block_ids(entry: ScheduledRequest, global_groups: list[bool]) -> list[int]:
+    """The ids in a request's tables of global KV groups: the only tables a tier load of this step
+    can write into (a running request loading ahead; with sliding-window groups, requests load
+    while waiting, not scheduled in that step). A window group's table shows block 0 in place of
+    the blocks its window gave back, which is a real block id too: it must not count as a read."""
+    return [b for table, is_global in zip(entry.block_tables, global_groups) if is_global for b in table]
+
+
+def _without_readers_of(bad: set[int], sched: SchedulerOutput, grammar, global_groups: list[bool]):
     """The step without the requests whose tables hold a block in `bad` (and their grammar rows)."""
-    keep = [e for e in sched.scheduled if bad.isdisjoint(e.block_ids)]
+    keep = [e for e in sched.scheduled if bad.isdisjoint(_global_block_ids(e, global_groups))]
     sched = dataclasses.replace(sched, scheduled=keep)
     if grammar is not None:
         kept_ids = {sid for e in keep for sid in e.sample_ids}

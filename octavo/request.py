@@ -56,6 +56,7 @@ class Request:
     admit_step: int = 0  # the scheduler step of its last admission (a resumed request is not a victim soon)
     queued_step: int = 0  # the scheduler step it last entered the waiting queue (cache-aware aging)
     num_passed_over: int = 0  # steps in which a later arrival was admitted while it waited (cache-aware)
+    pin: bool = False  # its prompt's blocks stay in the pool for good once it ends (a pinned prefix)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -83,6 +83,8 @@ class Scheduler:
         self._returned: list[Request] = []  # back from loading: admitted next step, or released
         self._admit_counter = itertools.count(1)
         self._finished_ids: list[str] = []
+        self._blocks_needed: dict[str, int] = {}  # live request -> the most blocks it can hold (check_fits)
+        self._pending_pins: dict[str, int] = {}  # live pin request -> the blocks it pins when it ends
         self._last_num_scheduled_tokens = 0
         self._last_num_scheduled_requests = 0
 
@@ -90,18 +92,22 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. Raises RequestRefused when it could never fit; nothing is kept then."""
-        self.check_fits(request)
+        num_blocks = self.check_fits(request)
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        self._blocks_needed[request.request_id] = num_blocks
+        if request.pin:
+            self._pending_pins[request.request_id] = self.kv_cache.num_blocks_to_pin(request)
         self._sequences.setdefault(request.user_request_id, set()).add(request.request_id)
         if request.beam is not None:
             request.beam.start(request.request_id)
         request.queued_step = self._num_steps
         self.waiting.add(request)
 
-    def check_fits(self, request: Request) -> None:
-        """Raise RequestRefused, saying which limit and by how much, if `request` can never run."""
+    def check_fits(self, request: Request) -> int:
+        """Raise RequestRefused, saying which limit and by how much, if `request` can never run
+        (pinned blocks are not for it); else return the most blocks it can hold."""
         max_len = self.config.max_model_len
         num_prompt = request.num_prompt_tokens
         if num_prompt == 0:
@@ -131,13 +137,38 @@ class Scheduler:
             # beams share blocks while running, but a preempted search recomputes each beam on its
             # own (without prefix caching, sharing nothing): it must fit with no sharing at all
             num_blocks *= request.beam.width
-        if num_blocks > self.kv_cache.num_blocks:
+        if request.pin:
+            self._check_pin_fits(request)
+        # pinned blocks, and those pins not yet computed will hold, are not for it (but those its
+        # prompt starts with)
+        num_pinned = self.kv_cache.num_pinned_blocks + sum(self._pending_pins.values())
+        if num_blocks - self.kv_cache.num_pinned_hits(request) > self.kv_cache.num_blocks - num_pinned:
             block_size = self.kv_cache.block_size
+            pinned = f", {num_pinned} of them pinned" if num_pinned else ""
             raise RequestRefused(
                 f"the request needs up to {total} tokens = {num_blocks} KV blocks of {block_size}, "
-                f"but the whole KV cache has {self.kv_cache.num_blocks} blocks "
+                f"but the whole KV cache has {self.kv_cache.num_blocks} blocks{pinned} "
                 f"({self.kv_cache.num_blocks * block_size} tokens); "
                 "shorten it or give the cache more memory"
+            )
+        return num_blocks
+
+    def _check_pin_fits(self, request: Request) -> None:
+        """Raise RequestRefused if pinning the request's prompt would pass the pinned share, or
+        leave a live request more blocks than the rest of the pool."""
+        kv = self.kv_cache
+        num_new = kv.num_blocks_to_pin(request)
+        num_pinned = kv.num_pinned_blocks + sum(self._pending_pins.values()) + num_new
+        if num_pinned > kv.max_pinned_blocks:
+            raise RequestRefused(
+                f"pinning this prefix would hold {num_pinned} KV blocks, over the pinned share of the pool "
+                f"({kv.max_pinned_blocks} of {kv.num_blocks} blocks); pin less, or raise --pinned-prefix-share"
+            )
+        largest = max(self._blocks_needed.values(), default=0)
+        if largest > kv.num_blocks - num_pinned:
+            raise RequestRefused(
+                f"pinning this prefix would leave {kv.num_blocks - num_pinned} KV blocks, but a live request "
+                f"needs up to {largest}: pin it when that request has ended"
             )
 
     # ---- one step ----------------------------------------------------------------------------
@@ -268,10 +299,7 @@ class Scheduler:
         num_seqs = sum(r.num_samples_pending for r in self.running if r.beam is None)
         num_seqs += sum(g.width for g in groups.values())
         reserved = 0  # free blocks the requests that started loading this step compute into next step
-        ranked = (self.config.policy == "cache-aware" and budget > 0 and len(self.waiting) > 1
-                  and num_seqs < self.config.max_num_seqs)  # else nobody is admitted: the order can wait
-        if ranked:
-            self.waiting.rank(self._cache_aware_key())
+        ranked = self._rank_waiting(budget, num_seqs)
         latest = None  # the latest arrival admitted this step
         headroom = self._growth_blocks(self.config.admission_headroom_steps)  # kept free for the running requests
         while len(self.waiting) and budget > 0:
@@ -338,8 +366,7 @@ class Scheduler:
             scheduled[request.request_id] = self._schedule_one(request, num_new, allocation)
             budget -= num_new
         if ranked and latest is not None:
-            for request in self.waiting:  # passed over by a later arrival: one step nearer the bound
-                request.num_passed_over += request.arrival_time < latest
+            self._count_passed_over(latest)
         return budget
 
     def _growth_blocks(self, num_steps: int) -> int:
@@ -366,6 +393,21 @@ class Scheduler:
         request.admit_step = self._num_steps
         self.num_resumed += request.num_preemptions > 0
         self.running.append(request)
+
+    def _rank_waiting(self, budget: int, num_seqs: int) -> bool:
+        """Cache-aware: order the waiting queue for this step's admissions (not when nobody can be
+        admitted: the order can wait). Returns whether it did."""
+        ranked = (self.config.policy == "cache-aware" and budget > 0 and len(self.waiting) > 1
+                  and num_seqs < self.config.max_num_seqs)
+        if ranked:
+            self.waiting.rank(self._cache_aware_key())
+        return ranked
+
+    def _count_passed_over(self, latest: float) -> None:
+        """Every waiting request that arrived before `latest` (admitted this step) was passed over:
+        one step nearer the bound."""
+        for request in self.waiting:
+            request.num_passed_over += request.arrival_time < latest
 
     def _cache_aware_key(self):
         """The cache-aware order: priority first; then preempted requests and those passed over
@@ -619,6 +661,7 @@ class Scheduler:
         )
         self.kv_cache.fork(leader, child)
         self.requests[child_id] = child
+        self._blocks_needed[child_id] = self._blocks_needed.get(leader.request_id, 0)
         self._sequences.setdefault(child.user_request_id, set()).add(child_id)
         self.running.append(child)
         leader.num_samples_pending = 1
@@ -675,8 +718,12 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finish_time = time.time()
+        if request.pin and reason is not FinishReason.ABORT:
+            self.kv_cache.pin(request)
         self.kv_cache.remove(request)
         del self.requests[request.request_id]
+        self._blocks_needed.pop(request.request_id, None)
+        self._pending_pins.pop(request.request_id, None)
         siblings = self._sequences.get(request.user_request_id)
         if siblings is not None:
             siblings.discard(request.request_id)

@@ -12,42 +12,9 @@ from typing import Any
 
 import httpx
 
-from octavo.bench.serve import RequestRecord, _one, median, round_order
+from octavo.bench.serve import RequestRecord, _one, median, round_order, scrape_counters
 from octavo.simulator.simulator import percentiles
 from octavo.simulator.workload import SimRequest
-
-# the server counters a run reads (Octavo's names; a server without them reports n/a)
-_COUNTERS = {
-    "prompt_tokens": "octavo:prompt_tokens_total",
-    "queries": "octavo:prefix_cache_queries_total",
-    "hits": "octavo:prefix_cache_hits_total",
-    "tier_hits": "octavo:kv_tier_hits_total",
-    "preemptions": "octavo:num_preemptions_total",
-    "recomputed": "octavo:recomputed_tokens_total",
-    "load_wait_s": "octavo:kv_tier_load_wait_seconds_sum",
-    "num_loading": "octavo:kv_tier_load_wait_seconds_count",
-}
-
-
-async def scrape_counters(client: httpx.AsyncClient, base_url: str, headers: dict) -> dict[str, float]:
-    """The server's counters of _COUNTERS (summed over label sets); empty if it has no /metrics."""
-    try:
-        resp = await client.get(base_url.rstrip("/") + "/metrics", headers=headers)
-    except httpx.HTTPError:
-        return {}
-    if resp.status_code != 200:
-        return {}
-    found: dict[str, float] = {}
-    for line in resp.text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        name, value = line.rsplit(" ", 1)
-        name = name.split("{", 1)[0]
-        for key, metric in _COUNTERS.items():
-            if name == metric:
-                found[key] = found.get(key, 0.0) + float(value)
-    return found
-
 
 async def run_conversations(
     base_url: str, conversations: list[list[SimRequest]], think_time: float = 1.0, max_concurrency: int | None = None,

@@ -31,6 +31,7 @@ class RequestRecord:
     output_tokens: int = 0
     chunk_times: list[float] = field(default_factory=list)
     error: str | None = None
+    cold: bool = False  # the workload marked it cold (a prefix nobody else has): reported apart
 
     @property
     def tpot(self) -> float | None:
@@ -45,7 +46,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str | None, w: SimReq
     if model:
         body["model"] = model
     start = time.perf_counter()
-    rec = RequestRecord(ok=False, start=start)
+    rec = RequestRecord(ok=False, start=start, cold=w.cold)
     last = start
     try:
         async with client.stream("POST", url, json=body, headers=headers) as resp:
@@ -117,7 +118,46 @@ async def run_serve_benchmark(
     return list(records), duration
 
 
-def summarise(records: list[RequestRecord], duration: float) -> dict[str, Any]:
+# the server counters a run reads (Octavo's names; a server without them reports n/a)
+_COUNTERS = {
+    "prompt_tokens": "octavo:prompt_tokens_total",
+    "queries": "octavo:prefix_cache_queries_total",
+    "hits": "octavo:prefix_cache_hits_total",
+    "tier_hits": "octavo:kv_tier_hits_total",
+    "preemptions": "octavo:num_preemptions_total",
+    "recomputed": "octavo:recomputed_tokens_total",
+    "repreemptions": "octavo:num_repreemptions_total",
+    "load_wait_s": "octavo:kv_tier_load_wait_seconds_sum",
+    "num_loading": "octavo:kv_tier_load_wait_seconds_count",
+}
+
+
+async def scrape_counters(client: httpx.AsyncClient, base_url: str, headers: dict) -> dict[str, float]:
+    """The server's counters of _COUNTERS (summed over label sets); empty if it has no /metrics."""
+    try:
+        resp = await client.get(base_url.rstrip("/") + "/metrics", headers=headers)
+    except httpx.HTTPError:
+        return {}
+    if resp.status_code != 200:
+        return {}
+    found: dict[str, float] = {}
+    for line in resp.text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, value = line.rsplit(" ", 1)
+        name = name.split("{", 1)[0]
+        for key, metric in _COUNTERS.items():
+            if name == metric:
+                found[key] = found.get(key, 0.0) + float(value)
+    return found
+
+
+def counters_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before.get(k, 0.0) for k in after}
+
+
+def summarise(records: list[RequestRecord], duration: float, server: dict[str, float] | None = None) -> dict[str, Any]:
+    """Latencies and throughput of a run; `server`: its counters' change over the run (scrape_counters)."""
     ok = [r for r in records if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
 
@@ -125,6 +165,8 @@ def summarise(records: list[RequestRecord], duration: float) -> dict[str, Any]:
         return {k: v * 1000 for k, v in percentiles(values).items()}
 
     return {
+        "server": server or {},
+        "cold_ttft_ms": ms([r.ttft for r in ok if r.cold and r.ttft is not None]),
         "completed": len(ok),
         "failed": len(records) - len(ok),
         "errors": sorted({r.error for r in records if r.error})[:5],
@@ -187,17 +229,26 @@ def plot_serve(records: list[RequestRecord], path: str) -> None:
 
 # ---- several servers, side by side ------------------------------------------------------------
 
-COMPARED = (  # (label, summary key, sub-key or None, unit): the figures a comparison reports
-    ("output tok/s", "output_throughput", None, ""),
-    ("TTFT median", "ttft_ms", "p50", " ms"),
-    ("TPOT median", "tpot_ms", "p50", " ms"),
-    ("ITL p90", "itl_ms", "p90", " ms"),
-    ("E2E median", "e2e_ms", "p50", " ms"),
+# (label, summary key, sub-key or None, unit, higher is better): the figures a comparison reports;
+# rows whose figure no server has (a server without /metrics, a workload without cold requests) are left out
+COMPARED = (
+    ("output tok/s", "output_throughput", None, "", True),
+    ("TTFT median", "ttft_ms", "p50", " ms", False),
+    ("TTFT p99", "ttft_ms", "p99", " ms", False),
+    ("TPOT median", "tpot_ms", "p50", " ms", False),
+    ("ITL p90", "itl_ms", "p90", " ms", False),
+    ("E2E median", "e2e_ms", "p50", " ms", False),
+    ("cold TTFT median", "cold_ttft_ms", "p50", " ms", False),
+    ("cold TTFT p99", "cold_ttft_ms", "p99", " ms", False),
+    ("prompt tokens reused (server)", "server", "hits", "", True),
+    ("prompt tokens computed (server)", "server", "prompt_tokens", "", False),
+    ("preemptions (server)", "server", "preemptions", "", False),
+    ("tokens recomputed (server)", "server", "recomputed", "", False),
 )
 
 
 def figure(summary: dict[str, Any], key: str, sub: str | None) -> float:
-    value = summary[key] if sub is None else summary[key].get(sub, math.nan)
+    value = summary.get(key, math.nan) if sub is None else summary.get(key, {}).get(sub, math.nan)
     return float(value)
 
 
@@ -217,12 +268,16 @@ async def compare_servers(
     round fresh prompts: both servers cache prefixes, so a repeated prompt would be a cache hit.
     Returns label -> one summary per round."""
     results: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in targets}
-    for r, workload in enumerate(rounds):
-        for label, url in round_order(targets, r):
-            if warmup:
-                await run_serve_benchmark(url, warmup, **{**kwargs, "request_rate": float("inf"), "progress": False})
-            records, duration = await run_serve_benchmark(url, workload, **kwargs)
-            results[label].append(summarise(records, duration))
+    headers = {"Authorization": f"Bearer {kwargs['api_key']}"} if kwargs.get("api_key") else {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0)) as client:
+        for r, workload in enumerate(rounds):
+            for label, url in round_order(targets, r):
+                if warmup:
+                    await run_serve_benchmark(url, warmup, **{**kwargs, "request_rate": float("inf"), "progress": False})
+                before = await scrape_counters(client, url, headers)
+                records, duration = await run_serve_benchmark(url, workload, **kwargs)
+                server = counters_delta(before, await scrape_counters(client, url, headers))
+                results[label].append(summarise(records, duration, server))
     return results
 
 
@@ -242,13 +297,15 @@ def format_comparison(results: dict[str, list[dict[str, Any]]]) -> str:
     rounds = len(results[first])
     head = ["figure (median of %d)" % rounds, *labels] + [f"{first} vs {other}" for other in labels[1:]]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    for name, key, sub, unit in COMPARED:
+    for name, key, sub, unit, higher_better in COMPARED:
         meds = {label: median([figure(s, key, sub) for s in results[label]]) for label in labels}
+        if all(math.isnan(v) for v in meds.values()):
+            continue
         row = [name] + [f"{meds[label]:,.1f}{unit}" for label in labels]
         for other in labels[1:]:
             a, b = meds[first], meds[other]
-            ratio = a / b if sub is None else b / a
-            row.append(f"{ratio:.2f}x" if b and a and not math.isnan(ratio) else "n/a")
+            ratio = (a / b if higher_better else b / a) if a and b else math.nan
+            row.append("n/a" if math.isnan(ratio) else f"{ratio:.2f}x")
         lines.append("| " + " | ".join(row) + " |")
     failed = [f"{label}: {sum(s['failed'] for s in results[label])} of {sum(s['failed'] + s['completed'] for s in results[label])}" for label in labels]
     lines.append("")

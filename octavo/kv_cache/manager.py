@@ -150,6 +150,10 @@ class KVCacheManager:
         # request freed meanwhile are orphans, their blocks kept until the runner is done with them.
         self._run_loads: dict[str, tuple[int, int, list[tuple[KVCacheBlock, TierKey]]]] = {}
         self._orphan_loads: list[tuple[KVCacheBlock, TierKey]] = []
+        # Pinned prefixes: blocks held by no request, never evicted (each with its hash-map key,
+        # kept through a reset of the prefix cache); at most `max_pinned_blocks` of them.
+        self._pinned: list[tuple[KVCacheBlock, object]] = []
+        self.max_pinned_blocks = 0
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -510,8 +514,64 @@ class KVCacheManager:
         self._hashes.pop(request.request_id, None)
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached block of the pool and of the second tier. Returns how many."""
-        return self.pool.reset_prefix_cache() + (self.tier.clear() if self.tier is not None else 0)
+        """Forget every cached block of the pool and of the second tier, but the pinned prefixes'.
+        Returns how many."""
+        num_forgotten = self.pool.reset_prefix_cache() + (self.tier.clear() if self.tier is not None else 0)
+        for block, key in self._pinned:
+            self.pool.cache_block(block, key)
+        return num_forgotten - len(self._pinned)
+
+    # ---- pinned prefixes ---------------------------------------------------------------------
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len(self._pinned)
+
+    def pinned_block_ids(self) -> list[int]:
+        return [block.block_id for block, _ in self._pinned]
+
+    def num_pinned_hits(self, request: Request) -> int:
+        """Blocks of a request's table that would be pinned blocks (its prompt starts with a
+        pinned prefix): they take nothing from the rest of the pool. Changes nothing."""
+        if not self._pinned:
+            return 0
+        keys = {key for _, key in self._pinned}
+        hashes = self._block_hashes(request)[: request.num_prompt_tokens // self.block_size]
+        num = next((i for i, h in enumerate(hashes) if h not in keys), len(hashes))
+        return num * sum(w is None for w in self.group_windows)
+
+    def num_blocks_to_pin(self, request: Request) -> int:
+        """Blocks `pin` would add for a request that computes its whole prompt: its prompt's full
+        blocks (per KV group) not pinned already."""
+        pinned = {key for _, key in self._pinned}
+        hashes = self._block_hashes(request)[: request.num_prompt_tokens // self.block_size]
+        return sum(self._key(g, h) not in pinned for g in range(self.num_groups) for h in hashes)
+
+    def pin(self, request: Request) -> int:
+        """Keep the full blocks of the request's prompt (it is ending) in the pool for good: held by
+        no request, never evicted, found by every later prefix lookup; at most up to
+        `max_pinned_blocks` in all (check `num_blocks_to_pin` first). Blocks already pinned are not
+        counted twice. Returns how many blocks were pinned."""
+        pinned = {key for _, key in self._pinned}
+        new = []
+        num_prompt_blocks = request.num_prompt_tokens // self.block_size  # its output is not part of the prefix
+        for table in self._tables.get(request.request_id, []):
+            for block in table.blocks[table.num_dropped : num_prompt_blocks]:
+                key = None if block is None else block.block_hash
+                if key is not None and key not in pinned and self.pool.lookup(key) is block:
+                    new.append((block, key))
+                    pinned.add(key)
+        new = new[: max(0, self.max_pinned_blocks - len(self._pinned))]
+        self.pool.touch([block for block, _ in new])
+        self._pinned.extend(new)
+        return len(new)
+
+    def unpin_all(self) -> int:
+        """Let every pinned block go (they stay cached, evictable as any other). Returns how many."""
+        blocks = [block for block, _ in self._pinned]
+        self._pinned = []
+        self.pool.free(blocks[::-1])
+        return len(blocks)
 
     # ---- the second tier ---------------------------------------------------------------------
 
@@ -788,6 +848,7 @@ class KVCacheManager:
         held_lists += list(self._prefetched.values())
         held_lists += [[block for block, _ in loads] for loads in self._loading.values()]
         held_lists.append([block for block, _ in self._orphan_loads])
+        held_lists.append([block for block, _ in self._pinned])
         for blocks in held_lists:
             for block in blocks:
                 holders[block.block_id] = holders.get(block.block_id, 0) + 1

@@ -140,9 +140,11 @@ class _Proxy:
         except (ValueError, RecursionError):
             body = None
         text = prompt_text(body)
+        key = body.get("prompt_cache_key") if isinstance(body, dict) else None
+        key = key if isinstance(key, str) and key else None
         tried: set[str] = set()
         while True:
-            choice = self.router.choose(text, exclude=tried)
+            choice = self.router.choose(text, exclude=tried, key=key)
             if choice is None:
                 return self.no_replica("no healthy replica" if not tried else f"no replica answered (tried {len(tried)})")
             replica = choice.replica

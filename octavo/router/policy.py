@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 CHUNK_CHARS = 64  # text per tree node: about 16 tokens, one KV block of the replicas
 POLICIES = ("cache-aware", "round-robin", "least-load")
+MAX_CACHE_KEYS = 65536  # prompt_cache_key values remembered (least recently used forgotten first)
 
 
 def chunk_hashes(text: str) -> list[bytes]:
@@ -81,24 +82,51 @@ class Router:
         self.policy = policy
         self.cache_threshold, self.balance_abs, self.balance_rel = cache_threshold, balance_abs, balance_rel
         self._turn = itertools.count()
+        # prompt_cache_key -> the replica its requests went to, least recently used first (bounded)
+        self._keys: OrderedDict[str, str] = OrderedDict()
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.healthy]
 
-    def choose(self, text: str, exclude: set[str] = frozenset()) -> Choice | None:
+    def choose(self, text: str, exclude: set[str] = frozenset(), key: str | None = None) -> Choice | None:
         """A replica for a prompt whose text is `text` (None when no healthy one is left). Inserts
-        the prompt into the chosen replica's tree (cache-aware)."""
+        the prompt into the chosen replica's tree (cache-aware). `key` (OpenAI's prompt_cache_key):
+        cache-aware sends requests of one key to one replica while it is healthy and loads are even,
+        whatever their text (the client says they share a prefix)."""
         live = [r for r in self.healthy() if r.url not in exclude]
         if not live:
             return None
+        if key is not None and self.policy == "cache-aware":
+            choice = self._choose_by_key(text, key, live)
+            self._keys[key] = choice.replica.url
+            self._keys.move_to_end(key)
+            if len(self._keys) > MAX_CACHE_KEYS:
+                self._keys.popitem(last=False)
+            return choice
+        return self._choose(text, live)
+
+    def _choose_by_key(self, text: str, key: str, live: list[Replica]) -> Choice:
+        url = self._keys.get(key)
+        replica = next((r for r in live if r.url == url), None)
+        if replica is None or self._is_uneven(live) and replica.in_flight == max(r.in_flight for r in live):
+            return self._choose(text, live)
+        path = chunk_hashes(text)
+        hit = replica.tree.match(path)
+        replica.tree.insert(path)
+        return Choice(replica, hit * CHUNK_CHARS)
+
+    def _is_uneven(self, live: list[Replica]) -> bool:
+        loads = [r.in_flight for r in live]
+        return max(loads) - min(loads) > self.balance_abs and max(loads) > self.balance_rel * min(loads)
+
+    def _choose(self, text: str, live: list[Replica]) -> Choice:
         if self.policy == "round-robin":
             return Choice(live[next(self._turn) % len(live)], 0)
         least = min(live, key=lambda r: r.in_flight)
         if self.policy == "least-load":
             return Choice(least, 0)
         path = chunk_hashes(text)
-        loads = [r.in_flight for r in live]
-        uneven = max(loads) - min(loads) > self.balance_abs and max(loads) > self.balance_rel * min(loads)
+        uneven = self._is_uneven(live)
         best = max(live, key=lambda r: (r.tree.match(path), -r.in_flight))
         matched = best.tree.match(path)
         if uneven:

@@ -136,6 +136,9 @@ class _SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    # OpenAI's hint that requests share a prefix: `octavo router` sends requests of one key to one
+    # replica; a replica's own prefix cache finds the shared blocks by their content either way
+    prompt_cache_key: str | None = Field(None, max_length=1024)
     priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
     user: str | None = Field(None, max_length=MAX_USER_CHARS)
     logit_bias: dict[str, Any] | None = Field(None, max_length=1024)

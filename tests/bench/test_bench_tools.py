@@ -80,7 +80,12 @@ def test_compare_runs_each_round_on_every_server_and_tabulates_medians(live_serv
     assert all(s["completed"] == 2 and s["failed"] == 0 and s["output_tokens"] == 6 for runs in results.values() for s in runs)
     table = format_comparison(results)
     assert "| figure (median of 3) | a | b | a vs b |" in table and "failed requests: a: 0 of 6, b: 0 of 6" in table
-    assert table.count("x |") == 5  # a ratio in every figure's row
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
+    for name in ("output tok/s", "TTFT median", "TPOT median", "ITL p90", "E2E median", "prompt tokens computed (server)"):
+        assert rows[name].endswith("x |"), rows[name]  # a ratio
+    assert "cold TTFT median" not in rows  # no request of the workload is cold
+    # the server's own counters over each run: 2 prompts of 10 tokens (and nothing reused: fresh prompts)
+    assert all(s["server"]["prompt_tokens"] == 20 and s["server"]["hits"] == 0 for runs in results.values() for s in runs)
 
 
 def test_comparison_table_medians_and_ratios():

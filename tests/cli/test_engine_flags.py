@@ -40,3 +40,22 @@ def test_gpu_flags_reach_engine_args_and_the_config():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="sees no CUDA device.*--device cpu or auto"):
             resolve_device("cuda")
+
+
+def test_cache_aware_scheduling_flags_reach_the_scheduler_config():
+    args = build_parser().parse_args(["serve", "--scheduling-policy", "cache-aware", "--max-wait-steps", "7", "--dtype", "float32",
+                                      "--preemption-victim", "newest", "--admission-headroom-steps", "0",
+                                      "--pinned-prefix", "a.txt", "b.json", "--pinned-prefix-share", "0.1"])
+    got = EngineArgs(**engine_kwargs(args))
+    assert got.pinned_prefix == ("a.txt", "b.json") and got.pinned_prefix_share == 0.1
+    from tests.test_memory import SMOL
+
+    cfg = got.to_config(SMOL)
+    sched = cfg.scheduler
+    assert (sched.policy, sched.max_wait_steps, sched.preemption_victim, sched.admission_headroom_steps) == (
+        "cache-aware", 7, "newest", 0)
+    assert cfg.cache.pinned_prefix_share == 0.1
+    import pytest
+
+    with pytest.raises(ValueError, match="need prefix caching"):
+        EngineArgs(pinned_prefix=("a.txt",), enable_prefix_caching=False)

@@ -201,3 +201,27 @@ def test_vllm_prompt_dicts_and_python_dash_m(make_llm, smol_tokenizer):
         llm.generate([{"prompt": "a", "multi_modal_data": {}}], params, use_tqdm=False)
     out = subprocess.run([sys.executable, "-m", "octavo", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "serve" in out.stdout
+
+
+def test_pinned_prefix_files_text_and_chat_messages(make_llm, tmp_path, caplog):
+    """--pinned-prefix: a text file pinned as a completion prompt, a JSON file of messages as the
+    chat template renders them; a chat request with that system prompt hits the pinned blocks;
+    past the share, a clear refusal that pins nothing."""
+    import json
+    import logging
+
+    system = "You are the museum's guide. Answer in one short sentence, naming the room. " * 6
+    (tmp_path / "doc.txt").write_text(PROMPT * 8)
+    (tmp_path / "chat.json").write_text(json.dumps({"messages": [{"role": "system", "content": system}]}))
+    llm = make_llm(num_kv_blocks=64)
+    with caplog.at_level(logging.INFO, logger="octavo"):
+        llm.engine.pin_prefix_files((str(tmp_path / "doc.txt"), str(tmp_path / "chat.json")))
+    kv = llm.engine.scheduler.kv_cache
+    assert "pinned prefixes: doc.txt (" in caplog.text and "chat.json (" in caplog.text
+    assert f"{kv.num_pinned_blocks} of the pool's 64 blocks (at most 16" in caplog.text and kv.num_pinned_blocks > 4
+    out = llm.chat([{"role": "system", "content": system}, {"role": "user", "content": "Where is the clock?"}],
+                   SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert out.num_cached_tokens >= 64
+    with pytest.raises(ValueError, match="pinned share of the pool"):
+        llm.pin_prefix(list(range(1000, 1000 + 16 * 20)))
+    assert kv.num_pinned_blocks <= 16 and kv.check_invariants() == []

@@ -144,6 +144,21 @@ def test_cache_aware_policy_on_a_tiny_pool(make_llm, prompts, refs, shared_promp
     check_all(outs[len(shared_prompts) :], refs, f"cache-aware, {victim} victim")
 
 
+def test_a_pinned_prefix_survives_a_flood_and_keeps_tokens(make_llm, shared_prompts, shared_refs):
+    """The shared prompts' 300-token prefix pinned (18 full blocks of a 32-block pool), then a
+    flood of unique prompts 10x the pool: every shared prompt still hits the whole pinned prefix,
+    and its tokens equal transformers'."""
+    llm = make_llm(num_kv_blocks=32, max_num_batched_tokens=256, pinned_prefix_share=0.6)
+    assert llm.pin_prefix(shared_prompts[0][:300]) == (288, 18)
+    flood = [[(7919 * i + 31 * j) % 40000 + 100 for j in range(160)] for i in range(32)]  # 32 x 10 blocks
+    llm.generate(flood, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False)
+    kv = llm.engine.scheduler.kv_cache
+    assert kv.num_pinned_blocks == 18 and kv.check_invariants() == []
+    outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in shared_prompts]
+    assert all(o.num_cached_tokens >= 288 for o in outs), [o.num_cached_tokens for o in outs]
+    check_all(outs, shared_refs, "pinned prefix after a flood")
+
+
 @pytest.mark.parametrize("caching", [True, False])
 def test_shared_prefixes(make_llm, shared_prompts, shared_refs, caching):
     llm = make_llm(enable_prefix_caching=caching, max_num_batched_tokens=512)

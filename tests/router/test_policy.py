@@ -50,3 +50,16 @@ def test_unhealthy_and_excluded_replicas_are_skipped():
     assert r.choose(A, exclude={"http://a", "http://b"}) is None
     with pytest.raises(ValueError, match="policy must be one of"):
         Router(["http://a"], "random")
+
+
+def test_prompt_cache_key_keeps_a_key_on_one_replica_whatever_the_text():
+    r = Router(["http://a", "http://b"], "cache-aware")
+    home = r.choose(A + "q", key="tenant-1").replica
+    # different texts (each would otherwise go to the replica holding the least) follow the key
+    assert {r.choose(f"unrelated prompt {i} " * 20, key="tenant-1").replica.url for i in range(6)} == {home.url}
+    assert r.choose(B, key="tenant-2").replica is not home  # a new key: chosen as usual (the emptier replica)
+    home.in_flight = 100  # uneven loads win over the key, as over a prefix match
+    r.balance_abs = 2
+    assert r.choose(A + "q", key="tenant-1").replica is not home
+    home.in_flight, home.healthy = 0, False
+    assert r.choose(A + "q", key="tenant-1").replica is not home

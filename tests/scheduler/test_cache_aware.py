@@ -1,5 +1,6 @@
 """Cache-aware admission (reused tokens, aging, the wait bound) and the cheapest-victim rule."""
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -8,7 +9,7 @@ from octavo.kv_cache.manager import KVCacheManager
 from octavo.kv_cache.tier import TierIndex
 from octavo.outputs import ModelRunnerOutput, SchedulerOutput
 from octavo.request import FinishReason, RequestStatus
-from octavo.scheduler import Scheduler
+from octavo.scheduler import RequestRefused, Scheduler
 from tests.helpers import make_request
 
 BS = 4
@@ -235,3 +236,58 @@ def test_admission_keeps_room_for_the_running_requests_to_grow():
         s.add_request(make_request("b", 6, max_tokens=2))
         step(s)
         assert (s.requests["b"].status is RequestStatus.RUNNING) is admitted, headroom
+
+
+def pinned_scheduler(share_blocks: int = 4) -> Scheduler:
+    s = make_scheduler(num_blocks=12)
+    s.kv_cache.max_pinned_blocks = share_blocks
+    pin = make_request("pin", PREFIX + [9], max_tokens=1)  # 3 full blocks
+    pin.pin = True
+    s.add_request(pin)
+    run_until_done(s)
+    return s
+
+
+def test_a_pinned_prefix_hits_fully_after_a_flood_ten_times_the_pool():
+    s = pinned_scheduler()
+    kv = s.kv_cache
+    assert kv.num_pinned_blocks == 3 and kv.num_free_blocks == 12 - 3
+    for i in range(40):  # 40 unique prompts of 3 blocks + 1: 10x the pool's 12 blocks
+        s.add_request(make_request(f"flood{i}", 13, max_tokens=2))
+    run_until_done(s, max_steps=2000)
+    probe = make_request("probe", PREFIX + [4, 5])
+    assert kv.get_computed_blocks(probe).num_tokens(BS) == 12  # the whole prefix, from the pool
+    assert kv.reset_prefix_cache() >= 0 and kv.get_computed_blocks(probe).num_tokens(BS) == 12  # a reset keeps it
+    assert kv.check_invariants() == []
+    assert kv.unpin_all() == 3 and kv.num_free_blocks == 12
+
+
+def test_without_pinning_the_flood_evicts_the_prefix():
+    s = make_scheduler(num_blocks=12)
+    warm(s)
+    for i in range(40):
+        s.add_request(make_request(f"flood{i}", 13, max_tokens=2))
+    run_until_done(s, max_steps=2000)
+    assert s.kv_cache.get_computed_blocks(make_request("probe", PREFIX + [4, 5])).num_tokens(BS) == 0
+
+
+def test_pinning_past_the_share_is_refused_and_pinning_twice_holds_no_more():
+    s = pinned_scheduler(share_blocks=4)
+    again = make_request("again", PREFIX + [8], max_tokens=1)
+    again.pin = True
+    s.add_request(again)  # the same 3 blocks: nothing new to hold
+    run_until_done(s)
+    assert s.kv_cache.num_pinned_blocks == 3
+    other = make_request("other", list(range(700, 708)) + [1], max_tokens=1)  # 2 new blocks: 5 > 4
+    other.pin = True
+    with pytest.raises(RequestRefused, match="pinned share of the pool"):
+        s.add_request(other)
+    assert "other" not in s.requests
+
+
+def test_pinned_blocks_are_not_for_a_request_unless_its_prompt_starts_with_them():
+    s = pinned_scheduler()  # 3 of 12 blocks pinned
+    s.add_request(make_request("starts-with-it", PREFIX + list(range(30)), max_tokens=1))  # 11 blocks, 3 of them pinned
+    with pytest.raises(RequestRefused, match="12 blocks, 3 of them pinned"):
+        s.add_request(make_request("unrelated", 42, max_tokens=1))  # 11 blocks of its own: 9 are left
+    run_until_done(s)

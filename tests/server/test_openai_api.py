@@ -269,3 +269,14 @@ def test_logit_bias_forces_a_token_and_out_of_range_is_refused(client, smol_toke
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, logit_bias={str(token): 150})
     assert err.value.body["param"] == "logit_bias"
+
+
+def test_prompt_cache_key_is_accepted_and_bounded(client, live_server):
+    # the openai client's own parameter (OpenAI: requests of one key share a prefix)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=0, prompt_cache_key="support-bot-v2")
+    assert chat.usage.completion_tokens == 3
+    with pytest.raises(openai.BadRequestError, match="prompt_cache_key"):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"prompt_cache_key": "k" * 1025})
+    names = metrics(live_server.url)
+    assert "octavo:num_repreemptions_total{}" in names and "octavo:num_resumed_total{}" in names

@@ -69,6 +69,7 @@ class ResponsesRequest(_Body):
     truncation: Literal["disabled", "auto"] | None = None
     priority: int = 0
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    prompt_cache_key: str | None = Field(None, max_length=1024)  # accepted; `octavo router` routes by it
 
     @field_validator("metadata")
     @classmethod
