@@ -127,6 +127,7 @@ def run_octavo(
             "steps": stats.num_steps,
             "recomputed_tokens": s.num_recomputed_tokens,
             "repreemptions": s.num_repreemptions,
+            "most_preemptions_of_one": max((o.metrics.num_preemptions for o in outputs.values()), default=0),
             "resumed": s.num_resumed,
             "prompt_tokens_reused": s.prefix_cache_hits,
             "tier_blocks_stored": s.tier_blocks_stored,
@@ -217,7 +218,8 @@ def format_results(results: list[ThroughputResult]) -> str:
                 f"octavo: preemptions {e['preemptions']}, prefix-cache hit rate {e['prefix_cache_hit_rate']:.1%}, "
                 f"prompt tokens computed {e['prompt_tokens_computed']}, mean batch {e['mean_batch_size']:.1f}, "
                 f"mean KV utilisation {e['mean_kv_utilisation']:.1%}, mean TTFT {e['mean_ttft_s']:.2f} s, steps {e['steps']}, "
-                f"tokens recomputed after preemption {e['recomputed_tokens']}"
+                f"tokens recomputed after preemption {e['recomputed_tokens']}, re-preemptions {e['repreemptions']} "
+                f"(most of one request: {e['most_preemptions_of_one']} preemptions)"
                 + (f", KV tier blocks stored {e['tier_blocks_stored']} / loaded {e['tier_blocks_loaded']}"
                    if e["tier_blocks_stored"] else "")
             )

@@ -61,8 +61,10 @@ def test_triton_backend_tokens_equal_reference(num_heads, num_kv_heads, block_si
     assert generate(hf, tokenizer, "triton", prompts, **kwargs)[0] == expected
     if not preempt:
         return
-    # a pool too small for all at once: requests are preempted and recomputed
-    tight = dict(block_size=block_size, max_num_batched_tokens=24, num_kv_blocks=(50 // block_size) + 2)
+    # a pool too small for all at once: requests are preempted and recomputed (admission without
+    # headroom for the running requests, so that it fills the pool and preempts)
+    tight = dict(block_size=block_size, max_num_batched_tokens=24, num_kv_blocks=(50 // block_size) + 2,
+                 admission_headroom_steps=0)
     tokens, num_preemptions = generate(hf, tokenizer, "triton", prompts, **tight)
     assert tokens == expected and num_preemptions > 0
 
