@@ -301,7 +301,7 @@ class Scheduler:
         reserved = 0  # free blocks the requests that started loading this step compute into next step
         ranked = self._rank_waiting(budget, num_seqs)
         latest = None  # the latest arrival admitted this step
-        headroom = self._growth_blocks(self.config.admission_headroom_steps)  # kept free for the running requests
+        headroom = self._growth_blocks(self.config.admission_headroom_steps) if len(self.waiting) and budget > 0 else 0
         while len(self.waiting) and budget > 0:
             request = self.waiting.peek()
             if request.beam is not None:  # a search holds beam_width sequences once it forks
