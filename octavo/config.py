@@ -176,6 +176,36 @@ class CacheConfig:
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "cache-aware")
 PREEMPTION_VICTIMS = ("cheapest", "newest")
+SPECULATIVE_METHODS = ("ngram", "suffix")
+DEFAULT_SPEC_MAX_BATCH = 4  # decoding requests above which no step drafts (docs/BENCHMARKS.md)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding: each decoding request's next step also computes up to
+    `num_speculative_tokens` drafted tokens, and keeps those the model agrees with."""
+
+    method: str = "ngram"  # ngram: prompt lookup in the request's own tokens; suffix: + recent requests'
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2  # n-gram sizes matched (longest first)
+    prompt_lookup_max: int = 4
+    # back-off: no drafts while more than this many requests decode (a wide step already reads the
+    # weights for many tokens: verifying drafts there costs compute, not reads)
+    max_batch: int = DEFAULT_SPEC_MAX_BATCH
+    # back-off per request: after a verification that accepts nothing, it skips drafting for
+    # 1, 2, 4, ... steps (up to this many); an accepted draft resets it
+    max_backoff_steps: int = 16
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.max_batch < 1 or self.max_backoff_steps < 0:
+            raise ValueError("speculative max_batch must be >= 1 and max_backoff_steps >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +235,7 @@ class SchedulerConfig:
     # take over their next this-many tokens (0: admit while any block is free, vLLM's rule):
     # admitting into memory the running requests are about to need is what makes preemptions
     admission_headroom_steps: int = DEFAULT_ADMISSION_HEADROOM_STEPS
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

@@ -77,6 +77,7 @@ class LLMEngine:
             kv.swap_preempted = self._swap_is_cheaper(self.config)
         kv.max_pinned_blocks = int(config.cache.pinned_prefix_share * sizing.num_blocks)
         self.scheduler = Scheduler(config.scheduler, kv)
+        self.scheduler.draft_filter = self._grammar_draft_prefix
         self._pin_counter = itertools.count()
         self.structured = StructuredOutputManager(tokenizer, config.model_config.vocab_size, self.eos_token_ids,
                                                   config.grammar_cache_bytes)
@@ -355,7 +356,7 @@ class LLMEngine:
         result = self.executor.execute(sched_out, self._grammar_masks(sched_out))
         changed = self.scheduler.update(sched_out, result)
         self._num_steps += 1
-        self._num_generation_tokens += len(result.sampled)
+        self._num_generation_tokens += len(result.sampled) + sum(len(t) for t in result.spec_tokens.values())
         self._num_prompt_tokens += sum(
             max(0, min(e.start_pos + e.num_tokens, len(e.prompt_token_ids)) - e.start_pos) for e in sched_out.scheduled
         )
@@ -369,15 +370,26 @@ class LLMEngine:
 
     def _grammar_masks(self, sched_out) -> tuple[list[str], torch.Tensor] | None:
         """The token bitmask of every sequence that samples this step under a structured-output
-        grammar (an n > 1 request's new sequences start from the prompt, with no output yet)."""
+        grammar (an n > 1 request's new sequences start from the prompt, with no output yet); a
+        sequence verifying k drafts has k + 1 rows, one per position."""
         rows = [
             (sample.seq_id, e.sampling_params.structured_outputs, sample.output_token_ids)
             for e in sched_out.scheduled if e.sampling_params.structured_outputs is not None
-            for sample in e.samples
+            for sample in e.samples for _ in range(len(sample.draft_token_ids) + 1)
         ]
         if not rows:
             return None
-        return [sid for sid, _, _ in rows], self.structured.bitmask(rows)
+        drafts = {sample.seq_id: sample.draft_token_ids for e in sched_out.scheduled
+                  if e.sampling_params.structured_outputs is not None for sample in e.samples if sample.draft_token_ids}
+        return [sid for sid, _, _ in rows], self.structured.bitmask(rows, drafts)
+
+    def _grammar_draft_prefix(self, request, drafts: list[int]) -> list[int]:
+        """The drafts a request may verify: all of them, or under a structured-output grammar
+        the prefix its grammar accepts (the scheduler calls this as it drafts)."""
+        params = request.sampling_params.structured_outputs
+        if params is None:
+            return drafts
+        return self.structured.draft_prefix(request.request_id, params, request.output_token_ids, drafts)
 
     def get_stats(self) -> EngineStats:
         return EngineStats(

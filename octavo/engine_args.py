@@ -10,12 +10,15 @@ from octavo.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_MAX_WAIT_STEPS,
+    DEFAULT_SPEC_MAX_BATCH,
     PREEMPTION_VICTIMS,
     SCHEDULING_POLICIES,
+    SPECULATIVE_METHODS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -80,6 +83,14 @@ class EngineArgs:
         "help": "admit a waiting request only while the KV cache keeps room for the running requests' next N "
                 "tokens each (0: admit while any block is free, vLLM's rule); fewer preemptions, fewer tokens "
                 "recomputed"})
+    speculative_method: str | None = field(default=None, metadata={
+        "help": "speculative decoding (default: off): ngram (drafts from the request's own prompt and output: "
+                "prompt lookup) or suffix (from its own tokens and recent requests'); each decoding step also "
+                "verifies the drafts and keeps those the model agrees with: greedy output is unchanged, sampled "
+                "output keeps its distribution", "choices": SPECULATIVE_METHODS})
+    num_speculative_tokens: int = field(default=4, metadata={"help": "most drafted tokens verified per request per step"})
+    speculative_max_batch: int = field(default=DEFAULT_SPEC_MAX_BATCH, metadata={
+        "help": "no drafts while more than this many requests decode (a wide step gains little from them)"})
     dtype: str = field(default="auto", metadata={
         "help": "activations, dense weights and KV cache. auto: float32 for quantized weights (the C++ "
                 "kernels' input); for dense weights bfloat16 where the CPU has bf16 units (AVX512_BF16 or "
@@ -184,6 +195,10 @@ class EngineArgs:
                 preemption_victim=self.preemption_victim,
                 admission_headroom_steps=self.admission_headroom_steps,
                 max_loras=self.max_loras if self.enable_lora else None,
+                speculative=SpeculativeConfig(
+                    method=self.speculative_method, num_speculative_tokens=self.num_speculative_tokens,
+                    max_batch=self.speculative_max_batch,
+                ) if self.speculative_method is not None else None,
             ),
             dtype=self.dtype,
             device=resolve_device(self.device),

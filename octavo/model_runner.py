@@ -362,22 +362,20 @@ class ModelRunner:
 
         last_rows: list[int] = []  # the hidden-state row each sample reads: its request's last token
         rows: list[SamplingRow] = []
-        seq_ids: list[str] = []
+        seq_ids: list[str] = []  # per sampling row (a sequence with k drafts has k + 1 rows, in order)
         offset = 0
         for e in entries:
             offset += e.num_tokens
             for row in e.samples:
-                last_rows.append(offset - 1)
-                seq_ids.append(row.seq_id)
-                rows.append(
-                    SamplingRow(
-                        params=e.sampling_params,
-                        prompt_token_ids=e.prompt_token_ids,
-                        output_token_ids=row.output_token_ids,
-                        eos_token_ids=self.eos_token_ids,
-                        generator=self._generator(row.seq_id, e.sampling_params.seed, row.sample_index) if self.rank == 0 else None,
-                    )
-                )
+                generator = self._generator(row.seq_id, e.sampling_params.seed, row.sample_index) if self.rank == 0 else None
+                num_drafts = len(row.draft_token_ids)
+                for j in range(num_drafts + 1):  # position j samples as if drafts[:j] were output
+                    last_rows.append(offset - 1 - num_drafts + j)
+                    seq_ids.append(row.seq_id)
+                    output = row.output_token_ids + row.draft_token_ids[:j] if j else row.output_token_ids
+                    rows.append(SamplingRow(params=e.sampling_params, prompt_token_ids=e.prompt_token_ids,
+                                            output_token_ids=output, eos_token_ids=self.eos_token_ids,
+                                            generator=generator))
         row_index = torch.tensor(last_rows, dtype=torch.long, device=self.device) if rows else None
         if self.graphs is not None and self.graphs.can_run(input_ids.shape[0], meta):
             hidden = self.graphs.run(input_ids, positions, meta)  # [num_tokens, hidden]
@@ -391,15 +389,27 @@ class ModelRunner:
             return ModelRunnerOutput(sampled={})
         allowed = None
         if grammar is not None and grammar[0]:
-            position = {sid: i for i, sid in enumerate(seq_ids)}
-            masked_rows = torch.tensor([position[sid] for sid in grammar[0]], dtype=torch.long, device=self.device)
-            allowed = (masked_rows, grammar[1])
-        tokens, logprobs = sample(logits, rows, allowed)
-        return ModelRunnerOutput(
-            sampled=dict(zip(seq_ids, tokens)),
-            logprobs={sid: lp for sid, lp in zip(seq_ids, logprobs) if lp is not None},
-            prompt_logprobs=prompt_logprobs,
-        )
+            allowed = (torch.tensor(_grammar_rows(seq_ids, grammar[0]), dtype=torch.long, device=self.device), grammar[1])
+        spec = {e.samples[0].seq_id: e.samples[0].draft_token_ids for e in entries if e.samples and e.samples[0].draft_token_ids}
+        states: dict[int, object] | None = {i: None for i, sid in enumerate(seq_ids) if sid in spec} if spec else None
+        tokens, logprobs = sample(logits, rows, allowed, states)
+        out = ModelRunnerOutput(sampled={}, prompt_logprobs=prompt_logprobs)
+        i = 0
+        while i < len(seq_ids):
+            sid, drafts = seq_ids[i], spec.get(seq_ids[i], ())
+            num_kept = _num_agreeing(tokens[i : i + len(drafts)], drafts) + 1  # the drafts agreed with, then one
+            out.sampled[sid] = tokens[i]
+            if logprobs[i] is not None:
+                out.logprobs[sid] = logprobs[i]
+            if drafts:
+                out.spec_tokens[sid] = tokens[i + 1 : i + num_kept]
+                if logprobs[i] is not None:
+                    out.spec_logprobs[sid] = logprobs[i + 1 : i + num_kept]
+                state = states.get(i + num_kept - 1)
+                if state is not None and num_kept <= len(drafts):  # its generator as if it had drawn only for the kept
+                    self._generators[sid].set_state(state)
+            i += len(drafts) + 1
+        return out
 
     def _prompt_logprobs(self, entries: list[ScheduledRequest], hidden: torch.Tensor) -> dict[str, tuple[int, list[TokenLogprob]]]:
         """For requests asking prompt_logprobs: the logprob of each prompt token this step's chunk
@@ -465,6 +475,28 @@ class ModelRunner:
         self._workspace = None
         torch.cuda.empty_cache()
         return max(0, peak)
+
+
+def _num_agreeing(sampled: list[int], drafts: list[int]) -> int:
+    """How many drafts, from the first, equal the tokens sampled at their positions."""
+    num = 0
+    while num < len(drafts) and sampled[num] == drafts[num]:
+        num += 1
+    return num
+
+
+def _grammar_rows(seq_ids: list[str], grammar_ids: list[str]) -> list[int]:
+    """The sampling row of each grammar bitmask row: a sequence's mask rows follow its sampling
+    rows in order (one per position, k + 1 with k drafts)."""
+    first: dict[str, int] = {}
+    for i, sid in enumerate(seq_ids):
+        first.setdefault(sid, i)
+    seen: dict[str, int] = {}
+    out = []
+    for sid in grammar_ids:
+        out.append(first[sid] + seen.get(sid, 0))
+        seen[sid] = seen.get(sid, 0) + 1
+    return out
 
 
 def _global_block_ids(entry: ScheduledRequest, global_groups: list[bool]) -> list[int]:

@@ -105,7 +105,7 @@ class OutputProcessor:
         self._states.pop(request_id, None)
 
     def process(self, changed: list[Request]) -> ProcessedOutputs:
-        """Take the sequences the scheduler's update changed (one new token each, or a finished
+        """Take the sequences the scheduler's update changed (new tokens each, or a finished
         beam search) into their requests' completions; return the outputs of requests that
         changed (finished ones carry finished=True and are forgotten here) and what to apply."""
         result = ProcessedOutputs()
@@ -132,15 +132,19 @@ class OutputProcessor:
 
     @staticmethod
     def _take_token(state: _RequestState, seq: Request, result: ProcessedOutputs) -> None:
-        """The sequence's newest token (and logprob) into its completion; stop strings checked."""
+        """The sequence's new tokens (and logprobs) into its completion: one, or several when it
+        verified drafts; stop strings checked after each (the tokens after a stop are dropped)."""
         if state.prompt_logprobs is None and seq.sampling_params.prompt_logprobs is not None:
             state.prompt_logprobs = [None, *seq.prompt_logprobs]
         comp = state.completions[seq.sample_index]
-        token = seq.output_token_ids[-1]
-        comp.token_ids.append(token)
-        if comp.logprobs is not None and seq.output_logprobs:
-            comp.logprobs.append(seq.output_logprobs[-1])
-        comp.detokenizer.add_token(token)
+        for index in range(len(comp.token_ids), seq.num_output_tokens):
+            token = seq.output_token_ids[index]
+            comp.token_ids.append(token)
+            if comp.logprobs is not None and index < len(seq.output_logprobs):
+                comp.logprobs.append(seq.output_logprobs[index])
+            comp.detokenizer.add_token(token)
+            if comp.detokenizer.stop_reason is not None:
+                break
         if comp.detokenizer.stop_reason is not None:
             if not seq.is_finished:
                 result.stopped_seq_ids.append(seq.request_id)
@@ -149,8 +153,8 @@ class OutputProcessor:
         elif seq.is_finished:
             result.ended_seq_ids.append(seq.request_id)
             comp.finish_reason = seq.finish_reason.value
-            if seq.finish_reason is FinishReason.STOP and token in seq.sampling_params.stop_token_ids:
-                comp.stop_reason = token
+            if seq.finish_reason is FinishReason.STOP and comp.token_ids[-1] in seq.sampling_params.stop_token_ids:
+                comp.stop_reason = comp.token_ids[-1]
         if state.first_token_time is None:
             state.first_token_time = seq.first_token_time
             state.first_scheduled_time = seq.first_scheduled_time

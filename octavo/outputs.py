@@ -24,6 +24,10 @@ class SampleRow:
     seq_id: str
     sample_index: int = 0  # which of the user's n completions it is (seeds differ by it)
     output_token_ids: list[int] = field(default_factory=list)  # the scheduler's own list: read only
+    # speculative decoding: tokens drafted after the request's last token, computed in this step
+    # at the positions after it; the runner samples every one of those positions as it would
+    # without them and keeps the drafts up to the first that differs from its sample
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -102,6 +106,11 @@ class ModelRunnerOutput:
     # request id -> logprobs of the prompt tokens at positions [start, start + len) computed this
     # step, as (start, entries); only for requests asking prompt_logprobs
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+    # speculative decoding: per sequence that verified drafts, the tokens after `sampled`'s
+    # (accepted drafts, then the sample that differed or the one after the last draft), and
+    # their logprobs where asked; `sampled` holds the first
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     # Second KV tier: pool block id -> whether its load passed its checksum (every load of the
     # step), and (slot, written) of the stores finished since the last step (any step's)
     tier_loaded: dict[int, bool] = field(default_factory=dict)

@@ -25,6 +25,7 @@ from octavo.kv_cache.manager import Allocation, KVCacheManager
 from octavo.outputs import ModelRunnerOutput, SampleRow, ScheduledRequest, SchedulerOutput
 from octavo.request import FinishReason, Request, RequestStatus, child_request_id
 from octavo.request_queue import make_waiting_queue
+from octavo.spec_decode import make_drafter
 
 
 class RequestRefused(ValueError):
@@ -55,6 +56,10 @@ class SchedulerStats:
     tier_num_blocks: int = 0
     num_tier_loads: int = 0  # rounds of tier loads (a waiting request's hit, or a running one's next blocks)
     num_swaps: int = 0  # preemptions that swap through the second tier (num_preemptions - this recompute)
+    spec_num_drafts: int = 0  # verifications of drafted tokens (one per request per step that drafted)
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_acceptance_counts: tuple[int, ...] = ()  # [m]: verifications that accepted m drafts
 
 
 class Scheduler:
@@ -87,6 +92,13 @@ class Scheduler:
         self._pending_pins: dict[str, int] = {}  # live pin request -> the blocks it pins when it ends
         self._last_num_scheduled_tokens = 0
         self._last_num_scheduled_requests = 0
+        spec = config.speculative
+        self.drafter = make_drafter(spec.method, spec.prompt_lookup_min, spec.prompt_lookup_max) if spec else None
+        # drafts -> the prefix of them a request may take (the engine's structured-output check)
+        self.draft_filter = None
+        self._num_decoding = 0  # running requests that decode, at the start of this step
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
+        self.spec_acceptance_counts = [0] * ((spec.num_speculative_tokens if spec else 0) + 1)
 
     # ---- admission ---------------------------------------------------------------------------
 
@@ -188,6 +200,8 @@ class Scheduler:
         preempted: list[str] = []
 
         self._run_loading.clear()
+        if self.drafter is not None:
+            self._num_decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         done: set[str] = set()  # running requests dealt with this step: always a prefix of `running`
         idx = 0
         while idx < len(self.running) and budget > 0:
@@ -234,13 +248,34 @@ class Scheduler:
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
         if num_new == 0:  # a beam waiting for the other beams of its search
             return budget
+        if self.drafter is not None:
+            request.spec_token_ids = self._propose(request, budget)
+            num_new += len(request.spec_token_ids)
         allocation, refund = self._with_room(request, lambda: self.kv_cache.allocate_slots(request, num_new),
                                              scheduled, preempted)
         budget += refund
         if allocation is None:
             return budget  # `request` was a victim
-        scheduled[request.request_id] = self._schedule_one(request, num_new, allocation)
+        scheduled[request.request_id] = self._schedule_one(request, num_new, allocation, request.spec_token_ids)
         return budget - num_new
+
+    def _propose(self, request: Request, budget: int) -> list[int]:
+        """Speculative decoding: the drafts a decoding request verifies this step (none for a
+        prompt chunk, a beam, a request about to fork, while it backs off, while more than
+        `max_batch` requests decode, or past max_tokens, max_model_len or the step's budget)."""
+        spec = self.config.speculative
+        if (request.num_tokens - request.num_computed_tokens != 1 or not request.output_token_ids
+                or request.beam is not None or request.num_samples_pending > 1
+                or self._num_steps < request.spec_resume_step or self._num_decoding > spec.max_batch):
+            return []
+        limit = min(spec.num_speculative_tokens, budget - 1, self.config.max_model_len - request.num_tokens - 1)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            limit = min(limit, max_tokens - request.num_output_tokens - 1)
+        drafts = self.drafter.propose(request.request_id, request.all_token_ids, limit) if limit > 0 else []
+        if drafts and self.draft_filter is not None:
+            drafts = self.draft_filter(request, drafts)
+        return drafts
 
     def _with_room(self, request: Request, attempt, scheduled, preempted: list[str]):
         """attempt() until it returns something: first letting go of blocks held for waiting
@@ -452,21 +487,27 @@ class Scheduler:
         return len(waiting) <= 1 or needed <= self.kv_cache.num_free_blocks + held
 
     def _schedule_one(
-        self, request: Request, num_new: int, allocation: Allocation
+        self, request: Request, num_new: int, allocation: Allocation, drafts: list[int] | None = None
     ) -> tuple[ScheduledRequest, list[tuple[int, int]]]:
+        """The step's entry for `request`: `num_new` tokens from its first uncomputed one, the
+        last len(drafts) of them drafts after its last token (speculative decoding)."""
         start = request.num_computed_tokens
         request.num_computed_tokens = start + num_new
         # tokens below what it had computed before a preemption are computed a second time
         self.num_recomputed_tokens += max(0, min(start + num_new, request.num_computed_before) - start)
         samples: list[SampleRow] = []
-        if request.num_computed_tokens == request.num_tokens:
-            samples = [SampleRow(request.request_id, request.sample_index, request.output_token_ids)]
+        drafts = drafts or []
+        token_ids = request.all_token_ids[start : start + num_new - len(drafts)]
+        if drafts:
+            token_ids = token_ids + drafts
+        if request.num_computed_tokens == request.num_tokens + len(drafts):
+            samples = [SampleRow(request.request_id, request.sample_index, request.output_token_ids, drafts)]
             if request.num_samples_pending > 1:  # forks now: the new sequences sample from the prompt too
                 parent = request.user_request_id
                 samples += [SampleRow(child_request_id(parent, i), i) for i in range(1, request.num_samples_pending)]
         entry = ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + num_new],
+            token_ids=token_ids,
             start_pos=start,
             block_ids=allocation.block_ids,
             sampling_params=request.sampling_params,
@@ -551,6 +592,10 @@ class Scheduler:
             request = self.requests.get(entry.request_id)
             if request is None or entry.request_id in self._rolled_back:
                 continue  # gone, or a load it read failed: the runner skipped it
+            if entry.samples and entry.samples[0].draft_token_ids:
+                self._apply_verified(request, entry, result, now)
+                changed.append(request)
+                continue
             # The forward has now written KV for [0, start_pos + num_tokens): only now may those
             # full blocks be shared (before it, a preemption could leave hashes on unwritten KV).
             self.kv_cache.cache_blocks(request, entry.start_pos + entry.num_tokens)
@@ -579,6 +624,41 @@ class Scheduler:
             if search.is_ready:
                 changed.extend(self._advance_search(search, now))
         return changed
+
+    def _apply_verified(self, request: Request, entry: ScheduledRequest, result: ModelRunnerOutput, now: float) -> None:
+        """Speculative decoding: append the tokens the runner kept (the drafts it agreed with,
+        then its own next token) up to a stop condition; the request has computed the KV of its
+        last token and of the drafts kept, and only that: the step's other slots (rejected
+        drafts) are given back and never enter the prefix cache."""
+        rid = request.request_id
+        tokens = [result.sampled[rid], *result.spec_tokens.get(rid, ())]
+        logprobs = [result.logprobs.get(rid), *result.spec_logprobs.get(rid, ())] if rid in result.logprobs else []
+        logprobs += [None] * (len(tokens) - len(logprobs))
+        drafts = entry.samples[0].draft_token_ids
+        num_accepted = len(tokens) - 1
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += len(drafts)
+        self.spec_num_accepted_tokens += num_accepted
+        self.spec_acceptance_counts[num_accepted] += 1
+        spec = self.config.speculative
+        if num_accepted:
+            request.spec_backoff = 0
+        else:  # nothing agreed: draft again after 1, 2, 4, ... steps
+            request.spec_backoff = min(max(1, 2 * request.spec_backoff), spec.max_backoff_steps)
+            request.spec_resume_step = self._num_steps + 1 + request.spec_backoff
+        reason, num_taken = None, 0
+        for token, logprob in zip(tokens, logprobs):
+            self._push_token(request, token, logprob, now)
+            num_taken += 1
+            reason = self._stop_reason(request)
+            if reason is not None:
+                break
+        request.num_computed_tokens = entry.start_pos + num_taken
+        request.spec_token_ids = []
+        self.kv_cache.cache_blocks(request, request.num_computed_tokens)
+        self.kv_cache.trim(request, request.num_computed_tokens)
+        if reason is not None:
+            self._finish(request, reason)
 
     def _finish_tier_work(self, output: SchedulerOutput, result: ModelRunnerOutput) -> None:
         """Apply the runner's tier reports: finished writes become findable; a running request
@@ -668,25 +748,35 @@ class Scheduler:
         return child
 
     def _append_token(self, request: Request, token: int, logprob, now: float) -> None:
+        self._push_token(request, token, logprob, now)
+        reason = self._stop_reason(request)
+        if reason is not None:
+            self._finish(request, reason)
+
+    @staticmethod
+    def _push_token(request: Request, token: int, logprob, now: float) -> None:
         request.output_token_ids.append(token)
         request.all_token_ids.append(token)
         if logprob is not None:
             request.output_logprobs.append(logprob)
         if request.first_token_time is None:
             request.first_token_time = now
+
+    def _stop_reason(self, request: Request) -> FinishReason | None:
+        """Why the request ends with its last token (EOS, a stop token, max_tokens,
+        max_model_len), or None."""
         params = request.sampling_params
-        num_out = request.num_output_tokens
+        token, num_out = request.output_token_ids[-1], request.num_output_tokens
         if num_out >= params.min_tokens:
             if not params.ignore_eos and token in request.eos_token_ids:
-                self._finish(request, FinishReason.STOP)
-                return
+                return FinishReason.STOP
             if token in params.stop_token_ids:
-                self._finish(request, FinishReason.STOP)
-                return
+                return FinishReason.STOP
         if params.max_tokens is not None and num_out >= params.max_tokens:
-            self._finish(request, FinishReason.LENGTH)
-        elif request.num_tokens >= self.config.max_model_len:
-            self._finish(request, FinishReason.LENGTH)
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
 
     # ---- ending requests ---------------------------------------------------------------------
 
@@ -718,6 +808,8 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finish_time = time.time()
+        if self.drafter is not None:
+            self.drafter.finish(request.request_id, request.all_token_ids)
         if request.pin and reason is not FinishReason.ABORT:
             self.kv_cache.pin(request)
         self.kv_cache.remove(request)
@@ -771,4 +863,8 @@ class Scheduler:
             tier_num_blocks=tier.num_slots if tier else 0,
             num_tier_loads=self.num_tier_loads,
             num_swaps=self.num_swaps,
+            spec_num_drafts=self.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            spec_acceptance_counts=tuple(self.spec_acceptance_counts),
         )

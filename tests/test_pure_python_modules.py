@@ -17,7 +17,7 @@ import octavo.scheduler, octavo.kv_cache, octavo.kv_cache.manager, octavo.kv_cac
 import octavo.kv_cache.prefix_cache, octavo.kv_cache.tier, octavo.request, octavo.sampling.params, octavo.request_queue
 import octavo.outputs, octavo.config, octavo.planner, octavo.metrics, octavo.sampling.logprobs, octavo.cpu_features
 import octavo.structured.schema, octavo.server.tools
-import octavo.simulator.simulator, octavo.simulator.workload
+import octavo.simulator.simulator, octavo.simulator.workload, octavo.spec_decode
 from octavo import SamplingParams
 assert 'torch' not in sys.modules and 'numpy' not in sys.modules
 print('ok')

@@ -471,6 +471,25 @@ class KVCacheManager:
                     self.pool.cache_block(table.blocks[block_idx], self._key(g, hashes[block_idx]))
         self._num_cached_blocks[rid] = num_full
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Give back the request's blocks wholly past its first `num_tokens` tokens (in every
+        group, tail first): speculative slots whose drafts were rejected. Their KV is never
+        entered into the prefix cache (`cache_blocks` stops at the accepted tokens) and the next
+        step allocates afresh. Returns the number of table entries dropped."""
+        tables = self._tables.get(request.request_id)
+        if tables is None:
+            return 0
+        keep = self.num_blocks_for(num_tokens)
+        num_dropped = 0
+        for table in tables:
+            if len(table.blocks) <= keep:
+                continue
+            gone = [b for b in table.blocks[keep:] if b is not None]
+            self.pool.free(gone[::-1])
+            num_dropped += len(table.blocks) - keep
+            del table.blocks[keep:], table.ids[keep:]
+        return num_dropped
+
     def fork(self, parent: Request, child: Request) -> list[int]:
         """Give `child` the parent's whole tables by reference (ref counts +1); returns its group-0
         block ids."""

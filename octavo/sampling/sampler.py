@@ -145,7 +145,8 @@ def _unban_eos_where_nothing_is_left(logits: torch.Tensor, rows: list[SamplingRo
 
 
 def sample(
-    logits: torch.Tensor, rows: list[SamplingRow], allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    logits: torch.Tensor, rows: list[SamplingRow], allowed: tuple[torch.Tensor, torch.Tensor] | None = None,
+    generator_states: dict[int, object] | None = None,
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits: [num_rows, vocab] float32 -> a token per row and, where asked, its logprobs.
 
@@ -156,6 +157,9 @@ def sample(
     when seeded, so a seeded request samples the same tokens whatever else is in the batch.
     `allowed` = (row index [k], token bitmask [k, words]) restricts those rows to their grammar's
     tokens first (structured outputs), so their logprobs are of the allowed tokens too.
+    `generator_states`: for each of its keys (a row index) that draws with its own generator,
+    set to that generator's state right after the row's draw (speculative decoding rewinds a
+    sequence's generator to its last kept token, so seeded output does not depend on drafts).
     """
     num_rows = logits.shape[0]
     device = logits.device
@@ -195,6 +199,8 @@ def sample(
         for j, i in enumerate(random_rows):
             if rows[i].generator is not None:
                 noise[j].exponential_(generator=rows[i].generator)
+                if generator_states is not None and i in generator_states:
+                    generator_states[i] = rows[i].generator.get_state()
         tokens[index] = torch.argmax(probs / noise, dim=-1)
     token_list = tokens.tolist()
 

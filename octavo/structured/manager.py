@@ -246,16 +246,41 @@ class StructuredOutputManager:
         state.num_accepted = num
         return state
 
-    def bitmask(self, rows: list[tuple[str, StructuredOutputsParams, list[int]]]) -> torch.Tensor:
+    def draft_prefix(self, seq_id: str, params: StructuredOutputsParams, output_token_ids: list[int],
+                     drafts: list[int]) -> list[int]:
+        """Speculative decoding: the longest prefix of `drafts` the sequence's grammar accepts
+        after its output so far (drafts it would reject are cut before they are verified). The
+        matcher is rolled back to the output afterwards."""
+        state = self._matcher(seq_id, params, output_token_ids)
+        if state.failed:
+            return []
+        num = 0
+        while num < len(drafts) and not state.matcher.is_terminated() and state.matcher.accept_token(drafts[num]):
+            num += 1
+        if num:
+            state.matcher.rollback(num)
+        return drafts[:num]
+
+    def bitmask(self, rows: list[tuple[str, StructuredOutputsParams, list[int]]],
+                drafts: dict[str, list[int]] | None = None) -> torch.Tensor:
         """[len(rows), ceil(vocab / 32)] int32: bit t of row i set = token t allowed next for the
-        sequence rows[i] = (seq_id, its constraint, its output token ids so far)."""
+        sequence rows[i] = (seq_id, its constraint, its output token ids so far). A sequence with
+        k drafts (`drafts`, speculative decoding; accepted by its grammar: `draft_prefix`) has
+        k + 1 consecutive rows, the j-th for its output followed by its first j drafts."""
         xgr = _xgr()
         mask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
         live, live_rows = [], []
         for i, (seq_id, params, output) in enumerate(rows):
+            ahead = drafts.get(seq_id) if drafts else None
+            if ahead is not None and i and rows[i - 1][0] == seq_id:
+                continue  # filled with the sequence's first row
             state = self._matcher(seq_id, params, output)
             if state.failed or state.matcher.is_terminated():
                 mask[i] = self._eos_row(mask.shape[1])
+                for j in range(1, len(ahead or ()) + 1):
+                    mask[i + j] = mask[i]
+            elif ahead:
+                self._fill_ahead(state, ahead, mask, i)
             else:
                 live.append(state.matcher)
                 live_rows.append(i)
@@ -264,6 +289,20 @@ class StructuredOutputManager:
                 self._batch = xgr.BatchGrammarMatcher()
             self._batch.batch_fill_next_token_bitmask(live, mask, live_rows)
         return mask
+
+    def _fill_ahead(self, state: _Matcher, drafts: list[int], mask: torch.Tensor, first: int) -> None:
+        """Rows first .. first + len(drafts): the allowed tokens after each prefix of the drafts
+        (only EOS after one the grammar refuses); the matcher ends where it started."""
+        num = 0
+        for j in range(len(drafts) + 1):
+            if state.matcher.is_terminated() or (j and num < j):
+                mask[first + j] = self._eos_row(mask.shape[1])
+                continue
+            state.matcher.fill_next_token_bitmask(mask, first + j)
+            if j < len(drafts) and state.matcher.accept_token(drafts[j]):
+                num += 1
+        if num:
+            state.matcher.rollback(num)
 
     def _eos_row(self, num_words: int) -> torch.Tensor:
         """A bitmask row allowing only the EOS tokens."""

@@ -232,3 +232,46 @@ def test_second_kv_tier_is_found_again_after_a_restart_and_refused_under_another
     assert out.num_cached_tokens == 0 and other.engine.get_stats().scheduler.tier_hits == 0
     check_all([out], shared_refs[1:2], "another block size")
     other.close()
+
+
+def spec_stats(llm):
+    s = llm.engine.get_stats().scheduler
+    return s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_speculative_decoding_in_one_batch(make_llm, prompts, refs, method):
+    """Drafts verified for all eight requests in one step (max_batch above the batch): each keeps
+    only the drafts its own next token agrees with; the tokens equal transformers'."""
+    llm = make_llm(speculative_method=method, num_speculative_tokens=4, speculative_max_batch=16)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    drafts, drafted, accepted = spec_stats(llm)
+    assert drafts > 0 and 0 < accepted < drafted, (drafts, drafted, accepted)  # some kept, some rejected
+    assert llm.engine.scheduler.kv_cache.check_invariants() == []
+    check_all(outs, refs, f"speculative {method}, one batch")
+
+
+def test_speculative_decoding_with_chunks_preemption_and_prefix_caching(make_llm, prompts, refs, shared_prompts, shared_refs):
+    """A 48-block pool, a 32-token budget (drafts count in it), prefix caching and preemption:
+    rejected drafts' slots are given back and never published to the cache."""
+    llm = make_llm(num_kv_blocks=48, max_num_batched_tokens=32, speculative_method="ngram", speculative_max_batch=16,
+                   admission_headroom_steps=0)
+    outs = llm.generate(shared_prompts + prompts, GREEDY, use_tqdm=False)
+    stats = llm.engine.get_stats().scheduler
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0 and stats.spec_num_accepted_tokens > 0, stats
+    assert llm.engine.scheduler.kv_cache.check_invariants() == []
+    check_all(outs[: len(shared_prompts)], shared_refs, "speculative, shared prefixes, tiny pool")
+    check_all(outs[len(shared_prompts) :], refs, "speculative, preemption")
+
+
+def test_speculative_decoding_with_parallel_samples_and_block_8(make_llm, prompts, refs):
+    """n = 3 greedy sequences forked off one prompt each verify their own drafts (blocks of 8)."""
+    llm = make_llm(block_size=8, speculative_method="ngram", speculative_max_batch=16)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, n=3)
+    (out,) = llm.generate([prompts[3]], params, use_tqdm=False)
+    assert spec_stats(llm)[2] > 0
+    for completion in out.outputs:
+        ok, note = compare(completion.token_ids, refs[3])
+        assert ok, note
+    kv = llm.engine.scheduler.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks and kv.check_invariants() == []

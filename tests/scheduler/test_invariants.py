@@ -20,7 +20,7 @@ from collections import Counter
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from octavo.config import SchedulerConfig
+from octavo.config import SchedulerConfig, SpeculativeConfig
 from octavo.kv_cache.manager import KVCacheManager
 from octavo.kv_cache.tier import TierIndex
 from octavo.outputs import ModelRunnerOutput
@@ -117,18 +117,26 @@ class ShadowKV:
 
 def fake_model(s: Scheduler, out, seed: int, tier_reports: dict | None = None) -> ModelRunnerOutput:
     """Token `seed` for every sampled sequence; for a beam, 2 x width candidates with logprobs
-    that vary with the seed and the beam, so beams fork, drop and (token 3 is EOS) finish."""
-    sampled, logprobs = {}, {}
+    that vary with the seed and the beam, so beams fork, drop and (token 3 is EOS) finish. A
+    sequence verifying drafts keeps a number of them that varies with the seed, then one token
+    that differs from the next draft."""
+    sampled, logprobs, spec_tokens = {}, {}, {}
     for e in out.scheduled:
-        for sid in e.sample_ids:
+        for row in e.samples:
+            sid = row.seq_id
             sampled[sid] = seed % 50
+            drafts = row.draft_token_ids
+            if drafts:
+                num_kept = random.Random(f"{seed}/{sid}/{len(drafts)}").randint(0, len(drafts))
+                tokens = drafts[:num_kept] + [drafts[num_kept] + 1 if num_kept < len(drafts) else seed % 50]
+                sampled[sid], spec_tokens[sid] = tokens[0], tokens[1:]
             beam = s.requests[e.request_id].beam
             if beam is not None:
                 k = 2 * beam.width
                 rng = random.Random(f"{seed}/{sid}/{len(s.requests[sid].all_token_ids)}")  # not hash(): salted per process
                 top = {t: -rng.random() * 3 for t in rng.sample(range(8), min(k, 8))}
                 logprobs[sid] = TokenLogprob(max(top, key=top.get), max(top.values()), top)
-    return ModelRunnerOutput(sampled=sampled, logprobs=logprobs, **(tier_reports or {}))
+    return ModelRunnerOutput(sampled=sampled, logprobs=logprobs, spec_tokens=spec_tokens, **(tier_reports or {}))
 
 
 def check_invariants(s: Scheduler) -> None:
@@ -152,34 +160,36 @@ def check_invariants(s: Scheduler) -> None:
 # with dropped entries): found by a 24,000-example run
 @example(ops=[("add", 1, 1, 0, 1), ("add", 1, 1, 0, 1), ("add", 3, 4, 1, 3), ("add", 12, 2, 0, 1), ("add", 1, 1, 0, 1),
               ("abort", 0)], num_blocks=8, budget=16, caching=True, policy="fcfs", windows=(5,), tier_slots=3,
-         victim="newest", max_wait=128, headroom=0)
+         victim="newest", max_wait=128, headroom=0, spec=None)
 # a failed load into block 0 left out every request whose sliding-window table showed block 0 for
 # blocks given back, and the scheduler advanced them (found by a 6,000-example run)
 @example(ops=[("add", 18, 7, 0, 2), ("step", 0), ("step", 0), ("add", 1, 8, 2, 1), ("pin", 1, 1, 0, 1), ("add", 1, 1, 0, 1),
               ("step", 0), ("step", 0), ("step", 0), ("beam", 11, 7, 1, 4), ("add", 1, 1, 0, 1), ("pin", 1, 1, 0, 1),
               ("add", 25, 4, 3, 3), ("step", 0), ("step", 0), ("add", 5, 1, 1, 1)],
          num_blocks=16, budget=4, caching=True, policy="priority", windows=(5,), tier_slots=40, victim="cheapest",
-         max_wait=2, headroom=0)
+         max_wait=2, headroom=0, spec=None)
 # a pin with an output pinned its output's block too, one more than counted when requests were sized
 @example(ops=[("add", 1, 1, 0, 1), ("add", 1, 1, 0, 1), ("pin", 3, 2, 1, 1), ("add", 1, 1, 0, 1), ("add", 1, 1, 0, 1),
               ("add", 10, 12, 0, 1)],
          num_blocks=8, budget=4, caching=True, policy="fcfs", windows=(None,), tier_slots=None, victim="cheapest",
-         max_wait=2, headroom=0)
+         max_wait=2, headroom=0, spec=None)
 # a request added while a pin was still computing was sized without the blocks the pin then held:
 # it never fitted (found by a 6,000-example run)
 @example(ops=[("add", 1, 1, 0, 1), ("add", 1, 1, 0, 1), ("add", 1, 1, 0, 1), ("pin", 1, 1, 1, 1), ("add", 14, 12, 0, 1)],
          num_blocks=8, budget=4, caching=True, policy="fcfs", windows=(None,), tier_slots=None, victim="cheapest",
-         max_wait=2, headroom=0)
+         max_wait=2, headroom=0, spec=None)
 @settings(max_examples=150, deadline=None)
 @given(ops=ops, num_blocks=st.integers(8, 24), budget=st.sampled_from([4, 16, 64]), caching=st.booleans(),
        policy=st.sampled_from(["fcfs", "priority", "cache-aware"]), victim=st.sampled_from(["cheapest", "newest"]),
        max_wait=st.sampled_from([2, 128]), headroom=st.sampled_from([0, 4, 64]),
        windows=st.sampled_from([(None,), (None,), (None, 6), (5,), (None, 9, 4)]),
-       tier_slots=st.sampled_from([None, None, 3, 40]))
+       tier_slots=st.sampled_from([None, None, 3, 40]), spec=st.sampled_from([None, None, "ngram", "suffix"]))
 def test_random_operations_keep_invariants(ops, num_blocks, budget, caching, policy, windows, tier_slots, victim, max_wait,
-                                           headroom):
+                                           headroom, spec):
+    speculative = SpeculativeConfig(spec, num_speculative_tokens=3, prompt_lookup_min=1, max_batch=6) if spec else None
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=6, max_model_len=64, policy=policy,
-                          preemption_victim=victim, max_wait_steps=max_wait, admission_headroom_steps=headroom)
+                          preemption_victim=victim, max_wait_steps=max_wait, admission_headroom_steps=headroom,
+                          speculative=speculative)
     tier = TierIndex(tier_slots) if tier_slots and caching else None
     s = Scheduler(cfg, KVCacheManager(num_blocks * len(windows), BS, enable_prefix_caching=caching, group_windows=windows,
                                       tier=tier))
