@@ -254,8 +254,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from octavo.simulator.report import format_comparison, format_scheduling, plot_timelines
     from octavo.simulator.simulator import BASELINE, COMPARISONS, SCHEDULING_POLICIES, SimConfig, StepCostModel, simulate
-    from octavo.simulator.workload import random_workload, shared_prefix_workload, trace_workload
+    from octavo.simulator.workload import code_edit_workload, random_workload, shared_prefix_workload, trace_workload
 
+    if args.workload == "code-edit":  # text prompts whose answers copy them (speculative decoding's case)
+        return code_edit_workload(args.num_requests, args.output_len, args.seed)
     if args.workload == "random":
         workload = random_workload(args.num_requests, args.input_len, args.output_len, args.range_ratio, args.seed, args.request_rate)
     elif args.workload == "shared-prefix":
@@ -294,7 +296,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def add_workload_flags(p: argparse.ArgumentParser, with_seed: bool = True, multi_turn: bool = False) -> None:
-    choices = ["random", "prefix-repetition", "replay"] + (["multi-turn"] if multi_turn else [])
+    choices = ["random", "prefix-repetition", "code-edit", "replay"] + (["multi-turn"] if multi_turn else [])
     p.add_argument("workload", nargs="?", choices=choices, default="random")
     p.add_argument("file", nargs="?", default=None, help="replay: JSON list of {prompt_token_ids, max_tokens[, arrival_time]}")
     p.add_argument("--num-requests", type=int, default=64)
@@ -334,6 +336,13 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     from octavo.models.loader import resolve_model
 
     workload = load_workload(args)
+    if any(w.prompt_text is not None for w in workload):  # text prompts: every backend gets the same ids
+        from octavo.models.loader import resolve_model as _resolve
+        from octavo.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(_resolve(args.model))
+        workload = [dataclasses.replace(w, prompt_token_ids=tuple(tokenizer.encode(w.prompt_text)), prompt_text=None)
+                    for w in workload]
     backends = [args.backend] + [b for b in (args.compare.split(",") if args.compare else []) if b and b != args.backend]
     for b in backends:
         if b not in ("octavo", "hf", "hf-cb"):

@@ -78,6 +78,10 @@ class LLMEngine:
         kv.max_pinned_blocks = int(config.cache.pinned_prefix_share * sizing.num_blocks)
         self.scheduler = Scheduler(config.scheduler, kv)
         self.scheduler.draft_filter = self._grammar_draft_prefix
+        spec = config.scheduler.speculative
+        if spec is not None:
+            logger.info("speculative decoding: %s drafts, up to %d tokens per request per step, while at most %d "
+                        "requests decode", spec.method, spec.num_speculative_tokens, spec.max_batch)
         self._pin_counter = itertools.count()
         self.structured = StructuredOutputManager(tokenizer, config.model_config.vocab_size, self.eos_token_ids,
                                                   config.grammar_cache_bytes)

@@ -54,6 +54,11 @@ class EngineMetrics:
             _LATENCY_BUCKETS)
         self.tier_usage = gauge("kv_tier_usage_perc", "Share of the second KV tier's blocks held, 0 to 1.")
         self.swaps = counter("num_swaps", "Preemptions whose blocks go through the second KV tier (the others recompute).")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Verifications of drafted tokens (a request's step with drafts).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Tokens drafted and verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Drafted tokens the model agreed with (kept).")
+        self.spec_length = hist("spec_decode_acceptance_length", "Per verification: the drafts kept (0 to k).",
+                                tuple(float(m) for m in range(17)))
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed.")
         self.generation_tokens = counter("generation_tokens", "Output tokens generated.")
         self.kv_blocks = gauge("kv_cache_num_blocks", "Blocks in the KV-cache pool.")
@@ -86,9 +91,21 @@ class EngineMetrics:
         self.tier_corrupt.inc(s.tier_blocks_corrupt - (prev.tier_blocks_corrupt if prev else 0))
         self.tier_usage.set(s.tier_usage)
         self.swaps.inc(s.num_swaps - (prev.num_swaps if prev else 0))
+        self._observe_spec(s, prev)
         self.prompt_tokens.inc(stats.num_prompt_tokens_total - (last.num_prompt_tokens_total if last else 0))
         self.generation_tokens.inc(stats.num_generation_tokens_total - (last.num_generation_tokens_total if last else 0))
         self._last = stats
+
+    def _observe_spec(self, s, prev) -> None:
+        if not s.spec_num_drafts or (prev is not None and s.spec_num_drafts == prev.spec_num_drafts):
+            return
+        self.spec_drafts.inc(s.spec_num_drafts - (prev.spec_num_drafts if prev else 0))
+        self.spec_draft_tokens.inc(s.spec_num_draft_tokens - (prev.spec_num_draft_tokens if prev else 0))
+        self.spec_accepted.inc(s.spec_num_accepted_tokens - (prev.spec_num_accepted_tokens if prev else 0))
+        before = prev.spec_acceptance_counts if prev else ()
+        for m, count in enumerate(s.spec_acceptance_counts):
+            for _ in range(count - (before[m] if m < len(before) else 0)):
+                self.spec_length.observe(m)
 
     def observe_kv_sizing(self, sizing: KVSizing) -> None:
         """The pool's capacity, once: the same figures as the start-up line (KVSizing.describe)."""

@@ -1,6 +1,6 @@
 """Online benchmark against any OpenAI-compatible server: arrivals, concurrency, streamed latencies.
 
-Requests go to POST {base_url}/v1/completions with the prompt as token ids, max_tokens and
+Requests go to POST {base_url}/v1/completions with the prompt as token ids (text for code-edit), max_tokens and
 ignore_eos (so every server does the same work), stream=true. Per request: TTFT (first text),
 ITL (gaps between streamed chunks with text), TPOT ((end - first token) / (tokens - 1)), E2E.
 """
@@ -41,7 +41,8 @@ class RequestRecord:
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str | None, w: SimRequest, headers: dict) -> RequestRecord:
-    body: dict[str, Any] = {"prompt": list(w.prompt_token_ids), "max_tokens": w.output_len, "temperature": 0,
+    prompt = w.prompt_text if w.prompt_text is not None else list(w.prompt_token_ids)
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": w.output_len, "temperature": 0,
                             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     if model:
         body["model"] = model
@@ -129,6 +130,9 @@ _COUNTERS = {
     "repreemptions": "octavo:num_repreemptions_total",
     "load_wait_s": "octavo:kv_tier_load_wait_seconds_sum",
     "num_loading": "octavo:kv_tier_load_wait_seconds_count",
+    "draft_tokens": "octavo:spec_decode_num_draft_tokens_total",
+    "accepted_tokens": "octavo:spec_decode_num_accepted_tokens_total",
+    "drafts": "octavo:spec_decode_num_drafts_total",
 }
 
 
@@ -244,6 +248,8 @@ COMPARED = (
     ("prompt tokens computed (server)", "server", "prompt_tokens", "", False),
     ("preemptions (server)", "server", "preemptions", "", False),
     ("tokens recomputed (server)", "server", "recomputed", "", False),
+    ("drafted tokens (server)", "server", "draft_tokens", "", True),
+    ("drafts kept (server)", "server", "accepted_tokens", "", True),
 )
 
 

@@ -17,6 +17,7 @@ class SimRequest:
     output_len: int
     priority: int = 0
     cold: bool = False  # shares no prefix with any other request (reported apart: do they starve?)
+    prompt_text: str | None = None  # a text prompt (sent as text; prompt_token_ids is then empty)
 
 
 def _arrivals(n: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
@@ -68,6 +69,45 @@ def shared_prefix_workload(
         prefix = tokens(prefix_len) if cold else prefixes[num_warm % num_prefixes]
         num_warm += not cold
         out.append(SimRequest(t, prefix + tokens(suffix_len), output_len, cold=cold))
+    return out
+
+
+_NAMES = ("total", "count", "items", "value", "result", "index", "buffer", "offset", "limit", "scale", "name",
+          "width", "height", "score", "weight", "record", "entry", "table", "queue", "cache")
+_OPS = ("+", "-", "*", "//", "%")
+
+
+def _function(rng: random.Random, number: int) -> str:
+    """A small Python function with made-up names: something to copy and edit."""
+    args = rng.sample(_NAMES, 3)
+    lines = [f"def {rng.choice(_NAMES)}_{number}({', '.join(args)}):", f'    """Combine {args[0]} with {args[1]}."""']
+    local = args[:]
+    for i in range(rng.randint(3, 6)):
+        new = f"{rng.choice(_NAMES)}_{i}"
+        lines.append(f"    {new} = {rng.choice(local)} {rng.choice(_OPS)} {rng.choice(local + [str(rng.randint(1, 99))])}")
+        if rng.random() < 0.3:
+            lines.append(f"    if {new} > {rng.randint(0, 50)}:\n        {new} = {rng.choice(local)}")
+        local.append(new)
+    lines.append(f"    return {local[-1]}")
+    return "\n".join(lines)
+
+
+def code_edit_workload(
+    num_requests: int, output_len: int, seed: int = 0, num_functions: int = 4,
+    rate: float = float("inf"), burstiness: float = 1.0,
+) -> list[SimRequest]:
+    """Text prompts whose answer copies most of the prompt: a few made-up Python functions, then
+    the request to write them again with one name changed (the code-repeat / edit case that
+    drafting from the prompt serves)."""
+    rng = random.Random(seed)
+    arrivals = _arrivals(num_requests, rate, burstiness, rng)
+    out = []
+    for t in arrivals:
+        code = "\n\n\n".join(_function(rng, i) for i in range(num_functions))
+        old = code.split("(", 1)[1].split(",", 1)[0]
+        text = (f"```python\n{code}\n```\n\nThe same code, with the parameter `{old}` renamed to `{old}_new` "
+                f"everywhere and nothing else changed:\n\n```python\n")
+        out.append(SimRequest(t, (), output_len, prompt_text=text))
     return out
 
 

@@ -1,7 +1,8 @@
 """LoRA adapters made with peft on the embedded model (seeded random, non-zero A and B, rank 8 on
 q/k/v/o and the MLP; one with rslora and only some targets): Octavo's greedy tokens equal
 transformers + peft with each adapter, in mixed batches of three adapters and the base model, with
-chunked prefill, preemption and fewer slots than adapters (LRU swapping); the adapter is part of
+chunked prefill, preemption and fewer slots than adapters (LRU swapping), and with speculative
+decoding (each request's drafts verified with its adapter); the adapter is part of
 every block hash; bad adapters are refused with the reason."""
 
 from __future__ import annotations
@@ -54,17 +55,24 @@ def test_each_adapter_changes_the_output(adapters):
         assert adapters[name][1] != base, name
 
 
-@pytest.mark.parametrize("setting", ["one-step", "chunked-swapped-preempted"])
+@pytest.mark.parametrize("setting", ["one-step", "chunked-swapped-preempted", "speculative"])
 def test_mixed_batch_equals_transformers_with_peft(lora_model, smol_dir, smol_tokenizer, adapters, setting):
-    kwargs = dict(max_loras=4) if setting == "one-step" else dict(
-        max_loras=2, max_num_batched_tokens=16, num_kv_blocks=12, block_size=8, kv_cache_memory=None)
+    kwargs = {
+        "one-step": dict(max_loras=4),
+        "chunked-swapped-preempted": dict(max_loras=2, max_num_batched_tokens=16, num_kv_blocks=12, block_size=8,
+                                          kv_cache_memory=None),
+        # each request's drafts verified with its own adapter, in the same step as the others'
+        "speculative": dict(max_loras=4, speculative_method="ngram", speculative_max_batch=16),
+    }[setting]
     llm = lora_llm(lora_model, smol_dir, smol_tokenizer, **kwargs)
     for name, j, tokens in run_mixed(llm, adapters):
         assert tokens == adapters[name][1][j], (name, PROMPTS[j])
     stats = llm.engine.get_stats().scheduler
-    if setting != "one-step":
+    if setting == "chunked-swapped-preempted":
         assert stats.num_preemptions > 0
         assert llm.engine.runner.lora.num_loads > 3  # 3 adapters through 2 slots: swapped back in
+    if setting == "speculative":
+        assert stats.spec_num_accepted_tokens > 0
     assert llm.engine.scheduler.kv_cache.check_invariants() == []
 
 

@@ -199,3 +199,15 @@ def test_start_up_line_metrics_and_plan_give_one_capacity(make_gemma, gemma):
     plan = json.loads(out.stdout)
     assert plan["seqs_by_context"]["8192"][0] == int(sizing.max_concurrency)
     assert plan["kv_groups"] == [[None, 1, 3], [512, 5, 3]]
+
+
+def test_speculative_decoding_past_the_window(make_gemma, prompts, refs):
+    """Drafts verified at positions past the sliding window (their window tables end where the
+    last kept token does) with a tiny pool's preemptions: the same tokens as transformers'."""
+    llm = make_gemma(num_kv_blocks=480, max_num_batched_tokens=512, speculative_method="ngram",
+                     speculative_max_batch=8, admission_headroom_steps=0)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    stats = llm.engine.get_stats().scheduler
+    assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0, stats
+    assert llm.engine.scheduler.kv_cache.check_invariants() == []
+    check_all(outs, refs, "speculative, tiny pool")
