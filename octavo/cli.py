@@ -254,10 +254,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from octavo.simulator.report import format_comparison, format_scheduling, plot_timelines
     from octavo.simulator.simulator import BASELINE, COMPARISONS, SCHEDULING_POLICIES, SimConfig, StepCostModel, simulate
-    from octavo.simulator.workload import code_edit_workload, random_workload, shared_prefix_workload, trace_workload
+    from octavo.simulator.workload import random_workload, shared_prefix_workload, trace_workload
 
-    if args.workload == "code-edit":  # text prompts whose answers copy them (speculative decoding's case)
-        return code_edit_workload(args.num_requests, args.output_len, args.seed)
     if args.workload == "random":
         workload = random_workload(args.num_requests, args.input_len, args.output_len, args.range_ratio, args.seed, args.request_rate)
     elif args.workload == "shared-prefix":
@@ -319,8 +317,10 @@ def add_workload_flags(p: argparse.ArgumentParser, with_seed: bool = True, multi
 
 
 def load_workload(args: argparse.Namespace):
-    from octavo.simulator.workload import random_workload, shared_prefix_workload, trace_workload
+    from octavo.simulator.workload import code_edit_workload, random_workload, shared_prefix_workload, trace_workload
 
+    if args.workload == "code-edit":  # text prompts whose answers copy them (speculative decoding's case)
+        return code_edit_workload(args.num_requests, args.output_len, args.seed)
     if args.workload == "random":
         return random_workload(args.num_requests, args.input_len, args.output_len, args.range_ratio, args.seed)
     if args.workload == "prefix-repetition":

@@ -178,6 +178,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "cache-aware")
 PREEMPTION_VICTIMS = ("cheapest", "newest")
 SPECULATIVE_METHODS = ("ngram", "suffix")
 DEFAULT_SPEC_MAX_BATCH = 4  # decoding requests above which no step drafts (docs/BENCHMARKS.md)
+DEFAULT_SPEC_COST_BATCH = 4.0  # batch at which a step's extra token costs half a decode step (docs/BENCHMARKS.md)
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +196,10 @@ class SpeculativeConfig:
     # back-off per request: after a verification that accepts nothing, it skips drafting for
     # 1, 2, 4, ... steps (up to this many); an accepted draft resets it
     max_backoff_steps: int = 16
+    # the cost model of the adaptive draft length: with B requests decoding, one more token in a
+    # step costs B / (B + this) of a decode step (this CPU: about 4, tools/spec_step_cost.py); each
+    # request drafts the k that maximises its expected tokens per unit of step cost
+    draft_cost_batch: float = DEFAULT_SPEC_COST_BATCH
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -204,8 +209,8 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
-        if self.max_batch < 1 or self.max_backoff_steps < 0:
-            raise ValueError("speculative max_batch must be >= 1 and max_backoff_steps >= 0")
+        if self.max_batch < 1 or self.max_backoff_steps < 0 or self.draft_cost_batch <= 0:
+            raise ValueError("speculative max_batch must be >= 1, max_backoff_steps >= 0 and draft_cost_batch > 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,7 +88,8 @@ class EngineArgs:
                 "prompt lookup) or suffix (from its own tokens and recent requests'); each decoding step also "
                 "verifies the drafts and keeps those the model agrees with: greedy output is unchanged, sampled "
                 "output keeps its distribution", "choices": SPECULATIVE_METHODS})
-    num_speculative_tokens: int = field(default=4, metadata={"help": "most drafted tokens verified per request per step"})
+    num_speculative_tokens: int = field(default=4, metadata={
+        "help": "most drafted tokens verified per request per step (each request drafts fewer while few of its drafts are kept)"})
     speculative_max_batch: int = field(default=DEFAULT_SPEC_MAX_BATCH, metadata={
         "help": "no drafts while more than this many requests decode (a wide step gains little from them)"})
     dtype: str = field(default="auto", metadata={

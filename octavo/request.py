@@ -61,6 +61,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_backoff: int = 0
     spec_resume_step: int = 0
+    spec_kept: float = 0.0  # drafts kept and verifications that rejected one, decayed (its acceptance rate)
+    spec_rejected: float = 0.0
     pin: bool = False  # its prompt's blocks stay in the pool for good once it ends (a pinned prefix)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -25,7 +25,7 @@ from octavo.kv_cache.manager import Allocation, KVCacheManager
 from octavo.outputs import ModelRunnerOutput, SampleRow, ScheduledRequest, SchedulerOutput
 from octavo.request import FinishReason, Request, RequestStatus, child_request_id
 from octavo.request_queue import make_waiting_queue
-from octavo.spec_decode import make_drafter
+from octavo.spec_decode import best_num_drafts, make_drafter
 
 
 class RequestRefused(ValueError):
@@ -260,15 +260,19 @@ class Scheduler:
         return budget - num_new
 
     def _propose(self, request: Request, budget: int) -> list[int]:
-        """Speculative decoding: the drafts a decoding request verifies this step (none for a
-        prompt chunk, a beam, a request about to fork, while it backs off, while more than
-        `max_batch` requests decode, or past max_tokens, max_model_len or the step's budget)."""
+        """Speculative decoding: the drafts a decoding request verifies this step: as many as pay
+        for their cost at its acceptance rate so far (`best_num_drafts`), none for a prompt chunk,
+        a beam, a request about to fork, while it backs off, while more than `max_batch` requests
+        decode, or past max_tokens, max_model_len or the step's budget."""
         spec = self.config.speculative
         if (request.num_tokens - request.num_computed_tokens != 1 or not request.output_token_ids
                 or request.beam is not None or request.num_samples_pending > 1
                 or self._num_steps < request.spec_resume_step or self._num_decoding > spec.max_batch):
             return []
-        limit = min(spec.num_speculative_tokens, budget - 1, self.config.max_model_len - request.num_tokens - 1)
+        acceptance = (request.spec_kept + 1.0) / (request.spec_kept + request.spec_rejected + 2.0)
+        draft_cost = self._num_decoding / (self._num_decoding + spec.draft_cost_batch)
+        limit = min(best_num_drafts(acceptance, draft_cost, spec.num_speculative_tokens), budget - 1,
+                    self.config.max_model_len - request.num_tokens - 1)
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
             limit = min(limit, max_tokens - request.num_output_tokens - 1)
@@ -641,6 +645,8 @@ class Scheduler:
         self.spec_num_accepted_tokens += num_accepted
         self.spec_acceptance_counts[num_accepted] += 1
         spec = self.config.speculative
+        request.spec_kept = 0.8 * request.spec_kept + num_accepted
+        request.spec_rejected = 0.8 * request.spec_rejected + (num_accepted < len(drafts))
         if num_accepted:
             request.spec_backoff = 0
         else:  # nothing agreed: draft again after 1, 2, 4, ... steps

@@ -59,6 +59,21 @@ def test_cpu_kernel_matches_dense_and_reference(block_size, heads, kv_heads, d, 
     torch.testing.assert_close(out, paged_attention(q, k_cache, v_cache, meta, scale=d**-0.5), atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("tile", [1, 2, 3, 16])
+@pytest.mark.parametrize("window", [None, 37])
+def test_cpu_kernel_any_query_tile(tile, window, monkeypatch):
+    """Tiles smaller than a span (a few query tokens per work item: a speculative step's 1 + k
+    tokens spread over the threads) give the same result."""
+    cpu_kernel_or_skip()
+    assert (cpu.q_tile(5, 2), cpu.q_tile(1, 2), cpu.q_tile(4096, 2)) == (3, 1, cpu.Q_TILE)
+    monkeypatch.setattr(cpu, "q_tile", lambda num_tokens, num_threads: tile)
+    q, k_cache, v_cache, meta, _ = build_step(16, 9, 3, 64, [(100, 5), (3, 40), (33, 35), (70, 9)])
+    meta.backend = "cpu"
+    out = dispatch.paged_attention(q, k_cache, v_cache, meta, scale=0.125, window=window)
+    want = paged_attention(q, k_cache, v_cache, dataclasses.replace(meta, backend="reference"), scale=0.125, window=window)
+    torch.testing.assert_close(out, want, atol=ATOL, rtol=RTOL)
+
+
 WINDOW_LENGTHS = pytest.mark.parametrize("lengths", [
     [(0, 1), (0, 13), (5, 3), (40, 1)],
     [(100, 1), (3, 40), (33, 35), (70, 9)],  # spans longer than the window and than the CPU query tile

@@ -5,28 +5,33 @@ from octavo.config import SchedulerConfig, SpeculativeConfig
 from octavo.kv_cache.manager import KVCacheManager
 from octavo.outputs import ModelRunnerOutput
 from octavo.scheduler import Scheduler
+from octavo.spec_decode import best_num_drafts
 from tests.helpers import make_request
 
 BS = 4
 LOOP = [1, 2, 3, 4, 5, 1, 2]  # prompt lookup proposes 3, 4, 5, 1, ... after its last "1, 2"
 
 
-def make(k=4, budget=64, max_batch=4, num_blocks=32, backoff=16):
+def make(k=4, budget=64, max_batch=4, num_blocks=32, backoff=16, cost_batch=1e9):
+    """A scheduler drafting up to k tokens (with the default cost_batch drafts cost nothing: the
+    adaptive length is always k)."""
     spec = SpeculativeConfig("ngram", num_speculative_tokens=k, prompt_lookup_min=2, max_batch=max_batch,
-                             max_backoff_steps=backoff)
+                             max_backoff_steps=backoff, draft_cost_batch=cost_batch)
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=64, speculative=spec)
     return Scheduler(cfg, KVCacheManager(num_blocks, BS))
 
 
 def run(s, keep: dict[str, int] | None = None, token: int = 9):
-    """One step; a request verifying drafts keeps keep[rid] of them (default all), then `token`."""
+    """One step; a request verifying drafts keeps keep[rid] of them (default all), then `token`
+    (or token(the last token kept))."""
     out = s.schedule()
     sampled, spec = {}, {}
     for e in out.scheduled:
         for row in e.samples:
             drafts = row.draft_token_ids
             n = min((keep or {}).get(row.seq_id, len(drafts)), len(drafts))
-            tokens = drafts[:n] + [token if n == len(drafts) or token != drafts[n] else token + 1]
+            last = token(drafts[n - 1] if n else s.requests[row.seq_id].all_token_ids[-1]) if callable(token) else token
+            tokens = drafts[:n] + [last if n == len(drafts) or last != drafts[n] else last + 1]
             sampled[row.seq_id], spec[row.seq_id] = tokens[0], tokens[1:]
     s.update(out, ModelRunnerOutput(sampled=sampled, spec_tokens=spec))
     return out
@@ -91,3 +96,23 @@ def test_backs_off_after_verifications_that_keep_nothing():
         s.requests["a"].all_token_ids[-1:] = [6]
     # drafts, then 1 step without, drafts, 2 without, drafts, 4 without (capped at 4), ...
     assert drafted[:12] == [True, False, True, False, False, True, False, False, False, False, True, False]
+
+
+def test_the_draft_length_follows_the_acceptance_rate_and_the_cost():
+    lengths = [best_num_drafts(a, 0.2, 8) for a in (0.3, 0.6, 0.8, 0.9, 0.99)]
+    assert lengths == sorted(lengths) and lengths[0] == 1 and lengths[-1] == 8
+    assert [best_num_drafts(0.9, c, 8) for c in (0.1, 0.5, 2.0)] == sorted([best_num_drafts(0.9, c, 8) for c in (0.1, 0.5, 2.0)], reverse=True)
+    # a request whose drafts are all kept drafts longer; one whose drafts are refused drafts 1
+    s = make(k=6, cost_batch=4.0)  # one decoding request: a draft costs 1 / 5 of a step
+    s.add_request(make_request("a", [5, 6, 7, 5, 6, 7, 5, 6, 7, 5], max_tokens=50))
+    run(s, token=6)
+    cycle = {5: 6, 6: 7, 7: 5}.get  # the model goes on with the loop: every draft is kept
+    sizes = [len(run(s, token=cycle).scheduled[0].samples[0].draft_token_ids) for _ in range(6)]
+    # 1 at first (no history: acceptance 1/2), then longer up to the 3 tokens a period offers
+    assert sizes[0] == 1 and sizes[-1] == 3 and sizes == sorted(sizes), sizes
+    s = make(k=6, cost_batch=4.0)
+    s.add_request(make_request("b", [5, 6, 7, 5, 6, 7, 5, 6, 7, 5], max_tokens=50))
+    run(s, token=6)
+    assert [len(run(s, token=cycle).scheduled[0].samples[0].draft_token_ids) for _ in range(3)][-1] == 3
+    s.requests["b"].spec_rejected = 50.0  # a long record of refused drafts: one draft a step at most
+    assert len(run(s, token=cycle).scheduled[0].samples[0].draft_token_ids) == 1

@@ -149,6 +149,13 @@ def quant_isa() -> str | None:
 Q_TILE = 16
 
 
+def q_tile(num_tokens: int, num_threads: int) -> int:
+    """Query tokens per work item: Q_TILE, or fewer when a step has too few tokens to give every
+    thread an item (a speculative step of one request verifying 4 drafts is 5 tokens: tiles of 3
+    and 2 keep both cores of this machine busy, where one tile of 5 left one idle; docs/BENCHMARKS.md)."""
+    return max(1, min(Q_TILE, -(-num_tokens // max(1, num_threads))))
+
+
 def paged_attention(q, k_cache, v_cache, meta, scale: float, window: int | None = None):
     """Same contract as `octavo.kernels.reference.paged_attention`; float32 CPU tensors only."""
     import torch
@@ -159,7 +166,8 @@ def paged_attention(q, k_cache, v_cache, meta, scale: float, window: int | None 
     q = q.contiguous()
     out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
     module.paged_attention(
-        out, q, k_cache, v_cache, meta.block_tables, meta.query_starts, meta.query_lens, meta.context_lens, scale, Q_TILE,
+        out, q, k_cache, v_cache, meta.block_tables, meta.query_starts, meta.query_lens, meta.context_lens, scale,
+        q_tile(q.shape[0], torch.get_num_threads()),
         0 if window is None else window,
     )
     return out
