@@ -92,6 +92,11 @@ class EngineArgs:
         "help": "most drafted tokens verified per request per step (each request drafts fewer while few of its drafts are kept)"})
     speculative_max_batch: int = field(default=DEFAULT_SPEC_MAX_BATCH, metadata={
         "help": "no drafts while more than this many requests decode (a wide step gains little from them)"})
+    prompt_lookup_min: int = field(default=2, metadata={"help": "ngram drafting: the shortest n-gram matched"})
+    prompt_lookup_max: int = field(default=4, metadata={"help": "ngram drafting: the longest n-gram matched (tried first)"})
+    speculative_config: str | None = field(default=None, metadata={
+        "help": "vLLM's form, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
+                "\"prompt_lookup_min\": 2} (sets the flags of the same names)"})
     dtype: str = field(default="auto", metadata={
         "help": "activations, dense weights and KV cache. auto: float32 for quantized weights (the C++ "
                 "kernels' input); for dense weights bfloat16 where the CPU has bf16 units (AVX512_BF16 or "
@@ -135,6 +140,11 @@ class EngineArgs:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.speculative_config is not None:
+            self._apply_speculative_config()
+        if self.speculative_method is not None and self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)} (a draft model is "
+                             f"not supported yet), got {self.speculative_method!r}")
         object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
         object.__setattr__(self, "pinned_prefix", tuple(self.pinned_prefix))
         if self.pinned_prefix and not self.enable_prefix_caching:
@@ -161,6 +171,28 @@ class EngineArgs:
             raise ValueError("the second KV tier (kv_offload_size) keeps prefix-cache blocks: it needs prefix caching on")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    def _apply_speculative_config(self) -> None:
+        """vLLM's --speculative-config JSON (or a dict from Python) -> the speculative_* fields."""
+        import json
+
+        conf = self.speculative_config
+        if isinstance(conf, str):
+            try:
+                conf = json.loads(conf)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        known = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
+                 "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min"}
+        if not isinstance(conf, dict) or "method" not in conf:
+            raise ValueError('speculative_config must be a JSON object with a "method", e.g. {"method": "ngram"}')
+        unknown = sorted(set(conf) - set(known))
+        if unknown:
+            raise ValueError(f"speculative_config keys not supported: {', '.join(unknown)} (supported: {', '.join(known)})")
+        for key, name in known.items():
+            if key in conf:
+                object.__setattr__(self, name, conf[key])
+        object.__setattr__(self, "speculative_config", None)
 
     def to_config(self, model_config: ModelConfig) -> EngineConfig:
         """The engine's configuration; dtype "auto" must have been resolved (the engine does it at load)."""
@@ -198,7 +230,8 @@ class EngineArgs:
                 max_loras=self.max_loras if self.enable_lora else None,
                 speculative=SpeculativeConfig(
                     method=self.speculative_method, num_speculative_tokens=self.num_speculative_tokens,
-                    max_batch=self.speculative_max_batch,
+                    max_batch=self.speculative_max_batch, prompt_lookup_min=self.prompt_lookup_min,
+                    prompt_lookup_max=self.prompt_lookup_max,
                 ) if self.speculative_method is not None else None,
             ),
             dtype=self.dtype,

@@ -54,3 +54,17 @@ def test_suffix_drafter_stops_where_no_continuation_has_the_share():
     assert drafter.propose("a", tokens, 4) == []
     drafter2 = SuffixDrafter(max_depth=2, min_share=0.6)
     assert drafter2.propose("a", [1, 2, 1, 2, 1, 2, 1, 3, 1], 1) == [2]  # 3 of 4 after 1
+
+
+def test_engine_args_take_vllms_speculative_config_and_refuse_what_they_cannot_do():
+    import pytest
+
+    from octavo.engine_args import EngineArgs
+
+    args = EngineArgs(speculative_config='{"method": "suffix", "num_speculative_tokens": 6, "prompt_lookup_max": 5}')
+    assert (args.speculative_method, args.num_speculative_tokens, args.prompt_lookup_max) == ("suffix", 6, 5)
+    for bad, reason in [("{", "not valid JSON"), ('{"k": 1}', 'with a "method"'),
+                        ('{"method": "ngram", "model": "x"}', "keys not supported: model"),
+                        ('{"method": "eagle"}', "must be one of ngram, suffix")]:
+        with pytest.raises(ValueError, match=reason):
+            EngineArgs(speculative_config=bad)
