@@ -210,7 +210,8 @@ def for_other_ranks(sched: SchedulerOutput) -> SchedulerOutput:
     return dataclasses.replace(sched, scheduled=[
         dataclasses.replace(
             e,
-            samples=[SampleRow(row.seq_id, row.sample_index) for row in e.samples],
+            # drafts stay: every rank computes logits at each drafted position (a collective)
+            samples=[SampleRow(row.seq_id, row.sample_index, draft_token_ids=row.draft_token_ids) for row in e.samples],
             prompt_token_ids=e.prompt_token_ids if e.sampling_params.prompt_logprobs is not None else [],
         )
         for e in sched.scheduled

@@ -1,6 +1,7 @@
 """Tensor parallelism with gloo on the CPU (one thread per rank): greedy tokens equal TP=1 on a tiny
 random Llama (TP=2 over 4 KV heads) and on the embedded model (TP=3 over its 3 KV heads), through
-chunked prefill and preemption; head counts that do not divide are refused; a worker that dies
+chunked prefill and preemption, and with speculative decoding; head counts that do not divide are
+refused; a worker that dies
 fails the next step with an error instead of hanging."""
 
 from __future__ import annotations
@@ -60,6 +61,16 @@ def test_tp2_equals_tp1_on_a_tiny_llama_with_chunks_and_preemption(tiny_dir):
     expected, _ = run(str(tiny_dir), 1, prompts, **kwargs)
     got, stats = run(str(tiny_dir), 2, prompts, **kwargs)
     assert stats.num_preemptions > 0
+    assert_same_or_near_tie(got, expected)
+
+
+def test_tp2_with_speculative_decoding_equals_tp1_without(tiny_dir):
+    """Every rank runs the verification step (drafts in the step's tokens); rank 0 keeps them."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 101, (n,), generator=g).tolist() * 3 for n in (4, 7, 11)]  # repeats to draft from
+    expected, _ = run(str(tiny_dir), 1, prompts, block_size=8)
+    got, stats = run(str(tiny_dir), 2, prompts, block_size=8, speculative_method="ngram", speculative_max_batch=8)
+    assert stats.spec_num_accepted_tokens > 0
     assert_same_or_near_tie(got, expected)
 
 
