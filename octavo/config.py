@@ -176,7 +176,7 @@ class CacheConfig:
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "cache-aware")
 PREEMPTION_VICTIMS = ("cheapest", "newest")
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
 DEFAULT_SPEC_MAX_BATCH = 4  # decoding requests above which no step drafts (docs/BENCHMARKS.md)
 DEFAULT_SPEC_COST_BATCH = 4.0  # batch at which a step's extra token costs half a decode step (docs/BENCHMARKS.md)
 
@@ -186,7 +186,8 @@ class SpeculativeConfig:
     """Speculative decoding: each decoding request's next step also computes up to
     `num_speculative_tokens` drafted tokens, and keeps those the model agrees with."""
 
-    method: str = "ngram"  # ngram: prompt lookup in the request's own tokens; suffix: + recent requests'
+    method: str = "ngram"  # ngram: prompt lookup in the request's own tokens; suffix: + recent requests'; draft: a model
+    draft_model: str | None = None  # method "draft": the drafting model (same tokenizer), as --model takes it
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2  # n-gram sizes matched (longest first)
     prompt_lookup_max: int = 4
@@ -209,6 +210,8 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError("speculative method 'draft' needs a draft model (--speculative-model), and only it takes one")
         if self.max_batch < 1 or self.max_backoff_steps < 0 or self.draft_cost_batch <= 0:
             raise ValueError("speculative max_batch must be >= 1, max_backoff_steps >= 0 and draft_cost_batch > 0")
 

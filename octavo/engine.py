@@ -18,6 +18,7 @@ import torch
 
 from octavo.beam_search import BeamGroup
 from octavo.config import EngineConfig
+from octavo.draft_model import DraftModel
 from octavo.distributed.executor import TensorParallelExecutor, TensorParallelGroup, WorkerSpec, start_tensor_parallel
 from octavo.engine_args import EngineArgs, resolve_device
 from octavo.cache import cache_dir
@@ -79,6 +80,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, kv)
         self.scheduler.draft_filter = self._grammar_draft_prefix
         spec = config.scheduler.speculative
+        self.draft_model: DraftModel | None = None
+        if spec is not None and spec.method == "draft":
+            self.draft_model = self._load_draft_model(config)
         if spec is not None:
             logger.info("speculative decoding: %s drafts, up to %d tokens per request per step, while at most %d "
                         "requests decode", spec.method, spec.num_speculative_tokens, spec.max_batch)
@@ -96,6 +100,19 @@ class LLMEngine:
                     and os.environ.get("OCTAVO_ADAPTIVE_THREADS", "1") != "0")
         self._threads = ThreadGovernor(torch.get_num_threads()) if adaptive else None
 
+
+    def _load_draft_model(self, config: EngineConfig) -> DraftModel:
+        """The speculative draft model: loaded as --model would be (quantized blocks kept on the
+        CPU), float32 or the engine's dtype, its own KV cache of max_batch + 1 request slots."""
+        spec = config.scheduler.speculative
+        draft_dir = resolve_model(spec.draft_model)
+        quantization = "none" if config.device.startswith("cuda") else "auto"
+        model, model_config = load_model(draft_dir, dtype=_DTYPES[config.dtype], device=config.device,
+                                         quantization=quantization)
+        logger.info("draft model %s: %s", draft_dir.name, describe_weights(model))
+        return DraftModel(model, model_config, config.model_config.vocab_size, config.scheduler.max_model_len,
+                          spec.max_batch + 1, config.cache.block_size, config.device, _DTYPES[config.dtype],
+                          self.runner.attention_backend)
 
     def _size_kv_cache(self, config: EngineConfig, weight_bytes: int) -> KVSizing:
         """Blocks for the KV cache; on CUDA, from a profiled worst-case step unless given."""
@@ -356,6 +373,8 @@ class LLMEngine:
             self._check_thread()
         if self._threads is not None:
             self._threads.tick()
+        if self.draft_model is not None:  # drafts for the coming step, from the draft model
+            self.scheduler.drafter.provide(self.draft_model.propose(self.scheduler.draft_candidates()))
         sched_out = self.scheduler.schedule()
         result = self.executor.execute(sched_out, self._grammar_masks(sched_out))
         changed = self.scheduler.update(sched_out, result)
@@ -368,6 +387,8 @@ class LLMEngine:
         if processed.stopped_seq_ids:
             self.scheduler.finish_requests(processed.stopped_seq_ids, FinishReason.STOP)
         self.structured.forget(processed.ended_seq_ids)
+        if self.draft_model is not None:
+            self.draft_model.forget(processed.ended_seq_ids)
         for rid in processed.finished_request_ids:
             self.structured.release(rid)
         return processed.outputs

@@ -85,13 +85,17 @@ class EngineArgs:
                 "recomputed"})
     speculative_method: str | None = field(default=None, metadata={
         "help": "speculative decoding (default: off): ngram (drafts from the request's own prompt and output: "
-                "prompt lookup) or suffix (from its own tokens and recent requests'); each decoding step also "
+                "prompt lookup), suffix (from its own tokens and recent requests') or draft (a smaller model's, "
+                "--speculative-model); each decoding step also "
                 "verifies the drafts and keeps those the model agrees with: greedy output is unchanged, sampled "
                 "output keeps its distribution", "choices": SPECULATIVE_METHODS})
     num_speculative_tokens: int = field(default=4, metadata={
         "help": "most drafted tokens verified per request per step (each request drafts fewer while few of its drafts are kept)"})
     speculative_max_batch: int = field(default=DEFAULT_SPEC_MAX_BATCH, metadata={
         "help": "no drafts while more than this many requests decode (a wide step gains little from them)"})
+    speculative_model: str | None = field(default=None, metadata={
+        "help": "speculative method draft: the drafting model (a smaller one of the same tokenizer; as MODEL "
+                "takes it: a directory, a .gguf or a packaged name); it drafts greedily with a KV cache of its own"})
     prompt_lookup_min: int = field(default=2, metadata={"help": "ngram drafting: the shortest n-gram matched"})
     prompt_lookup_max: int = field(default=4, metadata={"help": "ngram drafting: the longest n-gram matched (tried first)"})
     speculative_config: str | None = field(default=None, metadata={
@@ -143,8 +147,11 @@ class EngineArgs:
         if self.speculative_config is not None:
             self._apply_speculative_config()
         if self.speculative_method is not None and self.speculative_method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)} (a draft model is "
-                             f"not supported yet), got {self.speculative_method!r}")
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.speculative_method!r}")
+        if (self.speculative_method == "draft") != (self.speculative_model is not None):
+            raise ValueError("--speculative-method draft needs --speculative-model (the drafting model), "
+                             "and --speculative-model needs --speculative-method draft")
         object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
         object.__setattr__(self, "pinned_prefix", tuple(self.pinned_prefix))
         if self.pinned_prefix and not self.enable_prefix_caching:
@@ -183,7 +190,8 @@ class EngineArgs:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
         known = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
-                 "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min"}
+                 "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min",
+                 "model": "speculative_model"}
         if not isinstance(conf, dict) or "method" not in conf:
             raise ValueError('speculative_config must be a JSON object with a "method", e.g. {"method": "ngram"}')
         unknown = sorted(set(conf) - set(known))
@@ -231,7 +239,7 @@ class EngineArgs:
                 speculative=SpeculativeConfig(
                     method=self.speculative_method, num_speculative_tokens=self.num_speculative_tokens,
                     max_batch=self.speculative_max_batch, prompt_lookup_min=self.prompt_lookup_min,
-                    prompt_lookup_max=self.prompt_lookup_max,
+                    prompt_lookup_max=self.prompt_lookup_max, draft_model=self.speculative_model,
                 ) if self.speculative_method is not None else None,
             ),
             dtype=self.dtype,

@@ -260,26 +260,43 @@ class Scheduler:
         return budget - num_new
 
     def _propose(self, request: Request, budget: int) -> list[int]:
-        """Speculative decoding: the drafts a decoding request verifies this step: as many as pay
-        for their cost at its acceptance rate so far (`best_num_drafts`), none for a prompt chunk,
-        a beam, a request about to fork, while it backs off, while more than `max_batch` requests
-        decode, or past max_tokens, max_model_len or the step's budget."""
+        """Speculative decoding: the drafts a decoding request verifies this step (its drafter's,
+        at most `_draft_limit`, cut where its grammar would refuse them)."""
+        limit = self._draft_limit(request, budget, self._num_decoding, self._num_steps)
+        drafts = self.drafter.propose(request.request_id, request.all_token_ids, limit) if limit > 0 else []
+        if drafts and self.draft_filter is not None:
+            drafts = self.draft_filter(request, drafts)
+        return drafts
+
+    def _draft_limit(self, request: Request, budget: int, num_decoding: int, step: int) -> int:
+        """The most drafts a request may verify in step `step`: as many as pay for their cost at
+        its acceptance rate so far (`best_num_drafts`); none for a prompt chunk, a beam, a request
+        about to fork, while it backs off, while more than `max_batch` requests decode, or past
+        max_tokens, max_model_len or the step's budget."""
         spec = self.config.speculative
         if (request.num_tokens - request.num_computed_tokens != 1 or not request.output_token_ids
                 or request.beam is not None or request.num_samples_pending > 1
-                or self._num_steps < request.spec_resume_step or self._num_decoding > spec.max_batch):
-            return []
+                or step < request.spec_resume_step or num_decoding > spec.max_batch):
+            return 0
         acceptance = (request.spec_kept + 1.0) / (request.spec_kept + request.spec_rejected + 2.0)
-        draft_cost = self._num_decoding / (self._num_decoding + spec.draft_cost_batch)
+        draft_cost = num_decoding / (num_decoding + spec.draft_cost_batch)
         limit = min(best_num_drafts(acceptance, draft_cost, spec.num_speculative_tokens), budget - 1,
                     self.config.max_model_len - request.num_tokens - 1)
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
             limit = min(limit, max_tokens - request.num_output_tokens - 1)
-        drafts = self.drafter.propose(request.request_id, request.all_token_ids, limit) if limit > 0 else []
-        if drafts and self.draft_filter is not None:
-            drafts = self.draft_filter(request, drafts)
-        return drafts
+        return max(0, limit)
+
+    def draft_candidates(self) -> list[tuple[Request, int]]:
+        """Before `schedule`: the running requests that may draft in the coming step, with the
+        most drafts each may take (a draft model computes them first and `provide`s them; the
+        step's budget may still cut them). Changes nothing."""
+        if self.config.speculative is None:
+            return []
+        num_decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        budget, step = self.config.max_num_batched_tokens, self._num_steps + 1
+        candidates = [(r, self._draft_limit(r, budget, num_decoding, step)) for r in self.running]
+        return [(r, n) for r, n in candidates if n > 0]
 
     def _with_room(self, request: Request, attempt, scheduled, preempted: list[str]):
         """attempt() until it returns something: first letting go of blocks held for waiting

@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("models and what wraps them", [
         "octavo.models", "octavo.lora", "octavo.sampling.sampler", "octavo.cuda_graphs", "octavo.distributed.layers",
     ]),
-    ("the runner and its ranks", ["octavo.model_runner", "octavo.distributed"]),
+    ("the runner and its ranks", ["octavo.model_runner", "octavo.draft_model", "octavo.distributed"]),
     ("the engine", ["octavo.output_processor", "octavo.engine", "octavo.llm", "octavo.bench"]),
     ("serving", ["octavo.server", "octavo.router"]),
     ("entry points", ["octavo.cli", "octavo.__main__"]),

@@ -239,14 +239,19 @@ def spec_stats(llm):
     return s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
-def test_speculative_decoding_in_one_batch(make_llm, prompts, refs, method):
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
+def test_speculative_decoding_in_one_batch(make_llm, prompts, refs, method, smol_dir):
     """Drafts verified for all eight requests in one step (max_batch above the batch): each keeps
-    only the drafts its own next token agrees with; the tokens equal transformers'."""
-    llm = make_llm(speculative_method=method, num_speculative_tokens=4, speculative_max_batch=16)
+    only the drafts its own next token agrees with; the tokens equal transformers'. The draft
+    model is the embedded model itself (its own copy and KV cache): every greedy draft is kept."""
+    extra = dict(speculative_model=str(smol_dir)) if method == "draft" else {}
+    llm = make_llm(speculative_method=method, num_speculative_tokens=4, speculative_max_batch=16, **extra)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     drafts, drafted, accepted = spec_stats(llm)
-    assert drafts > 0 and 0 < accepted < drafted, (drafts, drafted, accepted)  # some kept, some rejected
+    if method == "draft":
+        assert drafts > 0 and accepted == drafted, (drafts, drafted, accepted)
+    else:
+        assert drafts > 0 and 0 < accepted < drafted, (drafts, drafted, accepted)  # some kept, some rejected
     assert llm.engine.scheduler.kv_cache.check_invariants() == []
     check_all(outs, refs, f"speculative {method}, one batch")
 

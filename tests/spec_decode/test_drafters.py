@@ -64,7 +64,8 @@ def test_engine_args_take_vllms_speculative_config_and_refuse_what_they_cannot_d
     args = EngineArgs(speculative_config='{"method": "suffix", "num_speculative_tokens": 6, "prompt_lookup_max": 5}')
     assert (args.speculative_method, args.num_speculative_tokens, args.prompt_lookup_max) == ("suffix", 6, 5)
     for bad, reason in [("{", "not valid JSON"), ('{"k": 1}', 'with a "method"'),
-                        ('{"method": "ngram", "model": "x"}', "keys not supported: model"),
-                        ('{"method": "eagle"}', "must be one of ngram, suffix")]:
+                        ('{"method": "ngram", "foo": "x"}', "keys not supported: foo"),
+                        ('{"method": "ngram", "model": "x"}', "needs --speculative-method draft"),
+                        ('{"method": "eagle"}', "must be one of ngram, suffix, draft")]:
         with pytest.raises(ValueError, match=reason):
             EngineArgs(speculative_config=bad)

@@ -97,3 +97,28 @@ def test_grammar_cuts_drafts_it_refuses(spec):
     # the matcher stayed where the output ends: the whole good answer is still allowed
     assert engine.structured.draft_prefix("x", so, [], good) == good
     engine.structured.forget(["x"])
+
+
+def test_a_draft_model_drafts_for_the_target(plain, make_llm, smol_dir):
+    """--speculative-method draft with the embedded model drafting for itself (a copy with its own
+    KV cache, greedy): greedy output unchanged with every draft kept; seeded sampled output
+    unchanged while the sampled target refuses some greedy drafts (the rejection rule at work)."""
+    llm = make_llm(speculative_method="draft", speculative_model=str(smol_dir), speculative_max_batch=8)
+    prompts = [COPY_PROMPT, "Write a short poem about the sea.", "The three largest cities in Europe are"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    assert tokens_of(llm.generate(prompts, greedy, use_tqdm=False)) == tokens_of(plain.generate(prompts, greedy, use_tqdm=False))
+    drafts, drafted, accepted = spec_counts(llm)
+    assert drafts > 0 and accepted == drafted
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=40, ignore_eos=True)
+    assert tokens_of(llm.generate(prompts, seeded, use_tqdm=False)) == tokens_of(plain.generate(prompts, seeded, use_tqdm=False))
+    _, drafted_after, accepted_after = spec_counts(llm)
+    assert 0 < accepted_after - accepted < drafted_after - drafted
+
+
+def test_draft_model_options_are_checked():
+    from octavo.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match="needs --speculative-model"):
+        EngineArgs(speculative_method="draft")
+    with pytest.raises(ValueError, match="needs --speculative-method draft"):
+        EngineArgs(speculative_method="ngram", speculative_model="x")

@@ -1,0 +1,94 @@
+"""DraftModel: a smaller model of the same tokenizer drafts each candidate request's next tokens
+greedily, on a KV cache of its own, before the step that verifies them (speculative decoding's
+`--speculative-method draft`).
+
+Its cache holds one slot per request it drafts for (a fixed run of blocks covering
+max_model_len), least recently used slots reused. Per request it remembers the tokens whose KV the
+slot holds; the next time it drafts for that request it keeps the longest prefix those share with
+the request's tokens (the drafts the target kept) and computes only the rest, then drafts one
+token per forward, all candidates batched. Drafting greedily makes each draft a point mass, so
+the runner's verification (sample each position, keep drafts while they agree) is the exact
+rejection rule and the output distribution is the target's.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from octavo.config import CacheConfig, ModelConfig
+from octavo.model_runner import ModelRunner
+from octavo.models.layers import CausalLM
+from octavo.outputs import SampleRow, ScheduledRequest, SchedulerOutput
+from octavo.request import Request
+from octavo.sampling.params import SamplingParams
+
+_GREEDY = SamplingParams(temperature=0.0)
+
+
+class DraftModel:
+    def __init__(self, model: CausalLM, model_config: ModelConfig, target_vocab_size: int, max_model_len: int,
+                 num_slots: int, block_size: int, device: str, kv_dtype, attention_backend: str) -> None:
+        """`num_slots`: requests whose draft KV is kept at once (the scheduler's max_batch + 1)."""
+        if len(model_config.kv_groups()) > 1:
+            raise ValueError("a draft model with sliding-window layers is not supported: use one with global attention")
+        if model_config.vocab_size != target_vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({model_config.vocab_size} tokens) differs from the model's "
+                             f"({target_vocab_size}): it must use the same tokenizer")
+        self.blocks_per_slot = -(-max_model_len // block_size)
+        self.runner = ModelRunner(model, model_config, CacheConfig(block_size=block_size), (), device, kv_dtype,
+                                  attention_backend, max_num_seqs=num_slots, max_model_len=max_model_len)
+        self.runner.init_kv_cache(num_slots * self.blocks_per_slot)
+        self.num_slots = num_slots
+        self._slots: OrderedDict[str, int] = OrderedDict()  # request id -> slot, least recently used first
+        self._cached: dict[str, list[int]] = {}  # request id -> the tokens whose KV its slot holds
+
+    def _slot(self, request_id: str) -> int:
+        if request_id in self._slots:
+            self._slots.move_to_end(request_id)
+            return self._slots[request_id]
+        if len(self._slots) < self.num_slots:
+            slot = len(self._slots)
+        else:
+            old, slot = self._slots.popitem(last=False)
+            self._cached.pop(old, None)
+        self._slots[request_id] = slot
+        self._cached[request_id] = []
+        return slot
+
+    def _entry(self, request_id: str, token_ids: list[int], start: int) -> ScheduledRequest:
+        slot = self._slots[request_id]
+        blocks = list(range(slot * self.blocks_per_slot, (slot + 1) * self.blocks_per_slot))
+        return ScheduledRequest(request_id, token_ids, start, blocks, _GREEDY, [SampleRow(request_id)], [])
+
+    def propose(self, candidates: list[tuple[Request, int]]) -> dict[str, tuple[int, list[int]]]:
+        """request id -> (its token count, up to n greedy drafts after its last token) for each
+        (request, n) of `candidates`. Writes only this model's own cache."""
+        if not candidates:
+            return {}
+        entries = []
+        for request, _ in candidates[: self.num_slots]:
+            rid, tokens = request.request_id, request.all_token_ids
+            self._slot(rid)
+            cached = self._cached[rid]
+            keep = 0
+            while keep < min(len(cached), len(tokens) - 1) and cached[keep] == tokens[keep]:
+                keep += 1  # the prefix its slot still holds (the last token is always computed)
+            entries.append(self._entry(rid, tokens[keep:], keep))
+            self._cached[rid] = list(tokens)
+        limits = {request.request_id: n for request, n in candidates[: self.num_slots]}
+        drafts: dict[str, list[int]] = {rid: [] for rid in limits}
+        while entries:
+            sampled = self.runner.execute(SchedulerOutput(entries)).sampled  # one greedy token each
+            entries = []
+            for rid, token in sampled.items():
+                drafts[rid].append(token)
+                if len(drafts[rid]) < limits[rid]:  # its KV is computed next, with the one after it
+                    entries.append(self._entry(rid, [token], len(self._cached[rid])))
+                    self._cached[rid].append(token)
+        return {request.request_id: (request.num_tokens, drafts[request.request_id]) for request, _ in candidates[: self.num_slots]}
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Requests that ended: their slots become free for others."""
+        for rid in request_ids:
+            if rid in self._slots:
+                self._cached[rid] = []
