@@ -1,6 +1,7 @@
 """The engine with the Triton kernels (in the interpreter on the CPU) generates the same greedy
 tokens as with the torch reference kernels, on tiny random Llamas (GQA 2 and 3), through
-chunked prefill, prefix hits, decodes batched with chunks, and preemption."""
+chunked prefill, prefix hits, decodes batched with chunks, preemption, and speculative steps
+(a request's last token and its drafts beside other decodes)."""
 
 from __future__ import annotations
 
@@ -115,3 +116,21 @@ def test_padded_decode_buffers_equal_the_plain_forward():
     torch.testing.assert_close(padded[:3], plain, atol=1e-6, rtol=1e-6)
     for (k, v), (k1, v1) in zip(runner.kv_caches, after_padded):
         assert torch.equal(k, k1) and torch.equal(v, v1)  # same writes, none from the padding row
+
+
+def test_triton_backend_verifies_drafts_as_the_reference_does():
+    """Speculative steps (a request's last token and its drafts: a multi-token span with decodes
+    beside it) through the Triton kernels: the same tokens as plain decoding on the reference."""
+    hf = tiny_llama(4, 2)
+    tokenizer = synthetic_tokenizer(97)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() * 3 for n in (3, 5, 8)]  # repeats to draft from
+    kwargs = dict(block_size=8, max_num_batched_tokens=24, num_kv_blocks=64)
+    expected, _ = generate(hf, tokenizer, "reference", prompts, **kwargs)
+    model, model_config = model_from_hf(hf, torch.float32, DEVICE)
+    args = EngineArgs(dtype="float32", device=DEVICE, attention_backend="triton", speculative_method="ngram",
+                      speculative_max_batch=8, prompt_lookup_min=1, **kwargs)
+    engine = LLMEngine(args.to_config(model_config), model, tokenizer, 0)
+    outs = LLM.from_engine(engine).generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert engine.get_stats().scheduler.spec_num_drafts > 0
