@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m octavo.kernels.cpu
 	$(PY) -m octavo.models
 	$(PY) -m octavo.models gemma3-270m
+	-bash tools/install_browser.sh
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -18,6 +18,7 @@ import torch
 
 from octavo.beam_search import BeamGroup
 from octavo.config import EngineConfig
+from octavo.dashboard.snapshot import StepLog, StepRecord
 from octavo.draft_model import DraftModel
 from octavo.distributed.executor import TensorParallelExecutor, TensorParallelGroup, WorkerSpec, start_tensor_parallel
 from octavo.engine_args import EngineArgs, resolve_device
@@ -90,6 +91,7 @@ class LLMEngine:
         self.structured = StructuredOutputManager(tokenizer, config.model_config.vocab_size, self.eos_token_ids,
                                                   config.grammar_cache_bytes)
         self.outputs = OutputProcessor(tokenizer)
+        self.step_log = StepLog()  # the last steps, for the dashboard
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._num_steps = 0
@@ -373,6 +375,7 @@ class LLMEngine:
             self._check_thread()
         if self._threads is not None:
             self._threads.tick()
+        start = time.perf_counter()
         if self.draft_model is not None:  # drafts for the coming step, from the draft model
             self.scheduler.drafter.provide(self.draft_model.propose(self.scheduler.draft_candidates()))
         sched_out = self.scheduler.schedule()
@@ -380,9 +383,10 @@ class LLMEngine:
         changed = self.scheduler.update(sched_out, result)
         self._num_steps += 1
         self._num_generation_tokens += len(result.sampled) + sum(len(t) for t in result.spec_tokens.values())
-        self._num_prompt_tokens += sum(
+        num_prompt = sum(
             max(0, min(e.start_pos + e.num_tokens, len(e.prompt_token_ids)) - e.start_pos) for e in sched_out.scheduled
         )
+        self._num_prompt_tokens += num_prompt
         processed = self.outputs.process(changed)
         if processed.stopped_seq_ids:
             self.scheduler.finish_requests(processed.stopped_seq_ids, FinishReason.STOP)
@@ -391,6 +395,10 @@ class LLMEngine:
             self.draft_model.forget(processed.ended_seq_ids)
         for rid in processed.finished_request_ids:
             self.structured.release(rid)
+        if sched_out.scheduled:  # the dashboard's timeline
+            self.step_log.add(StepRecord(self._num_steps, time.time(), time.perf_counter() - start, num_prompt,
+                                         sched_out.num_scheduled_tokens - num_prompt, len(sched_out.scheduled),
+                                         len(sched_out.preempted_request_ids)))
         return processed.outputs
 
     def _grammar_masks(self, sched_out) -> tuple[list[str], torch.Tensor] | None:

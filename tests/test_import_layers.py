@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "octavo.simulator.workload",
     ]),
     ("scheduling state (pure Python)", [
-        "octavo.request", "octavo.request_queue", "octavo.outputs", "octavo.kv_cache", "octavo.spec_decode", "octavo.scheduler",
+        "octavo.request", "octavo.request_queue", "octavo.outputs", "octavo.kv_cache", "octavo.spec_decode", "octavo.scheduler", "octavo.dashboard",
         "octavo.metrics", "octavo.structured", "octavo.simulator",
     ]),
     ("kernels and the KV tier's storage", ["octavo.kernels", "octavo.kv_tier"]),

@@ -185,6 +185,18 @@ class KVCacheManager:
         """Every block the request holds, over all groups (NULL entries left out)."""
         return [b.block_id for table in self._tables.get(request_id, []) for b in table.held()]
 
+    def live_request_ids(self) -> list[str]:
+        """The requests that hold block tables now (running, or preempted mid-step until freed)."""
+        return list(self._tables)
+
+    def block_position(self, request_id: str, block_id: int) -> int | None:
+        """Where the request's tables hold block `block_id` (its index in its group's table), or None."""
+        for table in self._tables.get(request_id, []):
+            for idx, block in enumerate(table.blocks):
+                if block is not None and block.block_id == block_id:
+                    return idx
+        return None
+
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -78,6 +78,14 @@ def bearer_token_matches(header: str | None, api_key: str) -> bool:
     return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), api_key.encode())
 
 
+def needs_key(path: str) -> bool:
+    """The API and the dashboard's data need the API key (when one is set); the dashboard's page
+    and its script hold no data (the page asks for the key), nor do /health and /metrics' counts."""
+    if path.startswith("/dashboard/"):
+        return not path.startswith("/dashboard/static/")
+    return path.startswith("/v1")
+
+
 class RequestGuard:
     def __init__(self, app: Any, max_body_bytes: int, api_key: str | None = None, body_timeout_s: float = 30.0) -> None:
         self.app = app
@@ -90,7 +98,7 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.api_key and scope["path"].startswith("/v1"):
+        if self.api_key and needs_key(scope["path"]):
             if not bearer_token_matches(headers.get("authorization"), self.api_key):
                 await _send_error(send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                                   "AuthenticationError", {"WWW-Authenticate": "Bearer"})

@@ -1,0 +1,150 @@
+"""Dashboard snapshots: what the KV pool, the requests and the last steps look like now, as plain
+data built between steps on the engine thread (pure Python: the scheduler's and the KV-cache
+manager's own state, read, never written).
+
+Block states, one character per block of the pool:
+    f  free: ref 0, no cached content
+    c  cached: ref 0, its content findable by hash (evicted when the pool needs it)
+    u  in use by one request          s  shared: held by several (prefix hits, n > 1 forks)
+    p  pinned (a pinned prefix's block: never evicted)
+A pool larger than `max_cells` blocks is shown in cells of several blocks each (a cell takes the
+state most of its blocks have).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Any
+
+MAX_CELLS = 4096  # block cells a snapshot carries at most (past that, cells aggregate blocks)
+MAX_REQUESTS = 64  # running and waiting requests listed at most (the rest counted)
+MAX_TABLE = 64  # block ids listed per request at most
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One engine step, as the timeline shows it."""
+
+    step: int
+    end_time: float  # time.time() when it ended
+    seconds: float
+    num_prefill_tokens: int  # prompt tokens computed (chunks, recomputes)
+    num_decode_tokens: int  # tokens of requests past their prompt (decodes and verified drafts)
+    num_requests: int
+    num_preempted: int
+
+
+class StepLog:
+    """The last `maxlen` steps (a ring: a page left open for a day holds no more than this)."""
+
+    def __init__(self, maxlen: int = 240) -> None:
+        self.records: deque[StepRecord] = deque(maxlen=maxlen)
+
+    def add(self, record: StepRecord) -> None:
+        self.records.append(record)
+
+
+def block_states(kv: Any) -> tuple[str, dict[int, list[str]]]:
+    """(one state character per pool block, block id -> the live sequence ids holding it)."""
+    holders: dict[int, list[str]] = {}
+    for rid in kv.live_request_ids():
+        for block_id in kv.held_blocks(rid):
+            holders.setdefault(block_id, []).append(rid)
+    pinned = set(kv.pinned_block_ids())
+    states = []
+    for block in kv.pool.blocks:
+        if block.block_id in pinned:
+            states.append("p")
+        elif block.ref_cnt == 0:
+            states.append("c" if block.block_hash is not None else "f")
+        else:
+            states.append("s" if block.ref_cnt > 1 else "u")
+    return "".join(states), holders
+
+
+def aggregate(states: str, max_cells: int) -> tuple[str, int]:
+    """States in cells of ceil(n / max_cells) blocks (each cell: its most common state)."""
+    per_cell = max(1, -(-len(states) // max_cells))
+    if per_cell == 1:
+        return states, 1
+    cells = [Counter(states[i : i + per_cell]).most_common(1)[0][0] for i in range(0, len(states), per_cell)]
+    return "".join(cells), per_cell
+
+
+def _request_row(request: Any, kv: Any, index: dict[str, int]) -> dict[str, Any]:
+    table = kv.block_ids(request.request_id)
+    return {
+        "id": request.user_request_id,
+        "seq": request.request_id,
+        "color": index.setdefault(request.request_id, len(index)),
+        "status": request.status.value,
+        "prompt": request.num_prompt_tokens,
+        "computed": request.num_computed_tokens,
+        "cached": request.num_cached_tokens or 0,
+        "output": request.num_output_tokens,
+        "max_tokens": request.sampling_params.max_tokens,
+        "preemptions": request.num_preemptions,
+        "priority": request.priority,
+        "blocks": table[:MAX_TABLE],
+        "num_blocks": len(table),
+    }
+
+
+def build_snapshot(scheduler: Any, steps: StepLog, max_cells: int = MAX_CELLS) -> dict[str, Any]:
+    """The dashboard's view of the engine now. Reads the scheduler and its KV-cache manager (call
+    it between steps, on the thread that steps them); O(pool blocks + live requests)."""
+    kv = scheduler.kv_cache
+    states, holders = block_states(kv)
+    cells, per_cell = aggregate(states, max_cells)
+    index: dict[str, int] = {}
+    running = [_request_row(r, kv, index) for r in scheduler.running[:MAX_REQUESTS]]
+    waiting = [_request_row(r, kv, index) for r in list(scheduler.waiting)[:MAX_REQUESTS]]
+    owners = [-1] * len(cells)
+    if per_cell == 1:
+        for block_id, rids in holders.items():
+            owners[block_id] = index.get(rids[0], -1)
+    stats = scheduler.stats()
+    counts = Counter(states)
+    return {
+        "time": time.time(),
+        "pool": {
+            "num_blocks": kv.num_blocks, "block_size": kv.block_size, "cells": cells, "blocks_per_cell": per_cell,
+            "owners": owners, "num_shared_owners": {str(b): len(r) for b, r in holders.items() if len(r) > 1 and per_cell == 1},
+            "counts": {"free": counts["f"], "cached": counts["c"], "used": counts["u"], "shared": counts["s"],
+                       "pinned": counts["p"]},
+            "windows": list(kv.group_windows),
+        },
+        "running": running,
+        "waiting": waiting,
+        "num_running": len(scheduler.running),
+        "num_waiting": scheduler.num_waiting,
+        "steps": [[s.step, s.end_time, s.seconds, s.num_prefill_tokens, s.num_decode_tokens, s.num_requests,
+                   s.num_preempted] for s in steps.records],
+        "stats": {
+            "kv_cache_usage": stats.kv_cache_usage,
+            "prefix_cache_queries": stats.prefix_cache_queries,
+            "prefix_cache_hits": stats.prefix_cache_hits,
+            "num_preemptions": stats.num_preemptions,
+            "num_recomputed_tokens": stats.num_recomputed_tokens,
+            "spec_num_draft_tokens": stats.spec_num_draft_tokens,
+            "spec_num_accepted_tokens": stats.spec_num_accepted_tokens,
+        },
+        "tier": None if kv.tier is None else {
+            "num_slots": stats.tier_num_blocks, "usage": stats.tier_usage, "blocks_stored": stats.tier_blocks_stored,
+            "blocks_loaded": stats.tier_blocks_loaded, "hits": stats.tier_hits, "loads": stats.num_tier_loads,
+        },
+    }
+
+
+def block_tokens(scheduler: Any, block_id: int) -> tuple[list[str], list[int]] | None:
+    """(the sequences holding a block, the token ids it holds for the first of them), or None
+    when no live sequence holds it (a free or cached block's tokens belong to nobody live)."""
+    kv = scheduler.kv_cache
+    holders = [rid for rid in kv.live_request_ids() if kv.block_position(rid, block_id) is not None]
+    if not holders or holders[0] not in scheduler.requests:
+        return None
+    idx = kv.block_position(holders[0], block_id)
+    tokens = scheduler.requests[holders[0]].all_token_ids[idx * kv.block_size : (idx + 1) * kv.block_size]
+    return holders, tokens

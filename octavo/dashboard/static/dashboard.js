@@ -1,0 +1,196 @@
+// Octavo's live dashboard: reads /dashboard/events (server-sent snapshots, ~4 a second) with the
+// API key from the form (kept for this tab only), draws the block pool, the requests and the last
+// steps. Plain JS and canvas; no build step, no library.
+"use strict";
+
+const FIXED = { f: "#e6e6e6", c: "#9ec5e8", s: "#333333", p: "#d4a017" };
+const $ = (id) => document.getElementById(id);
+let snapshot = null;
+let cell = { size: 8, cols: 1 };
+
+function colourOf(index) {
+  return index < 0 ? "#888" : `hsl(${(index * 137.5) % 360}, 60%, 52%)`;
+}
+
+function cellColour(pool, i) {
+  const state = pool.cells[i];
+  return state === "u" ? colourOf(pool.owners[i]) : FIXED[state] || "#e6e6e6";
+}
+
+function drawPool(pool) {
+  const canvas = $("pool");
+  const n = pool.cells.length;
+  const width = canvas.clientWidth || canvas.width;
+  const size = Math.max(3, Math.min(18, Math.floor(Math.sqrt((width * 240) / Math.max(1, n)))));
+  const cols = Math.max(1, Math.floor(width / size));
+  canvas.width = width;
+  canvas.height = Math.ceil(n / cols) * size;
+  cell = { size, cols };
+  canvas.dataset.cells = pool.cells;  // the states drawn, for tests and for whoever inspects the page
+  const ctx = canvas.getContext("2d");
+  for (let i = 0; i < n; i++) {
+    ctx.fillStyle = cellColour(pool, i);
+    ctx.fillRect((i % cols) * size, Math.floor(i / cols) * size, size - 1, size - 1);
+  }
+  const per = pool.blocks_per_cell > 1 ? `, ${pool.blocks_per_cell} blocks a cell` : "";
+  $("poolinfo").textContent = `${pool.num_blocks} blocks of ${pool.block_size} tokens${per}; ` +
+    Object.entries(pool.counts).map(([k, v]) => `${v} ${k}`).join(", ");
+}
+
+function drawRequests(snap) {
+  const body = $("requests").querySelector("tbody");
+  const rows = snap.running.concat(snap.waiting);
+  body.replaceChildren(...rows.map((r) => {
+    const tr = document.createElement("tr");
+    tr.dataset.seq = r.seq;
+    tr.dataset.status = r.status;
+    tr.dataset.blocks = r.blocks.join(",");
+    tr.dataset.prompt = r.prompt;
+    const promptDone = Math.min(r.computed, r.prompt);
+    const hit = (100 * Math.min(r.cached, r.prompt)) / r.prompt;
+    const done = (100 * promptDone) / r.prompt;
+    tr.innerHTML = `<td><span class="swatch" style="background:${colourOf(r.color)}"></span>${escape(r.seq)}</td>` +
+      `<td>${r.status}</td>` +
+      `<td><span class="bar"><span class="done" style="width:${done}%"></span><span class="hit" style="width:${hit}%"></span></span> ` +
+      `${r.cached} | ${promptDone} / ${r.prompt}</td>` +
+      `<td>${r.output}${r.max_tokens ? " / " + r.max_tokens : ""}</td><td>${r.num_blocks}</td><td>${r.preemptions}</td>`;
+    return tr;
+  }));
+  $("reqinfo").textContent = `${snap.num_running} running, ${snap.num_waiting} waiting`;
+}
+
+function drawTimeline(steps) {
+  const canvas = $("timeline");
+  const ctx = canvas.getContext("2d");
+  ctx.clearRect(0, 0, canvas.width, canvas.height);
+  if (!steps.length) return;
+  // scaled to the 90th percentile, so that one long prefill step does not flatten the rest
+  const maxTokens = Math.max(1, percentile(steps.map((s) => s[3] + s[4]), 0.9));
+  const maxTime = Math.max(1e-6, percentile(steps.map((s) => s[2]), 0.9));
+  const w = canvas.width / steps.length, h = canvas.height - 4;
+  steps.forEach((s, i) => {
+    const dec = Math.min(h, (s[4] / maxTokens) * h), pre = Math.min(h - dec, (s[3] / maxTokens) * h);
+    ctx.fillStyle = "#4a7fe5";
+    ctx.fillRect(i * w, canvas.height - dec, Math.max(1, w - 1), dec);
+    ctx.fillStyle = "#e5734a";
+    ctx.fillRect(i * w, canvas.height - dec - pre, Math.max(1, w - 1), pre);
+  });
+  ctx.strokeStyle = "#222";
+  ctx.beginPath();
+  steps.forEach((s, i) => ctx.lineTo(i * w + w / 2, canvas.height - Math.min(1, s[2] / maxTime) * h));
+  ctx.stroke();
+}
+
+function drawStats(snap) {
+  const st = snap.stats, steps = snap.steps;
+  const span = steps.length > 1 ? steps[steps.length - 1][1] - steps[0][1] : 0;
+  const tokens = steps.reduce((a, s) => a + s[4], 0);
+  const hits = st.prefix_cache_queries ? (100 * st.prefix_cache_hits) / st.prefix_cache_queries : 0;
+  const items = [
+    ["KV usage", `${(100 * st.kv_cache_usage).toFixed(1)}%`],
+    ["decode tok/s", span > 0 ? (tokens / span).toFixed(1) : "-"],
+    ["prefix hit rate", `${hits.toFixed(1)}%`],
+    ["preemptions", st.num_preemptions],
+    ["tokens recomputed", st.num_recomputed_tokens],
+    ["batch (last step)", steps.length ? steps[steps.length - 1][5] : 0],
+  ];
+  if (st.spec_num_draft_tokens) items.push(["drafts kept", `${((100 * st.spec_num_accepted_tokens) / st.spec_num_draft_tokens).toFixed(0)}%`]);
+  if (snap.tier) items.push(["KV tier", `${(100 * snap.tier.usage).toFixed(1)}% of ${snap.tier.num_slots}`]);
+  $("stats").replaceChildren(...items.map(([k, v]) => {
+    const div = document.createElement("div");
+    div.className = "stat";
+    div.innerHTML = `${k}<b>${v}</b>`;
+    return div;
+  }));
+}
+
+function percentile(values, q) {
+  const sorted = values.slice().sort((a, b) => a - b);
+  return sorted[Math.min(sorted.length - 1, Math.floor(q * sorted.length))];
+}
+
+function escape(text) {
+  return String(text).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
+}
+
+function render(snap) {
+  snapshot = snap;
+  $("model").textContent = snap.model || "";
+  drawStats(snap);
+  drawPool(snap.pool);
+  drawRequests(snap);
+  drawTimeline(snap.steps);
+}
+
+function headers() {
+  const key = sessionStorage.getItem("octavo-key");
+  return key ? { Authorization: `Bearer ${key}` } : {};
+}
+
+async function connect() {
+  const status = $("status");
+  try {
+    const resp = await fetch("/dashboard/events", { headers: headers() });
+    if (resp.status === 401) {
+      status.textContent = "needs the API key";
+      status.className = "status error";
+      $("keyform").hidden = false;
+      return;
+    }
+    status.textContent = "live";
+    status.className = "status live";
+    const reader = resp.body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buffer += decoder.decode(value, { stream: true });
+      let end;
+      while ((end = buffer.indexOf("\n\n")) >= 0) {
+        const event = buffer.slice(0, end);
+        buffer = buffer.slice(end + 2);
+        if (event.startsWith("data: ")) render(JSON.parse(event.slice(6)));
+      }
+    }
+  } catch (err) {
+    console.error(err);
+  }
+  status.textContent = "reconnecting";
+  status.className = "status error";
+  setTimeout(connect, 2000);
+}
+
+let hoverTimer = null;
+$("pool").addEventListener("mousemove", (ev) => {
+  if (!snapshot) return;
+  const rect = ev.target.getBoundingClientRect();
+  const i = Math.floor((ev.clientY - rect.top) / cell.size) * cell.cols + Math.floor((ev.clientX - rect.left) / cell.size);
+  const pool = snapshot.pool, tip = $("tooltip");
+  if (i < 0 || i >= pool.cells.length) { tip.hidden = true; return; }
+  const names = { f: "free", c: "cached", u: "in use", s: "shared", p: "pinned" };
+  const first = i * pool.blocks_per_cell;
+  const label = pool.blocks_per_cell > 1 ? `blocks ${first}..${first + pool.blocks_per_cell - 1}` : `block ${i}`;
+  const refs = pool.num_shared_owners[String(i)];
+  tip.textContent = `${label}: ${names[pool.cells[i]]}${refs ? `, ${refs} holders` : ""}`;
+  tip.style.left = `${ev.clientX + 12}px`;
+  tip.style.top = `${ev.clientY + 12}px`;
+  tip.hidden = false;
+  clearTimeout(hoverTimer);
+  if (pool.blocks_per_cell === 1 && "us".includes(pool.cells[i])) {
+    hoverTimer = setTimeout(async () => {
+      const resp = await fetch(`/dashboard/blocks/${i}`, { headers: headers() });
+      if (!resp.ok) return;
+      const info = await resp.json();
+      tip.textContent += `\nheld by ${info.holders.join(", ")}` + (info.text !== null ? `\n${info.text}` : "\n(text: only with an API key)");
+    }, 150);
+  }
+});
+$("pool").addEventListener("mouseleave", () => { $("tooltip").hidden = true; });
+$("keyform").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  sessionStorage.setItem("octavo-key", $("key").value);
+  $("keyform").hidden = true;
+  connect();
+});
+connect();

@@ -1,0 +1,95 @@
+"""Dashboard snapshots on tiny pools (no model): the exact state of every block after a prompt,
+a fork, a finish (cached), an eviction, a preemption and a pin; aggregation of big pools; the
+step log's bound."""
+
+from octavo.config import SchedulerConfig
+from octavo.dashboard.snapshot import StepLog, StepRecord, aggregate, block_tokens, build_snapshot
+from octavo.kv_cache.manager import KVCacheManager
+from octavo.outputs import ModelRunnerOutput
+from octavo.request import FinishReason
+from octavo.scheduler import Scheduler
+from tests.helpers import make_request
+
+BS = 4
+
+
+def make(num_blocks=8, budget=64):
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=64, admission_headroom_steps=0)
+    return Scheduler(cfg, KVCacheManager(num_blocks, BS))
+
+
+def step(s, token=7):
+    out = s.schedule()
+    s.update(out, ModelRunnerOutput(sampled={sid: token for e in out.scheduled for sid in e.sample_ids}))
+    return out
+
+
+def cells(s):
+    return build_snapshot(s, StepLog())["pool"]["cells"]
+
+
+def test_block_states_through_a_fork_a_finish_and_an_eviction():
+    s = make()
+    s.add_request(make_request("a", list(range(10)), max_tokens=3, n=2))  # 10 tokens: blocks 0, 1 full + 2 partial
+    assert cells(s) == "ffffffff"
+    step(s)  # the prompt: computed, then forked into two sequences sharing all three blocks
+    snap = build_snapshot(s, StepLog())
+    assert snap["pool"]["cells"] == "sssfffff"
+    assert snap["num_running"] == 2 and {r["seq"] for r in snap["running"]} == {"a#0", "a#1"}
+    assert snap["pool"]["num_shared_owners"] == {"0": 2, "1": 2, "2": 2}
+    step(s)  # each writes its next token into the shared partial block: one copies it (copy-on-write)
+    assert cells(s) == "ssuuffff"
+    for _ in range(2):
+        step(s)
+    assert s.requests == {}
+    # ended: full blocks stay cached (ref 0, hash kept). Both sequences' third blocks hold the same
+    # tokens (8, 9, 7, 7): one hash, so one of them is cached and the other is free
+    assert cells(s) == "ccfcffff"
+    # a request of 7 blocks takes the 5 free ones and evicts 2 of the 3 cached
+    s.add_request(make_request("b", list(range(100, 128)), max_tokens=2))
+    step(s)
+    counts = build_snapshot(s, StepLog())["pool"]["counts"]
+    assert (counts["used"], counts["cached"], counts["free"]) == (7, 1, 0)
+
+
+def test_preemption_and_pins_show():
+    s = make(num_blocks=6, budget=64)
+    s.add_request(make_request("a", list(range(8)), max_tokens=12))
+    s.add_request(make_request("b", list(range(50, 58)), max_tokens=12))
+    for _ in range(6):
+        step(s)
+    snap = build_snapshot(s, StepLog())
+    assert s.num_preemptions > 0
+    assert snap["num_waiting"] + snap["num_running"] == 2
+    assert [r["preemptions"] for r in snap["running"] + snap["waiting"] if r["preemptions"]]
+    counts = snap["pool"]["counts"]
+    assert sum(counts.values()) == 6 and counts["used"] == sum(r["num_blocks"] for r in snap["running"])
+    s.finish_requests(list(s.requests), FinishReason.ABORT)
+    s.kv_cache.max_pinned_blocks = 2
+    pin = make_request("p", list(range(200, 208)), max_tokens=1)
+    pin.pin = True
+    s.add_request(pin)
+    step(s)
+    assert cells(s).count("p") == 2  # its two full prompt blocks are pinned for good
+
+
+def test_owners_colours_and_block_tokens():
+    s = make()
+    s.add_request(make_request("a", list(range(5)), max_tokens=4))
+    step(s)
+    snap = build_snapshot(s, StepLog())
+    (row,) = snap["running"]
+    assert snap["pool"]["owners"][:2] == [row["color"], row["color"]] and row["blocks"] == [0, 1]
+    holders, tokens = block_tokens(s, 1)
+    assert holders == ["a"] and tokens == [4, 7]  # the prompt's last token, then the sampled one
+    assert block_tokens(s, 5) is None
+
+
+def test_big_pools_aggregate_and_the_step_log_is_bounded():
+    assert aggregate("ffffuuuc", 4) == ("ffuu", 2) and aggregate("fu", 4) == ("fu", 1)
+    cells_, per = aggregate("f" * 10_000 + "u" * 10_000, 4096)
+    assert per == 5 and len(cells_) <= 4096 and cells_.count("u") == 2000
+    log = StepLog(maxlen=3)
+    for i in range(10):
+        log.add(StepRecord(i, float(i), 0.01, 1, 2, 3, 0))
+    assert [r.step for r in log.records] == [7, 8, 9]
