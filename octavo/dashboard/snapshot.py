@@ -8,13 +8,13 @@ Block states, one character per block of the pool:
     u  in use by one request          s  shared: held by several (prefix hits, n > 1 forks)
     p  pinned (a pinned prefix's block: never evicted)
 A pool larger than `max_cells` blocks is shown in cells of several blocks each (a cell takes the
-state most of its blocks have).
+liveliest state among its blocks).
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,25 +52,27 @@ def block_states(kv: Any) -> tuple[str, dict[int, list[str]]]:
     for rid in kv.live_request_ids():
         for block_id in kv.held_blocks(rid):
             holders.setdefault(block_id, []).append(rid)
-    pinned = set(kv.pinned_block_ids())
-    states = []
-    for block in kv.pool.blocks:
-        if block.block_id in pinned:
-            states.append("p")
-        elif block.ref_cnt == 0:
-            states.append("c" if block.block_hash is not None else "f")
-        else:
-            states.append("s" if block.ref_cnt > 1 else "u")
+    states = ["u" if b.ref_cnt == 1 else "s" if b.ref_cnt else "f" if b.block_hash is None else "c"
+              for b in kv.pool.blocks]
+    for block_id in kv.pinned_block_ids():
+        states[block_id] = "p"
     return "".join(states), holders
 
 
+_PRECEDENCE = "supcf"  # an aggregated cell shows the liveliest state among its blocks
+_TO_RANK = str.maketrans("fcpus", "01234")
+_FROM_RANK = str.maketrans("01234", "fcpus")
+
+
 def aggregate(states: str, max_cells: int) -> tuple[str, int]:
-    """States in cells of ceil(n / max_cells) blocks (each cell: its most common state)."""
+    """States in cells of ceil(n / max_cells) blocks, each cell the liveliest state among its
+    blocks (shared, in use, pinned, cached, free: a busy block is never hidden by idle ones)."""
     per_cell = max(1, -(-len(states) // max_cells))
     if per_cell == 1:
         return states, 1
-    cells = [Counter(states[i : i + per_cell]).most_common(1)[0][0] for i in range(0, len(states), per_cell)]
-    return "".join(cells), per_cell
+    ranked = states.translate(_TO_RANK)
+    cells = "".join(max(ranked[i : i + per_cell]) for i in range(0, len(ranked), per_cell))
+    return cells.translate(_FROM_RANK), per_cell
 
 
 def _request_row(request: Any, kv: Any, index: dict[str, int]) -> dict[str, Any]:
@@ -106,7 +108,7 @@ def build_snapshot(scheduler: Any, steps: StepLog, max_cells: int = MAX_CELLS) -
         for block_id, rids in holders.items():
             owners[block_id] = index.get(rids[0], -1)
     stats = scheduler.stats()
-    counts = Counter(states)
+    counts = {c: states.count(c) for c in _PRECEDENCE}
     return {
         "time": time.time(),
         "pool": {

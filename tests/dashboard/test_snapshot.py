@@ -86,7 +86,7 @@ def test_owners_colours_and_block_tokens():
 
 
 def test_big_pools_aggregate_and_the_step_log_is_bounded():
-    assert aggregate("ffffuuuc", 4) == ("ffuu", 2) and aggregate("fu", 4) == ("fu", 1)
+    assert aggregate("ffffcfuc", 4) == ("ffcu", 2) and aggregate("fu", 4) == ("fu", 1)
     cells_, per = aggregate("f" * 10_000 + "u" * 10_000, 4096)
     assert per == 5 and len(cells_) <= 4096 and cells_.count("u") == 2000
     log = StepLog(maxlen=3)
