@@ -271,13 +271,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         cost=StepCostModel(args.fixed_s, args.per_token_s, args.per_kv_token_s),
         concurrency=args.concurrency, max_wait_steps=args.max_wait_steps,
     )
-    baseline = simulate(workload, BASELINE, cfg)
+    recorders = {}
+    if args.dashboard:  # every run of the comparisons recorded for the replay page
+        from octavo.dashboard.replay import ReplayRecorder
+
+        recorders = {p.name: ReplayRecorder() for p in (BASELINE, *(v for _, v, _ in COMPARISONS))}
+    baseline = simulate(workload, BASELINE, cfg, on_step=recorders.get(BASELINE.name))
     results, report = [baseline], {"baseline": baseline.summary(), "comparisons": {}}
     print(f"{len(workload)} requests, {sum(len(w.prompt_token_ids) for w in workload)} prompt tokens, "
           f"{sum(w.output_len for w in workload)} output tokens; KV {cfg.num_kv_tokens} tokens, "
           f"block {cfg.block_size}, max_num_seqs {cfg.max_num_seqs}, budget {cfg.max_num_batched_tokens}")
     for title, variant_policy, _ in COMPARISONS:
-        variant = simulate(workload, variant_policy, cfg)
+        variant = simulate(workload, variant_policy, cfg, on_step=recorders.get(variant_policy.name))
         results.append(variant)
         report["comparisons"][title] = variant.summary()
         print("\n" + format_comparison(title, variant, baseline))
@@ -290,6 +295,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.plot:
         plot_timelines(results, args.plot)
         print(f"\nplot written to {args.plot}")
+    if args.dashboard:
+        from octavo.dashboard.replay import replay_html
+
+        title = f"{args.workload}, {len(workload)} requests, KV {cfg.num_kv_tokens} tokens"
+        with open(args.dashboard, "w") as fh:
+            fh.write(replay_html({name: r.thinned() for name, r in recorders.items()}, title))
+        print(f"\ndashboard replay written to {args.dashboard} (open it in a browser)")
     return 0
 
 
@@ -534,6 +546,8 @@ def _add_simulate(sub) -> None:
     """`octavo simulate`."""
     sim = sub.add_parser("simulate", help="replay a workload through the real scheduler with a step-cost model")
     sim.add_argument("--workload", choices=["random", "shared-prefix", "trace"], default="random")
+    sim.add_argument("--dashboard", default=None, metavar="FILE.html",
+                     help="also write the live dashboard's page replaying each run (one file, no server)")
     sim.add_argument("--trace", default=None, help="JSON trace: prompt_token_ids|prompt_len, max_tokens|output_len, arrival_time")
     sim.add_argument("--num-requests", type=int, default=64)
     sim.add_argument("--input-len", type=int, default=256)

@@ -242,8 +242,9 @@ class _Record:
             self.timeline[key].append(value)
 
 
-def simulate(workload: list[SimRequest], policy: Policy, cfg: SimConfig) -> SimResult:
-    """Run the workload to completion under `policy`; the clock advances by the cost model."""
+def simulate(workload: list[SimRequest], policy: Policy, cfg: SimConfig, on_step=None) -> SimResult:
+    """Run the workload to completion under `policy`; the clock advances by the cost model.
+    `on_step(scheduler, output, clock, step_seconds)` after each step (the dashboard's replay)."""
     sched = build_scheduler(policy, cfg)
     feed, rec = _Feed(workload, policy, cfg), _Record()
     requests: dict[str, Request] = {}
@@ -262,12 +263,15 @@ def simulate(workload: list[SimRequest], policy: Policy, cfg: SimConfig) -> SimR
             idle = max(0, feed.batch_size - len(out.scheduled))
             longest = max((e.start_pos + e.num_tokens for e in out.scheduled), default=0)
             num_tokens, attended = num_tokens + idle, attended + idle * longest
-        clock += cfg.cost.step_time(num_tokens, attended)
+        seconds = cfg.cost.step_time(num_tokens, attended)
+        clock += seconds
         rec.step(sched, out, clock)
         sampled = {sid: (len(requests[sid].output_token_ids) * 7919 + int(sid)) % 49152
                    for e in out.scheduled for sid in e.sample_ids}
         for req in sched.update(out, ModelRunnerOutput(sampled=sampled)):
             rec.token_times[req.request_id].append(clock)
+        if on_step is not None:
+            on_step(sched, out, clock, seconds)
     assert all(r.status is RequestStatus.FINISHED for r in requests.values())
     return _result(policy, cfg, sched, requests, rec, clock, workload)
 

@@ -93,3 +93,26 @@ def test_big_pools_aggregate_and_the_step_log_is_bounded():
     for i in range(10):
         log.add(StepRecord(i, float(i), 0.01, 1, 2, 3, 0))
     assert [r.step for r in log.records] == [7, 8, 9]
+
+
+def test_a_simulated_run_is_recorded_for_the_replay_page():
+    from octavo.dashboard.replay import ReplayRecorder, replay_html
+    from octavo.simulator.simulator import BASELINE, Policy, SimConfig, simulate
+    from octavo.simulator.workload import random_workload
+
+    workload = random_workload(12, 64, 24, seed=1)
+    cfg = SimConfig(num_kv_tokens=1024, block_size=16, max_num_seqs=6, max_num_batched_tokens=256, max_model_len=256)
+    paged, reserved = ReplayRecorder(), ReplayRecorder()
+    result = simulate(workload, BASELINE, cfg, on_step=paged)
+    simulate(workload, Policy("reserve max length", paged=False), cfg, on_step=reserved)
+    assert len(paged.frames) == result.num_steps
+    first, last = paged.frames[0], paged.frames[-1]
+    assert first["pool"]["counts"]["used"] > 0 and first["num_running"] > 0
+    assert last["num_running"] == last["num_waiting"] == 0 and last["pool"]["counts"]["used"] == 0
+    assert [f["time"] for f in paged.frames] == sorted(f["time"] for f in paged.frames)
+    thinned = paged.thinned(max_frames=10)
+    assert len(thinned) == 10 and thinned[-1] is last
+    # reserving max_model_len per request: whole-sequence blocks, fewer requests at once
+    assert reserved.frames[0]["pool"]["block_size"] > first["pool"]["block_size"]
+    html = replay_html({"paged": paged.thinned(), "reserved": reserved.thinned()}, "test run")
+    assert "window.OCTAVO_REPLAY = {" in html and "/dashboard/static/" not in html and "</script>" in html

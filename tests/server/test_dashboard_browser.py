@@ -1,7 +1,8 @@
 """The dashboard in a real headless Chromium (Debian's, driven by Selenium) against the live
 server: the page asks for the API key, then shows a running request, its blocks turning from
-free to in use, and once it ends its full blocks cached; a screenshot goes to the test's temp dir.
-Skipped, saying why, where no browser could be installed (tools/install_browser.sh)."""
+free to in use, and once it ends its full blocks cached; and the simulator's replay file plays its
+policies' runs. Screenshots go to the tests' temp dirs. Skipped, saying why, where no browser could
+be installed (tools/install_browser.sh)."""
 
 import shutil
 import threading
@@ -79,3 +80,25 @@ def test_the_page_shows_a_request_run_and_its_blocks_cached(browser, live_server
              lambda d: not running_row(d) and all(cells(d)[b] == "c" for b in full))
     browser.save_screenshot(str(tmp_path / "dashboard-after.png"))
     assert (tmp_path / "dashboard-after.png").stat().st_size > 10_000
+
+
+def test_the_simulators_replay_plays_in_the_browser(browser, tmp_path):
+    """`octavo simulate --dashboard FILE.html`: one file, opened without a server, plays each
+    policy's run on the same page (static batching and reserved memory among them)."""
+    import subprocess
+    import sys
+
+    from selenium.webdriver.support.ui import Select
+
+    page = tmp_path / "replay.html"
+    subprocess.run([sys.executable, "-m", "octavo.cli", "simulate", "--num-requests", "16", "--kv-tokens", "2048",
+                    "--max-num-seqs", "8", "--dashboard", str(page)], check=True, capture_output=True, timeout=600)
+    browser.get(page.as_uri())
+    options = wait_for(browser, "the policies", lambda d: [o.text for o in d.find_elements("css selector", "#policy option")])
+    assert "static batching" in options and "reserve max length" in options
+    Select(browser.find_element("id", "policy")).select_by_visible_text("reserve max length")
+    info = wait_for(browser, "a reserved-memory frame", lambda d: "blocks of 2048 tokens" in d.find_element("id", "poolinfo").text)
+    assert info
+    first = browser.find_element("id", "frameinfo").text
+    wait_for(browser, "the replay advancing", lambda d: d.find_element("id", "frameinfo").text != first, timeout_s=30)
+    browser.save_screenshot(str(tmp_path / "replay.png"))

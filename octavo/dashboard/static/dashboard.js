@@ -177,7 +177,7 @@ $("pool").addEventListener("mousemove", (ev) => {
   tip.style.top = `${ev.clientY + 12}px`;
   tip.hidden = false;
   clearTimeout(hoverTimer);
-  if (pool.blocks_per_cell === 1 && "us".includes(pool.cells[i])) {
+  if (!window.OCTAVO_REPLAY && pool.blocks_per_cell === 1 && "us".includes(pool.cells[i])) {
     hoverTimer = setTimeout(async () => {
       const resp = await fetch(`/dashboard/blocks/${i}`, { headers: headers() });
       if (!resp.ok) return;
@@ -193,4 +193,29 @@ $("keyform").addEventListener("submit", (ev) => {
   $("keyform").hidden = true;
   connect();
 });
-connect();
+
+// Replay (octavo simulate --dashboard FILE.html): the frames are in the page; play them 4 a second.
+function startReplay(replay) {
+  const names = Object.keys(replay.runs);
+  const policy = $("policy"), slider = $("frame"), play = $("play");
+  let frames = [], index = 0, playing = true;
+  policy.replaceChildren(...names.map((n) => { const o = document.createElement("option"); o.textContent = n; return o; }));
+  const show = () => {
+    const snap = frames[index];
+    render(snap);
+    slider.value = index;
+    $("frameinfo").textContent = `frame ${index + 1} / ${frames.length}, t = ${snap.time.toFixed(2)} s (simulated)`;
+  };
+  const choose = () => { frames = replay.runs[policy.value]; slider.max = frames.length - 1; index = 0; show(); };
+  policy.addEventListener("change", choose);
+  slider.addEventListener("input", () => { index = Number(slider.value); show(); });
+  play.addEventListener("click", () => { playing = !playing; play.textContent = playing ? "pause" : "play"; });
+  setInterval(() => { if (playing && frames.length) { index = (index + 1) % frames.length; show(); } }, 250);
+  $("replay").hidden = false;
+  $("status").textContent = `replay: ${replay.title}`;
+  $("status").className = "status live";
+  choose();
+}
+
+if (window.OCTAVO_REPLAY) startReplay(window.OCTAVO_REPLAY);
+else connect();
