@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -71,6 +72,9 @@ class EngineMetrics:
         self._success = Counter("octavo:request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"], registry=r)
         self.model_name = model_name
         self._last: EngineStats | None = None
+        # the latest latencies, for the dashboard's live percentiles (bounded: a day's traffic holds no more)
+        self.recent_ttft: deque[float] = deque(maxlen=256)
+        self.recent_itl: deque[float] = deque(maxlen=1024)
 
     def observe_step(self, stats: EngineStats) -> None:
         s = stats.scheduler
@@ -115,11 +119,22 @@ class EngineMetrics:
 
     def observe_token_gap(self, seconds: float) -> None:
         self.itl.observe(seconds)
+        self.recent_itl.append(seconds)
+
+    def recent_latencies(self) -> dict[str, dict[str, float] | None]:
+        """p50 / p90 / p99 in ms of the latest TTFTs and ITLs (None before any)."""
+        def pct(values) -> dict[str, float] | None:
+            if not values:
+                return None
+            ordered = sorted(values)
+            return {f"p{q}": 1e3 * ordered[min(len(ordered) - 1, len(ordered) * q // 100)] for q in (50, 90, 99)}
+        return {"ttft_ms": pct(self.recent_ttft), "itl_ms": pct(self.recent_itl)}
 
     def observe_output(self, out: RequestOutput, is_first: bool) -> None:
         m = out.metrics
         if is_first and m.first_token_time is not None:
             self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+            self.recent_ttft.append(max(0.0, m.first_token_time - m.arrival_time))
             if m.first_scheduled_time is not None:
                 self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
 

@@ -91,6 +91,8 @@ def _request_row(request: Any, kv: Any, index: dict[str, int]) -> dict[str, Any]
         "priority": request.priority,
         "blocks": table[:MAX_TABLE],
         "num_blocks": len(table),
+        # per KV group (sliding-window layers page apart): [blocks held, blocks its window gave back]
+        "groups": [list(c) for c in kv.group_block_counts(request.request_id)] if len(kv.group_windows) > 1 else None,
     }
 
 

@@ -116,3 +116,20 @@ def test_a_simulated_run_is_recorded_for_the_replay_page():
     assert reserved.frames[0]["pool"]["block_size"] > first["pool"]["block_size"]
     html = replay_html({"paged": paged.thinned(), "reserved": reserved.thinned()}, "test run")
     assert "window.OCTAVO_REPLAY = {" in html and "/dashboard/static/" not in html and "</script>" in html
+
+
+def test_sliding_window_groups_show_the_blocks_their_window_gave_back():
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64, admission_headroom_steps=0)
+    s = Scheduler(cfg, KVCacheManager(32, BS, group_windows=(None, 5)))  # a global group and a window of 5
+    s.add_request(make_request("a", list(range(20)), max_tokens=4))
+    step(s)
+    step(s)  # a window gives back blocks as the next step starts past them
+    (row,) = build_snapshot(s, StepLog())["running"]
+    # 21 tokens (6 blocks): the global group holds all; the window of 5 keeps the blocks of
+    # positions 16.. and gave the first 4 back
+    assert row["groups"] == [[6, 0], [2, 4]]
+    assert build_snapshot(make(), StepLog())["running"] == []  # one group: no per-group counts
+    s2 = make()
+    s2.add_request(make_request("b", 5, max_tokens=2))
+    step(s2)
+    assert build_snapshot(s2, StepLog())["running"][0]["groups"] is None

@@ -37,6 +37,13 @@ function drawPool(pool) {
     Object.entries(pool.counts).map(([k, v]) => `${v} ${k}`).join(", ");
 }
 
+function blocksCell(r) {
+  if (!r.groups) return String(r.num_blocks);
+  // sliding-window layers: a group per window; the blocks a window passed were given back
+  const held = r.groups.reduce((a, g) => a + g[0], 0), gone = r.groups.reduce((a, g) => a + g[1], 0);
+  return `${held} <small title="KV groups: held / given back by the window">(${r.groups.map((g) => g[0] + (g[1] ? "/-" + g[1] : "")).join(" ")})${gone ? ", " + gone + " given back" : ""}</small>`;
+}
+
 function drawRequests(snap) {
   const body = $("requests").querySelector("tbody");
   const rows = snap.running.concat(snap.waiting);
@@ -53,7 +60,7 @@ function drawRequests(snap) {
       `<td>${r.status}</td>` +
       `<td><span class="bar"><span class="done" style="width:${done}%"></span><span class="hit" style="width:${hit}%"></span></span> ` +
       `${r.cached} | ${promptDone} / ${r.prompt}</td>` +
-      `<td>${r.output}${r.max_tokens ? " / " + r.max_tokens : ""}</td><td>${r.num_blocks}</td><td>${r.preemptions}</td>`;
+      `<td>${r.output}${r.max_tokens ? " / " + r.max_tokens : ""}</td><td>${blocksCell(r)}</td><td>${r.preemptions}</td>`;
     return tr;
   }));
   $("reqinfo").textContent = `${snap.num_running} running, ${snap.num_waiting} waiting`;
@@ -94,6 +101,9 @@ function drawStats(snap) {
     ["tokens recomputed", st.num_recomputed_tokens],
     ["batch (last step)", steps.length ? steps[steps.length - 1][5] : 0],
   ];
+  const lat = snap.latency || {};
+  if (lat.ttft_ms) items.push(["TTFT p50 / p99", `${lat.ttft_ms.p50.toFixed(0)} / ${lat.ttft_ms.p99.toFixed(0)} ms`]);
+  if (lat.itl_ms) items.push(["ITL p50 / p99", `${lat.itl_ms.p50.toFixed(0)} / ${lat.itl_ms.p99.toFixed(0)} ms`]);
   if (st.spec_num_draft_tokens) items.push(["drafts kept", `${((100 * st.spec_num_accepted_tokens) / st.spec_num_draft_tokens).toFixed(0)}%`]);
   if (snap.tier) items.push(["KV tier", `${(100 * snap.tier.usage).toFixed(1)}% of ${snap.tier.num_slots}`]);
   $("stats").replaceChildren(...items.map(([k, v]) => {
@@ -113,8 +123,32 @@ function escape(text) {
   return String(text).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
 }
 
+const history = [];  // the last 120 snapshots' figures (30 s live), for the sparklines
+
+function spark(id, values, max) {
+  const canvas = $(id), ctx = canvas.getContext("2d");
+  ctx.clearRect(0, 0, canvas.width, canvas.height);
+  const top = Math.max(max || 0, ...values, 1e-9);
+  ctx.strokeStyle = "#4a7fe5";
+  ctx.beginPath();
+  values.forEach((v, i) => ctx.lineTo((i / Math.max(1, 119)) * canvas.width, canvas.height - 2 - (v / top) * (canvas.height - 4)));
+  ctx.stroke();
+  ctx.fillStyle = "#555";
+  ctx.fillText(String(Math.round(values[values.length - 1] * 10) / 10), 2, 10);
+}
+
+function drawSparks(snap) {
+  const last = snap.steps.length ? snap.steps[snap.steps.length - 1] : null;
+  history.push({ kv: 100 * snap.stats.kv_cache_usage, run: snap.num_running, tok: last ? last[3] + last[4] : 0 });
+  if (history.length > 120) history.shift();
+  spark("spark-kv", history.map((h) => h.kv), 100);
+  spark("spark-run", history.map((h) => h.run));
+  spark("spark-tok", history.map((h) => h.tok));
+}
+
 function render(snap) {
   snapshot = snap;
+  drawSparks(snap);
   $("model").textContent = snap.model || "";
   drawStats(snap);
   drawPool(snap.pool);
@@ -206,7 +240,7 @@ function startReplay(replay) {
     slider.value = index;
     $("frameinfo").textContent = `frame ${index + 1} / ${frames.length}, t = ${snap.time.toFixed(2)} s (simulated)`;
   };
-  const choose = () => { frames = replay.runs[policy.value]; slider.max = frames.length - 1; index = 0; show(); };
+  const choose = () => { frames = replay.runs[policy.value]; slider.max = frames.length - 1; index = 0; history.length = 0; show(); };
   policy.addEventListener("change", choose);
   slider.addEventListener("input", () => { index = Number(slider.value); show(); });
   play.addEventListener("click", () => { playing = !playing; play.textContent = playing ? "pause" : "play"; });

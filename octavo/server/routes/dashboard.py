@@ -34,7 +34,9 @@ class SnapshotHub:
     async def latest(self) -> str:
         async with self._lock:
             if time.monotonic() - self._time >= SNAPSHOT_INTERVAL_S:
-                snap = await self.server.engine.call(lambda e: build_snapshot(e.scheduler, e.step_log))
+                metrics = self.server.engine.metrics
+                snap = await self.server.engine.call(
+                    lambda e: {**build_snapshot(e.scheduler, e.step_log), "latency": metrics.recent_latencies()})
                 snap["model"] = self.server.model_name
                 self._json, self._time = json.dumps(snap, separators=(",", ":")), time.monotonic()
             return self._json
