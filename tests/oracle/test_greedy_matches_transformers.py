@@ -280,3 +280,16 @@ def test_speculative_decoding_with_parallel_samples_and_block_8(make_llm, prompt
         assert ok, note
     kv = llm.engine.scheduler.kv_cache
     assert kv.num_free_blocks == kv.num_blocks and kv.check_invariants() == []
+
+
+def test_speculative_decoding_with_the_second_kv_tier(make_llm, prompts, refs, tmp_path):
+    """A 48-block pool with a host-memory tier: requests preempted while verifying drafts swap
+    through the tier and resume; their blocks are cached only up to the tokens kept."""
+    llm = make_llm(num_kv_blocks=48, max_num_batched_tokens=128, kv_offload_size=256 << 20, kv_offload_medium="host",
+                   speculative_method="ngram", speculative_max_batch=16, admission_headroom_steps=0)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    stats = llm.engine.get_stats().scheduler
+    assert stats.num_preemptions > 0 and stats.tier_blocks_stored > 0 and stats.spec_num_accepted_tokens > 0, stats
+    assert stats.tier_blocks_corrupt == 0 and llm.engine.scheduler.kv_cache.check_invariants() == []
+    check_all(outs, refs, "speculative, second tier")
+    llm.close()
