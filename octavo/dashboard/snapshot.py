@@ -9,6 +9,14 @@ Block states, one character per block of the pool:
     p  pinned (a pinned prefix's block: never evicted)
 A pool larger than `max_cells` blocks is shown in cells of several blocks each (a cell takes the
 liveliest state among its blocks).
+
+Models with sliding-window layers page each KV group apart: a held block belongs to one group
+(`pool.groups`), a request has a block table per group, and a window's group gives blocks back as
+its request advances (`None` in the table; `pool.window_freed` counts them and lists the latest).
+
+The second KV tier's slots, one character each (aggregated the same way):
+    .  empty    w  being written (a block the pool evicted, on its way)
+    r  ready (found by prefix lookups)    l  being read back into the pool (a load in flight)
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ from typing import Any
 
 MAX_CELLS = 4096  # block cells a snapshot carries at most (past that, cells aggregate blocks)
 MAX_REQUESTS = 64  # running and waiting requests listed at most (the rest counted)
-MAX_TABLE = 64  # block ids listed per request at most
+MAX_TABLE = 128  # block-table entries listed per request and group at most (the latest)
+RECENT_FREED = 64  # window-freed block ids a snapshot lists at most
 
 
 @dataclass(slots=True)
@@ -46,37 +55,55 @@ class StepLog:
         self.records.append(record)
 
 
-def block_states(kv: Any) -> tuple[str, dict[int, list[str]]]:
-    """(one state character per pool block, block id -> the live sequence ids holding it)."""
+def block_states(kv: Any) -> tuple[str, dict[int, list[str]], dict[int, int]]:
+    """(one state character per pool block, block id -> the live sequence ids holding it, block id
+    -> the KV group holding it: filled only where the model has several groups)."""
     holders: dict[int, list[str]] = {}
+    groups: dict[int, int] = {}
+    multi_group = len(kv.group_windows) > 1
     for rid in kv.live_request_ids():
+        if multi_group:
+            for g, table in enumerate(kv.table_entries(rid)):
+                for block_id in table:
+                    if block_id is not None:
+                        holders.setdefault(block_id, []).append(rid)
+                        groups[block_id] = g
+            continue
         for block_id in kv.held_blocks(rid):
             holders.setdefault(block_id, []).append(rid)
     states = ["u" if b.ref_cnt == 1 else "s" if b.ref_cnt else "f" if b.block_hash is None else "c"
               for b in kv.pool.blocks]
     for block_id in kv.pinned_block_ids():
         states[block_id] = "p"
-    return "".join(states), holders
+    return "".join(states), holders, groups
 
 
 _PRECEDENCE = "supcf"  # an aggregated cell shows the liveliest state among its blocks
-_TO_RANK = str.maketrans("fcpus", "01234")
-_FROM_RANK = str.maketrans("01234", "fcpus")
+_TIER_PRECEDENCE = "lwr."  # a tier cell: a load, a write, ready, empty
 
 
-def aggregate(states: str, max_cells: int) -> tuple[str, int]:
+def aggregate(states: str, max_cells: int, precedence: str = _PRECEDENCE) -> tuple[str, int]:
     """States in cells of ceil(n / max_cells) blocks, each cell the liveliest state among its
-    blocks (shared, in use, pinned, cached, free: a busy block is never hidden by idle ones)."""
+    blocks, `precedence` listing them liveliest first (in the pool: shared, in use, pinned,
+    cached, free: a busy block is never hidden by idle ones)."""
     per_cell = max(1, -(-len(states) // max_cells))
     if per_cell == 1:
         return states, 1
-    ranked = states.translate(_TO_RANK)
+    ranks = "".join(chr(48 + i) for i in range(len(precedence)))
+    ranked = states.translate(str.maketrans(precedence[::-1], ranks))
     cells = "".join(max(ranked[i : i + per_cell]) for i in range(0, len(ranked), per_cell))
-    return cells.translate(_FROM_RANK), per_cell
+    return cells.translate(str.maketrans(ranks, precedence[::-1])), per_cell
+
+
+def _table_view(entries: list[int | None]) -> dict[str, Any]:
+    """One group's table as the page lists it: its latest MAX_TABLE entries (None: given back by
+    the window) and how many earlier ones are left out."""
+    skipped = max(0, len(entries) - MAX_TABLE)
+    return {"skipped": skipped, "ids": entries[skipped:]}
 
 
 def _request_row(request: Any, kv: Any, index: dict[str, int]) -> dict[str, Any]:
-    table = kv.block_ids(request.request_id)
+    tables = kv.table_entries(request.request_id)
     return {
         "id": request.user_request_id,
         "seq": request.request_id,
@@ -89,37 +116,67 @@ def _request_row(request: Any, kv: Any, index: dict[str, int]) -> dict[str, Any]
         "max_tokens": request.sampling_params.max_tokens,
         "preemptions": request.num_preemptions,
         "priority": request.priority,
-        "blocks": table[:MAX_TABLE],
-        "num_blocks": len(table),
+        "tables": [_table_view(t) for t in tables],  # one per KV group
+        "num_blocks": sum(1 for t in tables for b in t if b is not None),
         # per KV group (sliding-window layers page apart): [blocks held, blocks its window gave back]
         "groups": [list(c) for c in kv.group_block_counts(request.request_id)] if len(kv.group_windows) > 1 else None,
     }
 
 
-def build_snapshot(scheduler: Any, steps: StepLog, max_cells: int = MAX_CELLS) -> dict[str, Any]:
-    """The dashboard's view of the engine now. Reads the scheduler and its KV-cache manager (call
-    it between steps, on the thread that steps them); O(pool blocks + live requests)."""
-    kv = scheduler.kv_cache
-    states, holders = block_states(kv)
+def _pool_view(kv: Any, states: str, holders: dict[int, list[str]], groups: dict[int, int], index: dict[str, int],
+               max_cells: int) -> dict[str, Any]:
+    """The pool grid: cells, per-cell owner (colour index of the first holder listed) and KV
+    group (block by block only; -1 where none), holders of shared blocks, counts, window frees."""
     cells, per_cell = aggregate(states, max_cells)
-    index: dict[str, int] = {}
-    running = [_request_row(r, kv, index) for r in scheduler.running[:MAX_REQUESTS]]
-    waiting = [_request_row(r, kv, index) for r in list(scheduler.waiting)[:MAX_REQUESTS]]
     owners = [-1] * len(cells)
+    cell_groups = [-1] * len(cells) if groups else None
     if per_cell == 1:
         for block_id, rids in holders.items():
             owners[block_id] = index.get(rids[0], -1)
-    stats = scheduler.stats()
+        for block_id, g in groups.items():
+            cell_groups[block_id] = g
     counts = {c: states.count(c) for c in _PRECEDENCE}
+    recent = list(kv.recent_window_freed)[-RECENT_FREED:]
+    return {
+        "num_blocks": kv.num_blocks, "block_size": kv.block_size, "cells": cells, "blocks_per_cell": per_cell,
+        "owners": owners, "groups": cell_groups,
+        "num_shared_owners": {str(b): len(r) for b, r in holders.items() if len(r) > 1 and per_cell == 1},
+        "counts": {"free": counts["f"], "cached": counts["c"], "used": counts["u"], "shared": counts["s"],
+                   "pinned": counts["p"]},
+        "windows": list(kv.group_windows),
+        # blocks sliding windows gave back: how many since start, and the latest ids (the page
+        # marks those given back since its previous snapshot)
+        "window_freed": {"total": kv.num_window_freed, "recent": recent},
+    }
+
+
+def _tier_view(tier: Any, stats: Any, max_cells: int) -> dict[str, Any] | None:
+    """The second tier's slots (states as in the module docstring) and its counters."""
+    if tier is None:
+        return None
+    states = tier.slot_states()
+    cells, per_cell = aggregate(states, max_cells, _TIER_PRECEDENCE)
+    return {
+        "num_slots": stats.tier_num_blocks, "usage": stats.tier_usage, "blocks_stored": stats.tier_blocks_stored,
+        "blocks_loaded": stats.tier_blocks_loaded, "hits": stats.tier_hits, "loads": stats.num_tier_loads,
+        "cells": cells, "slots_per_cell": per_cell,
+        "counts": {"empty": states.count("."), "writing": states.count("w"), "ready": states.count("r"),
+                   "reading": states.count("l")},
+    }
+
+
+def build_snapshot(scheduler: Any, steps: StepLog, max_cells: int = MAX_CELLS) -> dict[str, Any]:
+    """The dashboard's view of the engine now. Reads the scheduler and its KV-cache manager (call
+    it between steps, on the thread that steps them); O(pool blocks + tier slots + live requests)."""
+    kv = scheduler.kv_cache
+    states, holders, groups = block_states(kv)
+    index: dict[str, int] = {}
+    running = [_request_row(r, kv, index) for r in scheduler.running[:MAX_REQUESTS]]
+    waiting = [_request_row(r, kv, index) for r in list(scheduler.waiting)[:MAX_REQUESTS]]
+    stats = scheduler.stats()
     return {
         "time": time.time(),
-        "pool": {
-            "num_blocks": kv.num_blocks, "block_size": kv.block_size, "cells": cells, "blocks_per_cell": per_cell,
-            "owners": owners, "num_shared_owners": {str(b): len(r) for b, r in holders.items() if len(r) > 1 and per_cell == 1},
-            "counts": {"free": counts["f"], "cached": counts["c"], "used": counts["u"], "shared": counts["s"],
-                       "pinned": counts["p"]},
-            "windows": list(kv.group_windows),
-        },
+        "pool": _pool_view(kv, states, holders, groups, index, max_cells),
         "running": running,
         "waiting": waiting,
         "num_running": len(scheduler.running),
@@ -135,10 +192,7 @@ def build_snapshot(scheduler: Any, steps: StepLog, max_cells: int = MAX_CELLS) -
             "spec_num_draft_tokens": stats.spec_num_draft_tokens,
             "spec_num_accepted_tokens": stats.spec_num_accepted_tokens,
         },
-        "tier": None if kv.tier is None else {
-            "num_slots": stats.tier_num_blocks, "usage": stats.tier_usage, "blocks_stored": stats.tier_blocks_stored,
-            "blocks_loaded": stats.tier_blocks_loaded, "hits": stats.tier_hits, "loads": stats.num_tier_loads,
-        },
+        "tier": _tier_view(kv.tier, stats, max_cells),
     }
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
-
 from dataclasses import dataclass, field
 
 from octavo.config import blocks_to_hold
@@ -72,6 +72,7 @@ class TierPlan:
 # The block id a table shows where a sliding-window group holds no block (wholly before the
 # window): kernels never read it (tests/kernels fill such blocks with NaN to prove it).
 NULL_BLOCK_ID = 0
+RECENT_WINDOW_FREED = 256  # window-freed block ids kept for the dashboard
 
 @dataclass(slots=True)
 class _Table:
@@ -154,6 +155,10 @@ class KVCacheManager:
         # kept through a reset of the prefix cache); at most `max_pinned_blocks` of them.
         self._pinned: list[tuple[KVCacheBlock, object]] = []
         self.max_pinned_blocks = 0
+        # Blocks sliding windows gave back (a count since start, and the last few ids, bounded):
+        # what the dashboard draws as a local layer's blocks freed while its request runs on.
+        self.num_window_freed = 0
+        self.recent_window_freed: deque[int] = deque(maxlen=RECENT_WINDOW_FREED)
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -180,6 +185,11 @@ class KVCacheManager:
         """Group 0's block ids (the whole table of a model without sliding-window layers)."""
         tables = self._tables.get(request_id)
         return tables[0].ids if tables else []
+
+    def table_entries(self, request_id: str) -> list[list[int | None]]:
+        """The request's block ids per group, None where its window gave the block back (unlike
+        `block_tables`, whose placeholder id is a real block's too). A fresh list: O(table)."""
+        return [[None if b is None else b.block_id for b in table.blocks] for table in self._tables.get(request_id, [])]
 
     def held_blocks(self, request_id: str) -> list[int]:
         """Every block the request holds, over all groups (NULL entries left out)."""
@@ -434,6 +444,8 @@ class KVCacheManager:
             table.set(i, None)
         table.num_dropped = first
         self.pool.free(gone)
+        self.num_window_freed += len(gone)
+        self.recent_window_freed.extend(b.block_id for b in gone if b.ref_cnt == 0)
 
     def _mark_in_flight(self, request: Request, end: int) -> None:
         if not self.enable_prefix_caching:

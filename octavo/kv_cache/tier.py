@@ -73,6 +73,15 @@ class TierIndex:
         """Share of the tier's (current) capacity held."""
         return len(self._entries) / self.num_slots if self.num_slots else 1.0
 
+    def slot_states(self) -> str:
+        """One character per slot (up to the highest held, should the tier have shrunk below it):
+        `.` empty, `w` being written, `r` ready, `l` being read by a load (pinned). O(slots);
+        changes nothing."""
+        states = ["."] * max([self.num_slots] + [e.slot + 1 for e in self._entries.values()])
+        for entry in self._entries.values():
+            states[entry.slot] = "l" if entry.num_pins else "r" if entry.is_ready else "w"
+        return "".join(states)
+
     # ---- writes ------------------------------------------------------------------------------
 
     def reserve(self, key: TierKey) -> int | None:

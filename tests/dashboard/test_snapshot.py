@@ -13,8 +13,9 @@ from tests.helpers import make_request
 BS = 4
 
 
-def make(num_blocks=8, budget=64):
-    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=64, admission_headroom_steps=0)
+def make(num_blocks=8, budget=64, max_model_len=64):
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=max_model_len,
+                          admission_headroom_steps=0)
     return Scheduler(cfg, KVCacheManager(num_blocks, BS))
 
 
@@ -79,7 +80,7 @@ def test_owners_colours_and_block_tokens():
     step(s)
     snap = build_snapshot(s, StepLog())
     (row,) = snap["running"]
-    assert snap["pool"]["owners"][:2] == [row["color"], row["color"]] and row["blocks"] == [0, 1]
+    assert snap["pool"]["owners"][:2] == [row["color"], row["color"]] and row["tables"] == [{"skipped": 0, "ids": [0, 1]}]
     holders, tokens = block_tokens(s, 1)
     assert holders == ["a"] and tokens == [4, 7]  # the prompt's last token, then the sampled one
     assert block_tokens(s, 5) is None
@@ -128,8 +129,55 @@ def test_sliding_window_groups_show_the_blocks_their_window_gave_back():
     # 21 tokens (6 blocks): the global group holds all; the window of 5 keeps the blocks of
     # positions 16.. and gave the first 4 back
     assert row["groups"] == [[6, 0], [2, 4]]
+    snap = build_snapshot(s, StepLog())
+    (row,) = snap["running"]
+    global_ids, window_ids = row["tables"][0]["ids"], row["tables"][1]["ids"]
+    assert len(global_ids) == 6 and None not in global_ids
+    assert window_ids[:4] == [None] * 4 and None not in window_ids[4:]
+    pool = snap["pool"]
+    assert [pool["groups"][b] for b in global_ids] == [0] * 6 and [pool["groups"][b] for b in window_ids[4:]] == [1, 1]
+    assert pool["groups"].count(-1) == 32 - 8  # every block not held belongs to no group
+    # the four window blocks given back: counted, listed, and cached (their full blocks keep their hash)
+    freed = pool["window_freed"]
+    assert freed["total"] == 4 and len(freed["recent"]) == 4 and all(pool["cells"][b] == "c" for b in freed["recent"])
+    assert not set(freed["recent"]) & set(global_ids + window_ids)
     assert build_snapshot(make(), StepLog())["running"] == []  # one group: no per-group counts
     s2 = make()
     s2.add_request(make_request("b", 5, max_tokens=2))
     step(s2)
     assert build_snapshot(s2, StepLog())["running"][0]["groups"] is None
+
+
+def test_long_tables_list_their_latest_entries(monkeypatch):
+    from octavo.dashboard import snapshot as snapshot_module
+
+    s = make(num_blocks=64, budget=512, max_model_len=256)
+    s.add_request(make_request("a", list(range(4 * 40)), max_tokens=2))  # 40 full blocks
+    step(s)
+    monkeypatch.setattr(snapshot_module, "MAX_TABLE", 16)
+    (row,) = build_snapshot(s, StepLog())["running"]
+    (table,) = row["tables"]
+    assert row["num_blocks"] == 40 and table["skipped"] == 40 - 16
+    assert table["ids"] == s.kv_cache.block_ids("a")[-16:]
+
+
+def test_the_second_tiers_slots():
+    from octavo.kv_cache.tier import TierIndex
+
+    tier = TierIndex(6)
+    keys = [(0, bytes([i])) for i in range(4)]
+    slots = [tier.reserve(k) for k in keys]
+    assert tier.slot_states() == "wwww.."
+    for slot in slots[:3]:
+        tier.commit(slot, True)
+    tier.pin(keys[0])  # a load reads it
+    assert tier.slot_states() == "lrrw.."
+    tier.unpin(keys[0], ok=True)
+    tier.commit(slots[3], False)  # a failed write: the tier shrinks to the 3 it holds
+    assert tier.num_slots == 3 and tier.slot_states() == "rrr"
+    # aggregated, a cell shows its liveliest slot: a load, then a write, then ready, then empty
+    assert aggregate("..r.w.l.", 4, "lwr.") == (".rwl", 2)
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64, admission_headroom_steps=0)
+    s = Scheduler(cfg, KVCacheManager(8, BS, tier=TierIndex(5)))
+    view = build_snapshot(s, StepLog())["tier"]
+    assert view["cells"] == "....." and view["counts"] == {"empty": 5, "writing": 0, "ready": 0, "reading": 0}

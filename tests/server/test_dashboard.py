@@ -51,15 +51,18 @@ def test_a_request_is_seen_running_then_its_blocks_cached(live_server):
     assert seen is not None, "the request never showed as running with output (it finished or the stream stalled)"
     snap, row = seen
     cells = snap["pool"]["cells"]
-    assert row["num_blocks"] >= 4 and all(cells[b] in "us" for b in row["blocks"])
-    assert all(snap["pool"]["owners"][b] == row["color"] for b in row["blocks"] if cells[b] == "u")
-    info = httpx.get(f"{live_server.url}/dashboard/blocks/{row['blocks'][0]}", headers=AUTH, timeout=30).json()
+    (table,) = row["tables"]  # SmolLM2: one KV group, every entry a held block
+    blocks = table["ids"]
+    assert table["skipped"] == 0 and row["num_blocks"] == len(blocks) >= 4 and all(cells[b] in "us" for b in blocks)
+    assert all(snap["pool"]["owners"][b] == row["color"] for b in blocks if cells[b] == "u")
+    info = httpx.get(f"{live_server.url}/dashboard/blocks/{blocks[0]}", headers=AUTH, timeout=30).json()
     assert info["holders"] and "Count slowly" in info["text"]
     assert done.wait(180), "the request did not finish"
     after = snapshot(live_server.url)
     assert row["seq"] not in {r["seq"] for r in after["running"]}
-    full = row["blocks"][: row["prompt"] // 16]  # its full prompt blocks: cached now (or taken by whoever runs)
-    assert all(after["pool"]["cells"][b] == "c" or any(b in r["blocks"] for r in after["running"]) for b in full)
+    full = blocks[: row["prompt"] // 16]  # its full prompt blocks: cached now (or taken by whoever runs)
+    taken = {b for r in after["running"] for b in r["tables"][0]["ids"]}
+    assert all(after["pool"]["cells"][b] == "c" or b in taken for b in full)
 
 
 def test_event_stream_is_throttled(live_server):

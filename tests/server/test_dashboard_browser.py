@@ -35,10 +35,16 @@ def browser():
 
 
 def wait_for(driver, what: str, condition, timeout_s: float = 180):
-    """condition(driver) until truthy (returned), or fail naming `what` (deadline: 3x a slow start)."""
+    """condition(driver) until truthy (returned), or fail naming `what` (deadline: 3x a slow start).
+    The page redraws its rows 4 times a second: an element gone stale meanwhile means try again."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        value = condition(driver)
+        try:
+            value = condition(driver)
+        except StaleElementReferenceException:
+            value = None
         if value:
             return value
         time.sleep(0.1)
@@ -61,7 +67,7 @@ def test_the_page_shows_a_request_run_and_its_blocks_cached(browser, live_server
     prompt = "Write the numbers from one to two hundred in words, separated by commas: one, two, three, " * 3
     done = threading.Event()
     threading.Thread(target=lambda: (client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=200, temperature=0, extra_body={"ignore_eos": True}), done.set()),
+        model=MODEL, prompt=prompt, max_tokens=320, temperature=0, extra_body={"ignore_eos": True}), done.set()),
         daemon=True).start()
 
     def running_row(d):
@@ -73,6 +79,22 @@ def test_the_page_shows_a_request_run_and_its_blocks_cached(browser, live_server
     blocks = [int(b) for b in blocks_text.split(",")]
     in_use = wait_for(browser, "its blocks in use", lambda d: (c := cells(d)) and all(c[b] in "us" for b in blocks) and c)
     assert len(blocks) >= 4 and "u" in in_use
+    # hovering over the request outlines its blocks in the pool and lists its block table
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    wait_for(browser, "the pointer over the running request", lambda d: ActionChains(d).move_to_element(
+        d.find_element("css selector", "#requests tbody tr[data-status='running']")).perform() or True)
+
+    def outlined(d):
+        rows = d.find_elements("css selector", "#requests tbody tr[data-status='running']")
+        if not rows:
+            return None
+        held = sorted(int(b) for b in rows[0].get_attribute("data-blocks").split(","))
+        return d.find_element("id", "pool").get_attribute("data-highlight") == ",".join(map(str, held)) and held
+    assert set(blocks) <= set(wait_for(browser, "the hovered request's blocks outlined", outlined))
+    table = wait_for(browser, "its block table", lambda d: d.find_element("css selector", "#tablepanel .strip")
+                     .get_attribute("data-ids")).split(",")
+    assert table[: len(blocks)] == [str(b) for b in blocks]
     browser.save_screenshot(str(tmp_path / "dashboard-running.png"))
     assert done.wait(180), "the request did not finish"
     full = blocks[: num_prompt // 16]  # the blocks its prompt filled
@@ -102,3 +124,72 @@ def test_the_simulators_replay_plays_in_the_browser(browser, tmp_path):
     first = browser.find_element("id", "frameinfo").text
     wait_for(browser, "the replay advancing", lambda d: d.find_element("id", "frameinfo").text != first, timeout_s=30)
     browser.save_screenshot(str(tmp_path / "replay.png"))
+
+
+def windows_and_tier_frames():
+    """Frames of a model with a global and a sliding-window KV group (window 5, blocks of 4) and a
+    second tier, from the real scheduler and block manager (no model): the window gives blocks
+    back as the request decodes; tier slots written, ready and being read."""
+    from octavo.config import SchedulerConfig
+    from octavo.dashboard.replay import ReplayRecorder
+    from octavo.kv_cache.manager import KVCacheManager
+    from octavo.kv_cache.tier import TierIndex
+    from octavo.outputs import ModelRunnerOutput
+    from octavo.scheduler import Scheduler
+    from tests.helpers import make_request
+
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64, admission_headroom_steps=0)
+    tier = TierIndex(10)
+    s = Scheduler(cfg, KVCacheManager(24, 4, group_windows=(None, 5), tier=tier))
+    keys = [(0, bytes([i])) for i in range(4)]
+    slots = [tier.reserve(k) for k in keys]
+    for slot in slots[:3]:
+        tier.commit(slot, True)
+    tier.pin(keys[0])  # "lrrw......"
+    s.add_request(make_request("w", list(range(12)), max_tokens=12))
+    recorder = ReplayRecorder()
+    for i in range(10):
+        out = s.schedule()
+        s.update(out, ModelRunnerOutput(sampled={sid: 7 for e in out.scheduled for sid in e.sample_ids}))
+        recorder(s, out, 0.05 * (i + 1), 0.05)
+    return recorder.frames
+
+
+def test_window_groups_tier_and_block_tables_in_the_browser(browser, tmp_path):
+    """A request's block table per KV group (the window's given-back entries hatched), its blocks
+    outlined in the pool on hover, blocks just given back by the window marked, the tier's slots."""
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    from octavo.dashboard.replay import replay_html
+
+    frames = windows_and_tier_frames()
+    totals = [f["pool"]["window_freed"]["total"] for f in frames]
+    k = next(i for i in range(1, len(frames)) if totals[i] > totals[i - 1])  # a step where the window gave back blocks
+    page = tmp_path / "windows.html"
+    page.write_text(replay_html({"windows": frames}, "sliding windows and a tier"))
+    browser.get(page.as_uri())
+    wait_for(browser, "the replay", lambda d: cells(d))
+    browser.find_element("id", "play").click()  # pause: the test moves the slider itself
+
+    def show(index):
+        browser.execute_script("const s = document.getElementById('frame'); s.value = arguments[0];"
+                               "s.dispatchEvent(new Event('input'));", index)
+
+    show(k - 1)
+    show(k)
+    fresh = frames[k]["pool"]["window_freed"]["recent"][-(totals[k] - totals[k - 1]):]
+    assert browser.find_element("id", "pool").get_attribute("data-window-freed") == ",".join(map(str, fresh))
+    assert browser.find_element("id", "tier").get_attribute("data-cells") == "lrrw......" == frames[k]["tier"]["cells"]
+    assert browser.find_element("id", "tiersection").is_displayed()
+
+    row = browser.find_element("css selector", "#requests tbody tr[data-seq='w']")
+    ActionChains(browser).move_to_element(row).perform()
+    (request,) = frames[k]["running"]
+    held = sorted({b for t in request["tables"] for b in t["ids"] if b is not None})
+    wait_for(browser, "the request's blocks outlined",
+             lambda d: d.find_element("id", "pool").get_attribute("data-highlight") == ",".join(map(str, held)))
+    assert browser.find_element("id", "tablepanel").get_attribute("data-seq") == "w"
+    strips = [s.get_attribute("data-ids") for s in browser.find_elements("css selector", "#tablepanel .strip")]
+    expected = [",".join("-" if b is None else str(b) for b in t["ids"]) for t in request["tables"]]
+    assert strips == expected and "-" not in strips[0] and strips[1].startswith("-,")
+    browser.save_screenshot(str(tmp_path / "windows.png"))

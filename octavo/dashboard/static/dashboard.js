@@ -17,7 +17,41 @@ function cellColour(pool, i) {
   return state === "u" ? colourOf(pool.owners[i]) : FIXED[state] || "#e6e6e6";
 }
 
-function drawPool(pool) {
+// The request whose blocks the pool outlines and whose block table shows: hovered, or clicked
+// (kept until clicked again); and the window frees already seen (to flash only new ones).
+let selected = { hover: null, pinned: null };
+let lastWindowFreed = null;
+let freshFrees = [];  // given back by a window since the previous snapshot (kept for redraws on hover)
+
+function cellOf(pool, blockId) {
+  return Math.floor(blockId / pool.blocks_per_cell);
+}
+
+function heldIds(r) {
+  return r.tables.flatMap((t) => t.ids.filter((b) => b !== null));
+}
+
+function selectedRow(snap) {
+  const seq = selected.hover || selected.pinned;
+  return seq ? snap.running.concat(snap.waiting).find((r) => r.seq === seq) || null : null;
+}
+
+function newWindowFrees(pool) {
+  const wf = pool.window_freed;
+  const fresh = lastWindowFreed === null ? 0 : Math.min(wf.recent.length, Math.max(0, wf.total - lastWindowFreed));
+  lastWindowFreed = wf.total;
+  freshFrees = fresh ? wf.recent.slice(wf.recent.length - fresh) : [];
+  return freshFrees;
+}
+
+function outline(ctx, i, colour, width) {
+  ctx.strokeStyle = colour;
+  ctx.lineWidth = width;
+  ctx.strokeRect((i % cell.cols) * cell.size + width / 2, Math.floor(i / cell.cols) * cell.size + width / 2,
+    cell.size - 1 - width, cell.size - 1 - width);
+}
+
+function drawPool(pool, row, freshFrees) {
   const canvas = $("pool");
   const n = pool.cells.length;
   const width = canvas.clientWidth || canvas.width;
@@ -30,11 +64,61 @@ function drawPool(pool) {
   const ctx = canvas.getContext("2d");
   for (let i = 0; i < n; i++) {
     ctx.fillStyle = cellColour(pool, i);
-    ctx.fillRect((i % cols) * size, Math.floor(i / cols) * size, size - 1, size - 1);
+    const x = (i % cols) * size, y = Math.floor(i / cols) * size;
+    ctx.fillRect(x, y, size - 1, size - 1);
+    if (pool.groups && pool.groups[i] > 0 && size >= 5) {  // a sliding-window layer's block: a light corner
+      ctx.fillStyle = "rgba(255,255,255,0.75)";
+      ctx.beginPath();
+      ctx.moveTo(x + size - 1, y); ctx.lineTo(x + size - 1, y + size / 2); ctx.lineTo(x + size / 2, y);
+      ctx.fill();
+    }
   }
+  freshFrees.forEach((b) => outline(ctx, cellOf(pool, b), "#d62728", 2));
+  canvas.dataset.windowFreed = freshFrees.join(",");
+  const mine = row ? [...new Set(heldIds(row).map((b) => cellOf(pool, b)))].sort((a, b) => a - b) : [];
+  mine.forEach((i) => outline(ctx, i, "#000", 2));
+  canvas.dataset.highlight = mine.join(",");
   const per = pool.blocks_per_cell > 1 ? `, ${pool.blocks_per_cell} blocks a cell` : "";
+  const freed = pool.windows.length > 1 ? `; ${pool.window_freed.total} given back by sliding windows` : "";
   $("poolinfo").textContent = `${pool.num_blocks} blocks of ${pool.block_size} tokens${per}; ` +
-    Object.entries(pool.counts).map(([k, v]) => `${v} ${k}`).join(", ");
+    Object.entries(pool.counts).map(([k, v]) => `${v} ${k}`).join(", ") + freed;
+  $("legend-window").hidden = pool.windows.length < 2;
+}
+
+const STATE_NAMES = { f: "free", c: "cached", u: "in use", s: "shared", p: "pinned" };
+
+function groupName(pool, g) {
+  const w = pool.windows[g];
+  return w === null || w === undefined ? "global layers" : `window ${w}`;
+}
+
+function drawTable(snap, row) {
+  // the selected request's block table, one strip per KV group: entry = block id, coloured by
+  // the block's state; a window's given-back entries hatched
+  const panel = $("tablepanel"), pool = snap.pool;
+  panel.dataset.seq = row ? row.seq : "";
+  if (!row) {
+    panel.replaceChildren(Object.assign(document.createElement("p"), { className: "hint",
+      textContent: "Hover over a request (click to keep it) to see its block table and outline its blocks in the pool." }));
+    return;
+  }
+  const head = document.createElement("p");
+  head.innerHTML = `<span class="swatch" style="background:${colourOf(row.color)}"></span><b>${escape(row.seq)}</b>` +
+    ` block table: ${row.num_blocks} blocks held${selected.pinned === row.seq ? " (kept: click the row again to let go)" : ""}`;
+  const strips = row.tables.map((t, g) => {
+    const div = document.createElement("div");
+    div.className = "strip";
+    div.dataset.ids = t.ids.map((b) => (b === null ? "-" : b)).join(",");
+    const label = row.tables.length > 1 ? `<span class="glabel">${groupName(pool, g)}</span>` : "";
+    const skipped = t.skipped ? `<span class="skipped">${t.skipped} earlier</span>` : "";
+    div.innerHTML = label + skipped + t.ids.map((b, idx) => {
+      if (b === null) return `<span class="blk gone" title="entry ${t.skipped + idx}: given back by the window"></span>`;
+      const state = pool.cells[cellOf(pool, b)];
+      return `<span class="blk s-${state}" title="entry ${t.skipped + idx}: block ${b}, ${STATE_NAMES[state]}">${b}</span>`;
+    }).join("");
+    return div;
+  });
+  panel.replaceChildren(head, ...strips);
 }
 
 function blocksCell(r) {
@@ -51,7 +135,7 @@ function drawRequests(snap) {
     const tr = document.createElement("tr");
     tr.dataset.seq = r.seq;
     tr.dataset.status = r.status;
-    tr.dataset.blocks = r.blocks.join(",");
+    tr.dataset.blocks = heldIds(r).join(",");
     tr.dataset.prompt = r.prompt;
     const promptDone = Math.min(r.computed, r.prompt);
     const hit = (100 * Math.min(r.cached, r.prompt)) / r.prompt;
@@ -146,13 +230,38 @@ function drawSparks(snap) {
   spark("spark-tok", history.map((h) => h.tok));
 }
 
+function drawTier(tier) {
+  $("tiersection").hidden = !tier;
+  if (!tier) return;
+  const canvas = $("tier"), n = tier.cells.length;
+  const width = canvas.clientWidth || canvas.width;
+  const size = Math.max(3, Math.min(14, Math.floor(Math.sqrt((width * 80) / Math.max(1, n)))));
+  const cols = Math.max(1, Math.floor(width / size));
+  canvas.width = width;
+  canvas.height = Math.ceil(n / cols) * size;
+  canvas.dataset.cells = tier.cells;
+  const ctx = canvas.getContext("2d");
+  for (let i = 0; i < n; i++) {
+    ctx.fillStyle = TIER_COLOURS[tier.cells[i]] || TIER_COLOURS["."];
+    ctx.fillRect((i % cols) * size, Math.floor(i / cols) * size, size - 1, size - 1);
+  }
+  const c = tier.counts, per = tier.slots_per_cell > 1 ? `, ${tier.slots_per_cell} a cell` : "";
+  $("tierinfo").textContent = `${tier.num_slots} slots${per}: ${c.ready} ready, ${c.writing} being written, ` +
+    `${c.reading} being read back, ${c.empty} empty; ${tier.blocks_stored} stored, ${tier.blocks_loaded} loaded since start`;
+}
+
+const TIER_COLOURS = { ".": "#eeeeee", w: "#e5a04a", r: "#6a8fc7", l: "#2ca02c" };
+
 function render(snap) {
   snapshot = snap;
   drawSparks(snap);
   $("model").textContent = snap.model || "";
   drawStats(snap);
-  drawPool(snap.pool);
+  const row = selectedRow(snap);
+  drawPool(snap.pool, row, newWindowFrees(snap.pool));
   drawRequests(snap);
+  drawTable(snap, row);
+  drawTier(snap.tier);
   drawTimeline(snap.steps);
 }
 
@@ -195,18 +304,38 @@ async function connect() {
   setTimeout(connect, 2000);
 }
 
+function holdersOf(snap, cellIndex) {
+  // the listed requests whose tables hold a block of this cell (from the snapshot: no request)
+  const pool = snap.pool;
+  return snap.running.concat(snap.waiting).filter((r) => heldIds(r).some((b) => cellOf(pool, b) === cellIndex));
+}
+
+function markRows(seqs) {
+  document.querySelectorAll("#requests tbody tr").forEach((tr) => tr.classList.toggle("hl", seqs.includes(tr.dataset.seq)));
+}
+
+function redrawSelection() {
+  if (!snapshot) return;
+  const row = selectedRow(snapshot);
+  drawPool(snapshot.pool, row, freshFrees);
+  drawTable(snapshot, row);
+}
+
 let hoverTimer = null;
 $("pool").addEventListener("mousemove", (ev) => {
   if (!snapshot) return;
   const rect = ev.target.getBoundingClientRect();
   const i = Math.floor((ev.clientY - rect.top) / cell.size) * cell.cols + Math.floor((ev.clientX - rect.left) / cell.size);
   const pool = snapshot.pool, tip = $("tooltip");
-  if (i < 0 || i >= pool.cells.length) { tip.hidden = true; return; }
-  const names = { f: "free", c: "cached", u: "in use", s: "shared", p: "pinned" };
+  if (i < 0 || i >= pool.cells.length) { tip.hidden = true; markRows([]); return; }
   const first = i * pool.blocks_per_cell;
   const label = pool.blocks_per_cell > 1 ? `blocks ${first}..${first + pool.blocks_per_cell - 1}` : `block ${i}`;
   const refs = pool.num_shared_owners[String(i)];
-  tip.textContent = `${label}: ${names[pool.cells[i]]}${refs ? `, ${refs} holders` : ""}`;
+  const holders = holdersOf(snapshot, i).map((r) => r.seq);
+  const group = pool.groups && pool.groups[i] >= 0 ? `, ${groupName(pool, pool.groups[i])}` : "";
+  tip.textContent = `${label}: ${STATE_NAMES[pool.cells[i]]}${refs ? `, ref count ${refs}` : ""}${group}` +
+    (holders.length ? `\nheld by ${holders.join(", ")}` : "");
+  markRows(holders);
   tip.style.left = `${ev.clientX + 12}px`;
   tip.style.top = `${ev.clientY + 12}px`;
   tip.hidden = false;
@@ -216,11 +345,24 @@ $("pool").addEventListener("mousemove", (ev) => {
       const resp = await fetch(`/dashboard/blocks/${i}`, { headers: headers() });
       if (!resp.ok) return;
       const info = await resp.json();
-      tip.textContent += `\nheld by ${info.holders.join(", ")}` + (info.text !== null ? `\n${info.text}` : "\n(text: only with an API key)");
+      if (!holders.length && info.holders.length) tip.textContent += `\nheld by ${info.holders.join(", ")}`;
+      tip.textContent += info.text !== null ? `\n${info.text}` : "\n(text: only with an API key)";
     }, 150);
   }
 });
-$("pool").addEventListener("mouseleave", () => { $("tooltip").hidden = true; });
+const tbody = $("requests").querySelector("tbody");
+tbody.addEventListener("mouseover", (ev) => {
+  const tr = ev.target.closest("tr");
+  if (tr && tr.dataset.seq !== selected.hover) { selected.hover = tr.dataset.seq; redrawSelection(); }
+});
+tbody.addEventListener("mouseleave", () => { selected.hover = null; redrawSelection(); });
+tbody.addEventListener("click", (ev) => {
+  const tr = ev.target.closest("tr");
+  if (!tr) return;
+  selected.pinned = selected.pinned === tr.dataset.seq ? null : tr.dataset.seq;
+  redrawSelection();
+});
+$("pool").addEventListener("mouseleave", () => { $("tooltip").hidden = true; markRows([]); });
 $("keyform").addEventListener("submit", (ev) => {
   ev.preventDefault();
   sessionStorage.setItem("octavo-key", $("key").value);
@@ -240,7 +382,7 @@ function startReplay(replay) {
     slider.value = index;
     $("frameinfo").textContent = `frame ${index + 1} / ${frames.length}, t = ${snap.time.toFixed(2)} s (simulated)`;
   };
-  const choose = () => { frames = replay.runs[policy.value]; slider.max = frames.length - 1; index = 0; history.length = 0; show(); };
+  const choose = () => { frames = replay.runs[policy.value]; slider.max = frames.length - 1; index = 0; history.length = 0; lastWindowFreed = null; show(); };
   policy.addEventListener("change", choose);
   slider.addEventListener("input", () => { index = Number(slider.value); show(); });
   play.addEventListener("click", () => { playing = !playing; play.textContent = playing ? "pause" : "play"; });
