@@ -91,7 +91,9 @@ def aggregate(states: str, max_cells: int, precedence: str = _PRECEDENCE) -> tup
         return states, 1
     ranks = "".join(chr(48 + i) for i in range(len(precedence)))
     ranked = states.translate(str.maketrans(precedence[::-1], ranks))
-    cells = "".join(max(ranked[i : i + per_cell]) for i in range(0, len(ranked), per_cell))
+    ranked += "0" * (-len(ranked) % per_cell)  # padding of the idlest rank: never wins a cell
+    # cell c is max(ranked[c * k], ..., ranked[c * k + k - 1]): k strided strings compared in step
+    cells = "".join(map(max, *(ranked[j::per_cell] for j in range(per_cell))))
     return cells.translate(str.maketrans(ranks, precedence[::-1])), per_cell
 
 
@@ -126,10 +128,11 @@ def _request_row(request: Any, kv: Any, index: dict[str, int]) -> dict[str, Any]
 def _pool_view(kv: Any, states: str, holders: dict[int, list[str]], groups: dict[int, int], index: dict[str, int],
                max_cells: int) -> dict[str, Any]:
     """The pool grid: cells, per-cell owner (colour index of the first holder listed) and KV
-    group (block by block only; -1 where none), holders of shared blocks, counts, window frees."""
+    group (-1 where none; both None once cells aggregate blocks), holders of shared blocks,
+    counts, window frees."""
     cells, per_cell = aggregate(states, max_cells)
-    owners = [-1] * len(cells)
-    cell_groups = [-1] * len(cells) if groups else None
+    owners = [-1] * len(cells) if per_cell == 1 else None  # aggregated cells are drawn by state alone
+    cell_groups = [-1] * len(cells) if groups and per_cell == 1 else None
     if per_cell == 1:
         for block_id, rids in holders.items():
             owners[block_id] = index.get(rids[0], -1)

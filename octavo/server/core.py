@@ -66,6 +66,11 @@ class ServerLimits:
     max_stored_response_bytes: int = 128 << 20  # ... and their JSON together at most this large
     grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S  # a constraint not compiled by then: 400
     header_timeout_s: float = 30.0  # a request's head (and each pause in its body) must come within this
+    dashboard_interval_s: float = 0.25  # the dashboard builds at most one snapshot per interval (4 a second)
+
+    def __post_init__(self) -> None:
+        if not 0.01 <= self.dashboard_interval_s <= 60:
+            raise ValueError(f"--dashboard-interval must be between 0.01 and 60 seconds, got {self.dashboard_interval_s}")
 
 
 class OpenAIServer:

@@ -38,6 +38,8 @@ def test_block_states_through_a_fork_a_finish_and_an_eviction():
     assert snap["pool"]["cells"] == "sssfffff"
     assert snap["num_running"] == 2 and {r["seq"] for r in snap["running"]} == {"a#0", "a#1"}
     assert snap["pool"]["num_shared_owners"] == {"0": 2, "1": 2, "2": 2}
+    small = build_snapshot(s, StepLog(), max_cells=4)["pool"]  # 2 blocks a cell: drawn by state alone
+    assert small["cells"] == "ssff" and small["blocks_per_cell"] == 2 and small["owners"] is None
     step(s)  # each writes its next token into the shared partial block: one copies it (copy-on-write)
     assert cells(s) == "ssuuffff"
     for _ in range(2):
@@ -88,6 +90,15 @@ def test_owners_colours_and_block_tokens():
 
 def test_big_pools_aggregate_and_the_step_log_is_bounded():
     assert aggregate("ffffcfuc", 4) == ("ffcu", 2) and aggregate("fu", 4) == ("fu", 1)
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):  # against the plain definition: a cell is its liveliest block
+        states = "".join(rng.choice("fcpus") for _ in range(rng.randint(1, 300)))
+        max_cells = rng.randint(1, 40)
+        per = max(1, -(-len(states) // max_cells))
+        expected = "".join(min(states[i : i + per], key="supcf".index) for i in range(0, len(states), per))
+        assert aggregate(states, max_cells) == (expected, per)
     cells_, per = aggregate("f" * 10_000 + "u" * 10_000, 4096)
     assert per == 5 and len(cells_) <= 4096 and cells_.count("u") == 2000
     log = StepLog(maxlen=3)

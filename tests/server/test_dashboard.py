@@ -9,6 +9,7 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from tests.live_server import API_KEY, MODEL
 
@@ -77,3 +78,12 @@ def test_event_stream_is_throttled(live_server):
                 break
     elapsed = time.monotonic() - start
     assert 1 <= events <= 4 * elapsed + 2, (events, elapsed)
+
+
+def test_the_snapshot_interval_is_bounded():
+    from octavo.server.core import ServerLimits
+
+    assert ServerLimits().dashboard_interval_s == 0.25  # 4 a second
+    for bad in (0.0, -1.0, 61.0):
+        with pytest.raises(ValueError, match="--dashboard-interval must be between 0.01 and 60 seconds"):
+            ServerLimits(dashboard_interval_s=bad)

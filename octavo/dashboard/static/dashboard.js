@@ -14,7 +14,7 @@ function colourOf(index) {
 
 function cellColour(pool, i) {
   const state = pool.cells[i];
-  return state === "u" ? colourOf(pool.owners[i]) : FIXED[state] || "#e6e6e6";
+  return state === "u" ? colourOf(pool.owners ? pool.owners[i] : -1) : FIXED[state] || "#e6e6e6";
 }
 
 // The request whose blocks the pool outlines and whose block table shows: hovered, or clicked

@@ -17,23 +17,23 @@ from fastapi.responses import HTMLResponse, PlainTextResponse, StreamingResponse
 from octavo.dashboard.snapshot import block_tokens, build_snapshot
 from octavo.server.core import APIError, OpenAIServer
 
-SNAPSHOT_INTERVAL_S = 0.25  # at most 4 snapshots a second, however many pages watch
 _STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 
 
 class SnapshotHub:
-    """One snapshot per interval, shared by every viewer: built on the engine thread between
-    steps (AsyncEngine.call), serialised once."""
+    """One snapshot per interval (--dashboard-interval, 0.25 s: at most 4 a second), shared by
+    every viewer: built on the engine thread between steps (AsyncEngine.call), serialised once."""
 
     def __init__(self, server: OpenAIServer) -> None:
         self.server = server
+        self.interval_s = server.limits.dashboard_interval_s
         self._lock = asyncio.Lock()
         self._time = 0.0
         self._json = ""
 
     async def latest(self) -> str:
         async with self._lock:
-            if time.monotonic() - self._time >= SNAPSHOT_INTERVAL_S:
+            if time.monotonic() - self._time >= self.interval_s:
                 metrics = self.server.engine.metrics
                 snap = await self.server.engine.call(
                     lambda e: {**build_snapshot(e.scheduler, e.step_log), "latency": metrics.recent_latencies()})
@@ -69,7 +69,7 @@ def build_router(server: OpenAIServer) -> APIRouter:
         async def stream():
             while not await request.is_disconnected():
                 yield f"data: {await hub.latest()}\n\n"
-                await asyncio.sleep(SNAPSHOT_INTERVAL_S)
+                await asyncio.sleep(hub.interval_s)
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @router.get("/dashboard/blocks/{block_id}")
