@@ -44,11 +44,12 @@ function newWindowFrees(pool) {
   return freshFrees;
 }
 
-function outline(ctx, i, colour, width) {
+function outline(ctx, i, colour, width, inset = 0) {
+  const d = inset + width / 2;
   ctx.strokeStyle = colour;
   ctx.lineWidth = width;
-  ctx.strokeRect((i % cell.cols) * cell.size + width / 2, Math.floor(i / cell.cols) * cell.size + width / 2,
-    cell.size - 1 - width, cell.size - 1 - width);
+  ctx.strokeRect((i % cell.cols) * cell.size + d, Math.floor(i / cell.cols) * cell.size + d,
+    cell.size - 1 - 2 * d, cell.size - 1 - 2 * d);
 }
 
 function drawPool(pool, row, freshFrees) {
@@ -76,7 +77,7 @@ function drawPool(pool, row, freshFrees) {
   freshFrees.forEach((b) => outline(ctx, cellOf(pool, b), "#d62728", 2));
   canvas.dataset.windowFreed = freshFrees.join(",");
   const mine = row ? [...new Set(heldIds(row).map((b) => cellOf(pool, b)))].sort((a, b) => a - b) : [];
-  mine.forEach((i) => outline(ctx, i, "#000", 2));
+  mine.forEach((i) => { outline(ctx, i, "#000", 2); if (size >= 8) outline(ctx, i, "#fff", 1, 2); });  // seen on dark cells too
   canvas.dataset.highlight = mine.join(",");
   const per = pool.blocks_per_cell > 1 ? `, ${pool.blocks_per_cell} blocks a cell` : "";
   const freed = pool.windows.length > 1 ? `; ${pool.window_freed.total} given back by sliding windows` : "";
