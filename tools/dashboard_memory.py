@@ -41,14 +41,15 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def start_server(interval: float) -> tuple[subprocess.Popen, str]:
+def start_server(flags: list[str], num_threads: int = 2) -> tuple[subprocess.Popen, str]:
+    """`octavo serve` on a free port with `flags`, once it answers /health: (process, base URL)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "octavo.cli", "serve", "--port", str(port), "--kv-cache-memory",
-                               "256MiB", "--max-model-len", "1024", "--dashboard-interval", str(interval)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    server = subprocess.Popen([sys.executable, "-m", "octavo.cli", "serve", "--port", str(port), *flags],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                              env={**os.environ, "OMP_NUM_THREADS": str(num_threads)})
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         try:
@@ -61,7 +62,8 @@ def start_server(interval: float) -> tuple[subprocess.Popen, str]:
 
 
 def run_server(args: argparse.Namespace) -> None:
-    server, url = start_server(args.interval)
+    server, url = start_server(["--kv-cache-memory", "256MiB", "--max-model-len", "1024",
+                                "--dashboard-interval", str(args.interval)])
     stop = threading.Event()
     events, distinct = [0], [0]  # events streamed to all watchers; distinct snapshots (changes) seen by the first
 

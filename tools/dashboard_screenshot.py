@@ -12,13 +12,11 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
+from dashboard_memory import start_server  # tools/ is the script's folder, first on sys.path
 
 SYSTEMS = [
     "You are a patient maths tutor. Explain each step, check the arithmetic twice, and end with a short summary. ",
@@ -27,25 +25,6 @@ SYSTEMS = [
     "You are a chef who cooks with what is in season. Give quantities in grams and keep every recipe under an hour. ",
 ]
 QUESTIONS = ["What should I do first?", "Give me three ideas.", "What is the most common mistake?"]
-
-
-def start_server() -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "octavo.cli", "serve", "--port", str(port), "--kv-cache-memory",
-                               "160MiB", "--max-model-len", "1024"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return server, url
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    server.terminate()
-    raise SystemExit("the server did not answer /health within 300 s")
 
 
 def browser():
@@ -68,7 +47,7 @@ def main() -> None:
     from PIL import Image
     from selenium.webdriver.common.action_chains import ActionChains
 
-    server, url = start_server()
+    server, url = start_server(["--kv-cache-memory", "160MiB", "--max-model-len", "1024"], num_threads=1)
     driver = browser()
     try:
         driver.get(f"{url}/dashboard")
