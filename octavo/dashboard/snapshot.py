@@ -55,22 +55,20 @@ class StepLog:
         self.records.append(record)
 
 
-def block_states(kv: Any) -> tuple[str, dict[int, list[str]], dict[int, int]]:
+def block_states(kv: Any, tables: dict[str, list[list[int | None]]]) -> tuple[str, dict[int, list[str]], dict[int, int]]:
     """(one state character per pool block, block id -> the live sequence ids holding it, block id
-    -> the KV group holding it: filled only where the model has several groups)."""
+    -> the KV group holding it: filled only where the model has several groups). `tables`: every
+    live sequence's `table_entries`."""
     holders: dict[int, list[str]] = {}
     groups: dict[int, int] = {}
     multi_group = len(kv.group_windows) > 1
-    for rid in kv.live_request_ids():
-        if multi_group:
-            for g, table in enumerate(kv.table_entries(rid)):
-                for block_id in table:
-                    if block_id is not None:
-                        holders.setdefault(block_id, []).append(rid)
+    for rid, entries in tables.items():
+        for g, table in enumerate(entries):
+            for block_id in table:
+                if block_id is not None:
+                    holders.setdefault(block_id, []).append(rid)
+                    if multi_group:
                         groups[block_id] = g
-            continue
-        for block_id in kv.held_blocks(rid):
-            holders.setdefault(block_id, []).append(rid)
     states = ["u" if b.ref_cnt == 1 else "s" if b.ref_cnt else "f" if b.block_hash is None else "c"
               for b in kv.pool.blocks]
     for block_id in kv.pinned_block_ids():
@@ -104,8 +102,9 @@ def _table_view(entries: list[int | None]) -> dict[str, Any]:
     return {"skipped": skipped, "ids": entries[skipped:]}
 
 
-def _request_row(request: Any, kv: Any, index: dict[str, int]) -> dict[str, Any]:
-    tables = kv.table_entries(request.request_id)
+def _request_row(request: Any, tables: list[list[int | None]], index: dict[str, int]) -> dict[str, Any]:
+    """One request as the page lists it; `tables` its `table_entries` (empty while it waits)."""
+    held = [sum(1 for b in t if b is not None) for t in tables]
     return {
         "id": request.user_request_id,
         "seq": request.request_id,
@@ -119,9 +118,9 @@ def _request_row(request: Any, kv: Any, index: dict[str, int]) -> dict[str, Any]
         "preemptions": request.num_preemptions,
         "priority": request.priority,
         "tables": [_table_view(t) for t in tables],  # one per KV group
-        "num_blocks": sum(1 for t in tables for b in t if b is not None),
+        "num_blocks": sum(held),
         # per KV group (sliding-window layers page apart): [blocks held, blocks its window gave back]
-        "groups": [list(c) for c in kv.group_block_counts(request.request_id)] if len(kv.group_windows) > 1 else None,
+        "groups": [[h, len(t) - h] for h, t in zip(held, tables)] if len(tables) > 1 else None,
     }
 
 
@@ -172,10 +171,11 @@ def build_snapshot(scheduler: Any, steps: StepLog, max_cells: int = MAX_CELLS) -
     """The dashboard's view of the engine now. Reads the scheduler and its KV-cache manager (call
     it between steps, on the thread that steps them); O(pool blocks + tier slots + live requests)."""
     kv = scheduler.kv_cache
-    states, holders, groups = block_states(kv)
+    tables = {rid: kv.table_entries(rid) for rid in kv.live_request_ids()}  # read once, used twice
+    states, holders, groups = block_states(kv, tables)
     index: dict[str, int] = {}
-    running = [_request_row(r, kv, index) for r in scheduler.running[:MAX_REQUESTS]]
-    waiting = [_request_row(r, kv, index) for r in list(scheduler.waiting)[:MAX_REQUESTS]]
+    running = [_request_row(r, tables.get(r.request_id, []), index) for r in scheduler.running[:MAX_REQUESTS]]
+    waiting = [_request_row(r, tables.get(r.request_id, []), index) for r in list(scheduler.waiting)[:MAX_REQUESTS]]
     stats = scheduler.stats()
     return {
         "time": time.time(),

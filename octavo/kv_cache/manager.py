@@ -195,10 +195,6 @@ class KVCacheManager:
         """Every block the request holds, over all groups (NULL entries left out)."""
         return [b.block_id for table in self._tables.get(request_id, []) for b in table.held()]
 
-    def group_block_counts(self, request_id: str) -> list[tuple[int, int]]:
-        """Per KV group: (blocks the request holds, table entries its window gave back)."""
-        return [(len(table.held()), sum(1 for b in table.blocks if b is None)) for table in self._tables.get(request_id, [])]
-
     def live_request_ids(self) -> list[str]:
         """The requests that hold block tables now (running, or preempted mid-step until freed)."""
         return list(self._tables)
