@@ -26,7 +26,10 @@ LENGTHS = [8, 32, 64]
 def soak_server(tmp_path_factory, smol_dir):
     log = tmp_path_factory.mktemp("soak") / "server.log"
     server = start_server(log, ["--api-key", API_KEY, "--num-kv-blocks", "80", "--max-num-seqs", "32",
-                                "--max-model-len", "512", "--enable-debug-endpoints", "--log-interval", "5"])
+                                "--max-model-len", "512", "--enable-debug-endpoints", "--log-interval", "5",
+                                # admit greedily (vLLM's way) so that the pool runs out and preempts;
+                                # the default headroom holds requests back and made preemption a matter of timing
+                                "--admission-headroom-steps", "0"])
     yield server
     stop_server(server)
 
