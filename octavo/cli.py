@@ -50,6 +50,20 @@ def add_engine_flags(parser: argparse.ArgumentParser, model_positional: bool = T
         parser.add_argument(flag, dest=f.name, **kwargs)
 
 
+def check_model_file(model: str | None) -> None:
+    """A .gguf model's header and shapes checked before anything heavy is imported or allocated:
+    a malformed file is refused in milliseconds with one line (GGUFFormatError, a ValueError)."""
+    if model is None or not str(model).endswith(".gguf"):
+        return
+    from pathlib import Path
+
+    from octavo.models.gguf_arch import check_file
+
+    path = Path(model).expanduser()
+    if path.is_file():
+        check_file(path)
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     import dataclasses
 
@@ -59,6 +73,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    check_model_file(args.model)
     from octavo.engine import LLMEngine
     from octavo.engine_args import EngineArgs
     from octavo.llm import LLM
@@ -117,6 +132,7 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    check_model_file(args.model)
     import uvicorn
 
     from octavo.engine import LLMEngine
@@ -624,6 +640,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _torchrun_worker(args: argparse.Namespace) -> bool:
     """Under torchrun, every rank runs the same command; ranks > 0 become the engine's workers and end
     the process when rank 0 stops them (False: this process is not such a worker)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "RANK" not in os.environ:
+        return False  # not under torchrun (checked before importing torch: a refused start stays light)
     from octavo.distributed.executor import torchrun_rank
 
     launched = torchrun_rank()

@@ -27,7 +27,10 @@ def tier_fingerprint(model_path: str | Path, model_config: ModelConfig, dtype: s
     sizes and times: a re-converted model counts as another), the model's shape, the KV dtype and
     block size, the quantization and the kernels that computed the KV."""
     path = Path(model_path)
-    files = sorted(p for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file())
+    # gguf_source.txt records where a converted GGUF came from (rewritten when the same content is
+    # started from another path): not weights; the directory's name carries the content's key
+    files = sorted(p for p in (path.rglob("*") if path.is_dir() else [path])
+                   if p.is_file() and p.name != "gguf_source.txt")
     digest = hashlib.sha256()
     for f in files:
         st = f.stat()

@@ -9,9 +9,13 @@ files. No weights are touched here beyond reshaping rows; see loader.py for what
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from octavo.models.gguf_file import ArrayValue, GGUFFormatError, GGUFHeader, read_header
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3")
 
@@ -73,21 +77,20 @@ def default_chat_template(arch: str) -> str | None:
     return GEMMA_CHAT_TEMPLATE if arch == "gemma3" else None
 
 
-class UnsupportedGGUFError(ValueError):
+class UnsupportedGGUFError(GGUFFormatError):
     pass
 
 
-def field(reader, key: str) -> Any:
-    found = reader.fields.get(key)
-    return None if found is None else found.contents()
+def field(header: GGUFHeader, key: str) -> Any:
+    return header.get(key)
 
 
-def architecture(reader) -> str:
+def architecture(header: GGUFHeader) -> str:
     """The file's `general.architecture`; UnsupportedGGUFError names the supported ones."""
-    arch = field(reader, "general.architecture")
+    arch = header.get("general.architecture")
     if arch not in SUPPORTED:
         raise UnsupportedGGUFError(
-            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED)} "
+            f"{header.path.name}: GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED)} "
             "(Mistral models are written as llama)"
         )
     return arch
@@ -127,54 +130,191 @@ def to_checkpoint(name: str, rows: np.ndarray, hf_config: dict[str, Any], is_flo
     return rows
 
 
-def _stop_ids(reader) -> list[int]:
+def _stop_ids(header: GGUFHeader, tokens: list[str]) -> list[int]:
     """The file's eos id and the id of every end-of-turn token in its vocabulary."""
     ids = []
-    eos = field(reader, "tokenizer.ggml.eos_token_id")
+    eos = header.get("tokenizer.ggml.eos_token_id")
     if eos is not None:
         ids.append(int(eos))
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    if tokens is not None:
-        wanted = {t.encode() for t in END_OF_TURN_TOKENS}
-        for i, part in enumerate(tokens.data):
-            if bytes(tokens.parts[part]) in wanted and i not in ids:
-                ids.append(i)
+    wanted = set(END_OF_TURN_TOKENS)
+    ids.extend(i for i, t in enumerate(tokens) if t in wanted and i not in ids)
     return ids
 
 
-def hf_config(reader) -> dict[str, Any]:
-    """The config.json a checkpoint of this file's model would have (transformers loads it)."""
-    arch = architecture(reader)
-    get = lambda key, default=None: default if field(reader, f"{arch}.{key}") is None else field(reader, f"{arch}.{key}")  # noqa: E731
-    num_heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    head_dim = get("attention.key_length") or get("rope.dimension_count") or hidden // num_heads
-    vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+def hf_config(header: GGUFHeader) -> dict[str, Any]:
+    """The config.json a checkpoint of this file's model would have (transformers loads it), after
+    checking the file's hyperparameters, tokenizer arrays and tensors (`check_model`):
+    GGUFFormatError names the key or tensor that is wrong."""
+    hp = check_model(header)
+    arch = hp["arch"]
+    get = lambda key, default=None: default if header.get(f"{arch}.{key}") is None else header.get(f"{arch}.{key}")  # noqa: E731
     hf_arch, model_type = _HF_ARCH[arch]
-    stop_ids = _stop_ids(reader)
+    stop_ids = _stop_ids(header, header.strings("tokenizer.ggml.tokens"))
     config: dict[str, Any] = {
         "architectures": [hf_arch],
         "model_type": model_type,
-        "vocab_size": int(vocab),
-        "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", num_heads)),
-        "head_dim": int(head_dim),
+        "vocab_size": hp["vocab"],
+        "hidden_size": hp["hidden"],
+        "intermediate_size": hp["ff"],
+        "num_hidden_layers": hp["layers"],
+        "num_attention_heads": hp["heads"],
+        "num_key_value_heads": hp["kv_heads"],
+        "head_dim": hp["head_dim"],
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(get("context_length", 4096)),
-        "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
-        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
+        "tie_word_embeddings": "output.weight" not in header.tensors,
+        "bos_token_id": header.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": stop_ids[0] if len(stop_ids) == 1 else (stop_ids or None),
         "torch_dtype": "float32",
     }
-    if arch == "qwen2" or any(t.name == "blk.0.attn_q.bias" for t in reader.tensors):
+    if arch == "qwen2" or "blk.0.attn_q.bias" in header.tensors:
         config["attention_bias"] = True  # Qwen2: q/k/v; Llama: q/k/v and the output projection
     if arch == "gemma3":
         config.update(_gemma3_config(get, config))
     return config
+
+
+# Hyperparameters a file must state (under `ARCH.`), and the range each is read in: a value
+# outside it is refused by name (these bound every tensor shape and the memory that follows).
+_REQUIRED_INTS = {
+    "block_count": (1, 1024), "embedding_length": (1, 1 << 17), "feed_forward_length": (1, 1 << 20),
+    "attention.head_count": (1, 1024),
+}
+_OPTIONAL_INTS = {
+    "attention.head_count_kv": (1, 1024), "attention.key_length": (2, 4096), "attention.value_length": (2, 4096),
+    "rope.dimension_count": (2, 4096), "context_length": (1, 1 << 24), "attention.sliding_window": (1, 1 << 24),
+    "vocab_size": (1, 1 << 24),
+}
+_POSITIVE_FLOATS = ("attention.layer_norm_rms_epsilon", "rope.freq_base")
+_FLOAT_TYPES = ("F32", "F16", "BF16")  # norms and biases: what the loader copies as dense values
+
+
+def _int_field(header: GGUFHeader, key: str, bounds: tuple[int, int], required: bool) -> int | None:
+    value = header.get(key)
+    if value is None:
+        if required:
+            raise GGUFFormatError(f"{header.path.name}: metadata {key} is missing")
+        return None
+    if isinstance(value, (bool, float, str, ArrayValue)) or not isinstance(value, int):
+        raise GGUFFormatError(f"{header.path.name}: metadata {key} must be an integer, got {type(value).__name__}")
+    low, high = bounds
+    if not low <= value <= high:
+        raise GGUFFormatError(f"{header.path.name}: metadata {key} = {value} is outside [{low}, {high}]")
+    return value
+
+
+def check_model(header: GGUFHeader) -> dict[str, Any]:
+    """The file's hyperparameters, checked: each in range and consistent with the others, the
+    tokenizer's arrays of one length (the vocabulary) and types, its special ids inside it, and
+    every tensor the architecture has present (the output head may be tied), with the shape and
+    a type it can have; no other tensor. GGUFFormatError (one line) names what is wrong."""
+    name = header.path.name
+    arch = architecture(header)
+    ints = {k: _int_field(header, f"{arch}.{k}", b, True) for k, b in _REQUIRED_INTS.items()}
+    ints |= {k: _int_field(header, f"{arch}.{k}", b, False) for k, b in _OPTIONAL_INTS.items()}
+    for key in _POSITIVE_FLOATS:
+        value = header.get(f"{arch}.{key}")
+        if value is not None and (isinstance(value, (bool, str, ArrayValue)) or not math.isfinite(value) or value <= 0):
+            raise GGUFFormatError(f"{name}: metadata {arch}.{key} must be a positive finite number, got {value!r}")
+    hidden, heads = ints["embedding_length"], ints["attention.head_count"]
+    kv_heads = ints["attention.head_count_kv"] or heads
+    if heads % kv_heads:
+        raise GGUFFormatError(f"{name}: {heads} attention heads are not a multiple of {kv_heads} KV heads")
+    head_dim = ints["attention.key_length"] or ints["rope.dimension_count"] or hidden // heads
+    if head_dim < 2 or head_dim % 2:
+        raise GGUFFormatError(f"{name}: the head size {head_dim} must be even (rotary pairs)")
+    if ints["attention.value_length"] not in (None, head_dim):
+        raise GGUFFormatError(f"{name}: value heads of {ints['attention.value_length']} differ from key heads of {head_dim}")
+    if arch == "gemma3" and ints["attention.sliding_window"] is None:
+        raise GGUFFormatError(f"{name}: metadata gemma3.attention.sliding_window is missing")
+    vocab = _check_tokenizer(header)
+    if ints["vocab_size"] not in (None, vocab):
+        raise GGUFFormatError(f"{name}: {arch}.vocab_size {ints['vocab_size']} differs from the {vocab} tokens")
+    hp = {"arch": arch, "vocab": vocab, "hidden": hidden, "ff": ints["feed_forward_length"],
+          "layers": ints["block_count"], "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
+    _check_tensors(header, expected_tensors(header, hp))
+    return hp
+
+
+def _check_tokenizer(header: GGUFHeader) -> int:
+    """The vocabulary size: tokenizer.ggml.tokens' length, with scores and token types as long,
+    merges strings, and the special ids inside the vocabulary."""
+    name = header.path.name
+    tokens = header.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, ArrayValue) or tokens.elem_type != 8 or tokens.count < 1:
+        raise GGUFFormatError(f"{name}: tokenizer.ggml.tokens (the vocabulary, an array of strings) is missing or empty")
+    if not isinstance(header.get("tokenizer.ggml.model"), str):
+        raise GGUFFormatError(f"{name}: tokenizer.ggml.model (the tokenizer's kind) is missing")
+    for key, elem_types in (("tokenizer.ggml.scores", (6,)), ("tokenizer.ggml.token_type", (4, 5))):
+        value = header.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, ArrayValue) or value.elem_type not in elem_types or value.count != tokens.count:
+            raise GGUFFormatError(f"{name}: {key} must be an array of {tokens.count} numbers (one per token)")
+    merges = header.get("tokenizer.ggml.merges")
+    if merges is not None and (not isinstance(merges, ArrayValue) or merges.elem_type != 8):
+        raise GGUFFormatError(f"{name}: tokenizer.ggml.merges must be an array of strings")
+    if merges is not None and merges.count:
+        # a BPE merge "a b" joins two vocabulary entries into a third (what the tokenizers library
+        # checks when it builds the tokenizer, after torch and transformers are loaded)
+        vocab = set(header.strings("tokenizer.ggml.tokens"))
+        for i, merge in enumerate(header.strings("tokenizer.ggml.merges")):
+            left, sep, right = merge.partition(" ")
+            if not sep or left not in vocab or right not in vocab or left + right not in vocab:
+                raise GGUFFormatError(f"{name}: tokenizer.ggml.merges[{i}] = {merge[:40]!r} does not join two "
+                                      "vocabulary entries into a third")
+    for key in ("bos", "eos", "unknown", "padding", "eot", "eom"):
+        full = f"tokenizer.ggml.{key}_token_id"
+        value = header.get(full)
+        if value is not None and (isinstance(value, (bool, float, str, ArrayValue)) or not 0 <= value < tokens.count):
+            raise GGUFFormatError(f"{name}: {full} = {value!r} is not a token id of the {tokens.count}-token vocabulary")
+    return tokens.count
+
+
+def expected_tensors(header: GGUFHeader, hp: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """GGUF tensor name -> (shape in GGUF order, required) for this architecture and shape."""
+    hidden, ff, vocab, head_dim = hp["hidden"], hp["ff"], hp["vocab"], hp["head_dim"]
+    q, kv = hp["heads"] * head_dim, hp["kv_heads"] * head_dim
+    out: dict[str, tuple[tuple[int, ...], bool]] = {
+        "token_embd.weight": ((hidden, vocab), True), "output_norm.weight": ((hidden,), True),
+        "output.weight": ((hidden, vocab), False),
+    }
+    layer = {
+        "attn_norm.weight": (hidden,), "attn_q.weight": (hidden, q), "attn_k.weight": (hidden, kv),
+        "attn_v.weight": (hidden, kv), "attn_output.weight": (q, hidden), "ffn_gate.weight": (hidden, ff),
+        "ffn_up.weight": (hidden, ff), "ffn_down.weight": (ff, hidden), "ffn_norm.weight": (hidden,),
+    }
+    arch = hp["arch"]
+    if arch == "qwen2" or "blk.0.attn_q.bias" in header.tensors:
+        layer |= {"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)}
+        if arch == "llama":  # Llama's attention_bias: the output projection too
+            layer["attn_output.bias"] = (hidden,)
+    if arch in ("qwen3", "gemma3"):
+        layer |= {"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)}
+    if arch == "gemma3":
+        layer |= {"post_attention_norm.weight": (hidden,), "post_ffw_norm.weight": (hidden,)}
+    for i in range(hp["layers"]):
+        out |= {f"blk.{i}.{k}": (shape, True) for k, shape in layer.items()}
+    return out
+
+
+def _check_tensors(header: GGUFHeader, expected: dict[str, tuple[tuple[int, ...], bool]]) -> None:
+    name = header.path.name
+    for tname, info in header.tensors.items():
+        if tname not in expected:
+            raise GGUFFormatError(f"{name}: tensor {tname} has no place in this model "
+                                  f"({header.get('general.architecture')}, {sum(1 for _ in expected)} tensors expected)")
+        shape, _ = expected[tname]
+        if info.shape != shape:
+            raise GGUFFormatError(f"{name}: tensor {tname} has shape {list(info.shape)}; the model's hyperparameters "
+                                  f"make it {list(shape)}")
+        if len(shape) == 1 and info.type_name not in _FLOAT_TYPES:
+            raise GGUFFormatError(f"{name}: tensor {tname} is {info.type_name}; norms and biases must be "
+                                  f"{', '.join(_FLOAT_TYPES)}")
+    missing = [t for t, (_, required) in expected.items() if required and t not in header.tensors]
+    if missing:
+        raise GGUFFormatError(f"{name}: {len(missing)} tensors are missing, first {', '.join(missing[:4])}")
 
 
 def _gemma3_config(get, config: dict[str, Any]) -> dict[str, Any]:
@@ -193,3 +333,10 @@ def _gemma3_config(get, config: dict[str, Any]) -> dict[str, Any]:
         "hidden_activation": "gelu_pytorch_tanh",
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
     }
+
+
+def check_file(path: str | Path) -> dict[str, Any]:
+    """Read and check a GGUF file's header and model (no tensor data read); return its config.
+    GGUFFormatError (one line) for a malformed file. What `octavo serve FILE.gguf` does before
+    it loads anything."""
+    return hf_config(read_header(path))

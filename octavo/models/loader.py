@@ -13,11 +13,13 @@ import hashlib
 import json
 import logging
 import os
+import mmap
 import shutil
 import tempfile
 from importlib import metadata
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,6 +30,7 @@ from octavo.cache import atomic_write_text, cache_dir, exclusive, move_into_plac
 from octavo.config import ModelConfig
 from octavo.engine_args import QUANTIZATION_CHOICES
 from octavo.models import gguf_arch
+from octavo.models.gguf_file import ArrayValue, GGUFFormatError, GGUFHeader, TensorInfo, read_header
 from octavo.models.layers import CausalLM, QuantEmbedding, QuantLinear, RotaryEmbedding
 from octavo.models.registry import load_model_config, model_class, model_config_from_hf
 from octavo.quantization import (
@@ -402,34 +405,49 @@ def load_gguf_weights(model: CausalLM, gguf_path: Path, model_dir: Path | None =
         raise ValueError(f"GGUF {gguf_path.name} lacks: {', '.join(missing[:8])}")
 
 
+def _tensor_data(buf: Any, info: TensorInfo) -> np.ndarray:
+    """A tensor's bytes in the file as gguf-py's reader presents them (F32 / F16 as such, every
+    other type as uint8 rows of blocks), in the checkpoint's axis order; a view of `buf`."""
+    shape = tuple(reversed(info.shape))  # [rows..., row]
+    if info.type_name in ("F32", "F16"):
+        dtype = np.float32 if info.type_name == "F32" else np.float16
+        return np.frombuffer(buf, dtype, info.num_elements, info.offset).reshape(shape)
+    rows = info.num_elements // info.shape[0]
+    return np.frombuffer(buf, np.uint8, info.num_bytes, info.offset).reshape(*shape[:-1], info.num_bytes // rows)
+
+
 def _gguf_tensors(
-    gguf_path: Path, model_dir: Path | None, reader=None
+    gguf_path: Path, model_dir: Path | None, header: GGUFHeader | None = None
 ) -> list[tuple[str, torch.Tensor, QuantFormat | None]]:
-    """(HF name, data, format) of every tensor: blocks uint8 [rows, row_bytes] for Q4_0/Q4_1/Q8_0
-    (format set), else float32 in the HF shape (format None); q/k rows un-interleaved as in
-    `convert_gguf` (whole rows move, so this applies to blocks as well). `reader`: an open
-    GGUFReader of the file, so that the conversion does not parse it twice."""
+    """(HF name, data, format) of every tensor: blocks uint8 [rows, row_bytes] for the formats
+    the kernels read (format set), else float32 in the HF shape (format None); q/k rows
+    un-interleaved as in `convert_gguf` (whole rows move, so this applies to blocks as well).
+    `header`: the file's checked header, so that the conversion does not read it twice."""
     cache = None if model_dir is None else model_dir / GGUF_BLOCKS_FILE
     if cache is not None and cache.is_file():
         with safe_open(str(cache), framework="pt") as f:
             formats = json.loads(f.metadata()["formats"])
             return [(name, f.get_tensor(name), FORMATS.get(formats[name])) for name in f.keys()]
-    from gguf import GGUFReader
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
-    reader = reader or GGUFReader(str(gguf_path))
-    hf_config = gguf_arch.hf_config(reader)
+    header = header or read_header(gguf_path)
+    hf_config = gguf_arch.hf_config(header)
+    arch = gguf_arch.architecture(header)
     out = []
-    for t in reader.tensors:
-        hf_name = gguf_arch.hf_name(t.name, gguf_arch.architecture(reader))
-        fmt = BY_GGUF_TYPE.get(int(t.tensor_type))
-        if fmt is not None:
-            data = np.asarray(t.data).reshape(int(t.shape[-1]) if len(t.shape) > 1 else 1, -1)  # [rows, row_bytes]
-        else:
-            data = np.asarray(gguf_dequantize(t.data, t.tensor_type), dtype=np.float32)
-            data = data.reshape([int(d) for d in reversed(t.shape)])
-        data = gguf_arch.to_checkpoint(hf_name, data, hf_config, is_float=fmt is None)
-        out.append((hf_name, torch.from_numpy(np.array(data, order="C")), fmt))  # own, writable copy
+    with open(gguf_path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        for t in header.tensors.values():
+            hf_name = gguf_arch.hf_name(t.name, arch)
+            fmt = BY_GGUF_TYPE.get(t.ggml_type)
+            raw = _tensor_data(buf, t)
+            if fmt is not None:
+                data = raw.reshape(-1, raw.shape[-1])  # [rows, row_bytes]
+            else:
+                data = np.asarray(gguf_dequantize(raw, GGMLQuantizationType(t.ggml_type)), dtype=np.float32)
+                data = data.reshape(tuple(reversed(t.shape)))
+            data = gguf_arch.to_checkpoint(hf_name, data, hf_config, is_float=fmt is None)
+            out.append((hf_name, torch.from_numpy(np.array(data, order="C")), fmt))  # own, writable copy
+            del raw, data
     if cache is not None:  # written whole or not at all: a unique temporary name, then an atomic replace
         cache.parent.mkdir(exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{cache.name}.", suffix=".tmp", dir=cache.parent)
@@ -466,18 +484,23 @@ def _set_quantized(
 
 
 def convert_gguf(gguf_path: Path, name: str) -> Path:
-    """An HF-style directory in the cache for a Llama GGUF (config.json, tokenizer files, the GGUF's
-    quantized blocks), made once; return it. Its float32 weights come later, if ever
-    (`dense_weights`). One process converts while others wait (`octavo.cache.exclusive`); a
-    conversion killed midway leaves only a temporary folder, removed by the next one."""
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    """An HF-style directory in the cache for a GGUF (config.json, tokenizer files, the GGUF's
+    quantized blocks), made once; return it. The file's header is read and checked first
+    (`gguf_file.read_header`, `gguf_arch.check_model`): a malformed file is refused with a
+    one-line GGUFFormatError before anything is allocated for it. The directory is keyed by the
+    file's content (`GGUFHeader.content_key`), so a file replaced in place with the same size and
+    time is converted again. Its float32 weights come later, if ever (`dense_weights`). One
+    process converts while others wait (`octavo.cache.exclusive`); a conversion killed midway
+    leaves only a temporary folder, removed by the next one."""
+    header = read_header(gguf_path)
+    gguf_arch.check_model(header)
+    key = header.content_key()[:16]
     out = cache_dir() / "models" / f"{name}-{key}"
     if not _is_converted(out):
         with exclusive(out.with_name(out.name + ".lock"), f"the conversion of {gguf_path.name} into {out}"):
             if not _is_converted(out):
-                _convert_gguf_into(gguf_path, out)
-    _record_gguf_source(out, gguf_path)
+                _convert_gguf_into(gguf_path, out, header, key)
+    _record_gguf_source(out, gguf_path, key)
     return out
 
 
@@ -485,12 +508,9 @@ def _is_converted(out: Path) -> bool:
     return (out / "config.json").is_file() and (out / GGUF_BLOCKS_FILE).is_file()
 
 
-def _convert_gguf_into(gguf_path: Path, out: Path) -> None:
-    from gguf import GGUFReader
-
+def _convert_gguf_into(gguf_path: Path, out: Path, header: GGUFHeader, key: str) -> None:
     logger.info("converting %s into %s (once: config, tokenizer, quantized blocks)", gguf_path.name, out)
-    reader = GGUFReader(str(gguf_path))
-    hf_config = gguf_arch.hf_config(reader)
+    hf_config = gguf_arch.hf_config(header)
     prefix = f".tmp-{out.name}-"
     if out.is_dir():  # a directory of an older layout: replaced whole
         shutil.rmtree(out)
@@ -498,9 +518,9 @@ def _convert_gguf_into(gguf_path: Path, out: Path) -> None:
     tmp = temporary_folder(out.parent, prefix)  # same filesystem: the rename is atomic
     try:
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
-        _save_gguf_tokenizer(gguf_path, tmp, gguf_arch.architecture(reader))
-        _record_gguf_source(tmp, gguf_path)
-        _gguf_tensors(gguf_path, tmp, reader)  # the blocks cache, from the reader already open
+        _save_gguf_tokenizer(header, tmp)
+        _record_gguf_source(tmp, gguf_path, key)
+        _gguf_tensors(gguf_path, tmp, header)  # the blocks cache, from the header already read
         move_into_place(tmp, out)
     finally:
         if tmp.exists():
@@ -525,20 +545,27 @@ def dense_weights(model_dir: Path) -> Path:
 
 
 def _write_dense_weights(gguf_path: Path, target: Path) -> None:
-    from gguf import GGUFReader
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
     logger.info("dequantizing %s to float32 safetensors in %s (once)", gguf_path.name, target.parent)
-    reader = GGUFReader(str(gguf_path))
-    hf_config = gguf_arch.hf_config(reader)
-    arch = gguf_arch.architecture(reader)
+    header = read_header(gguf_path)
+    recorded = (target.parent / GGUF_SOURCE_FILE).read_text().splitlines()[1:]
+    if recorded and header.content_key()[:16] != recorded[0]:
+        raise ValueError(f"{gguf_path} changed since it was converted into {target.parent}: start again from the "
+                         "file (it is converted anew)")
+    hf_config = gguf_arch.hf_config(header)
+    arch = gguf_arch.architecture(header)
     tensors: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        hf_name = gguf_arch.hf_name(t.name, arch)
-        w = np.asarray(gguf_dequantize(t.data, t.tensor_type), dtype=np.float32)
-        w = w.reshape([int(d) for d in reversed(t.shape)]) if w.ndim != len(t.shape) else w
-        w = gguf_arch.to_checkpoint(hf_name, w, hf_config, is_float=True)
-        tensors[hf_name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # own, writable copy
+    with open(gguf_path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        for t in header.tensors.values():
+            hf_name = gguf_arch.hf_name(t.name, arch)
+            raw = _tensor_data(buf, t)
+            w = np.asarray(gguf_dequantize(raw, GGMLQuantizationType(t.ggml_type)), dtype=np.float32)
+            w = w.reshape(tuple(reversed(t.shape)))
+            w = gguf_arch.to_checkpoint(hf_name, w, hf_config, is_float=True)
+            tensors[hf_name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # own, writable copy
+            del raw, w
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:  # written whole or not at all
@@ -552,10 +579,11 @@ def _write_dense_weights(gguf_path: Path, target: Path) -> None:
 GGUF_SOURCE_FILE = "gguf_source.txt"
 
 
-def _record_gguf_source(model_dir: Path, gguf_path: Path) -> None:
-    """Remember which GGUF a converted directory came from: its quantized tensors are loaded from there."""
+def _record_gguf_source(model_dir: Path, gguf_path: Path, key: str) -> None:
+    """Remember which GGUF a converted directory came from (its quantized tensors, and its float32
+    weights if ever asked for, are read from there) and the content key it had."""
     record = model_dir / GGUF_SOURCE_FILE
-    source = str(gguf_path.resolve())
+    source = f"{gguf_path.resolve()}\n{key}"
     if not record.is_file() or record.read_text() != source:
         atomic_write_text(record, source)
 
@@ -565,16 +593,52 @@ def gguf_source(model_dir: Path) -> Path | None:
     record = model_dir / GGUF_SOURCE_FILE
     if not record.is_file():
         return None
-    path = Path(record.read_text().strip())
+    path = Path(record.read_text().splitlines()[0].strip())
     return path if path.is_file() else None
 
 
-def _save_gguf_tokenizer(gguf_path: Path, out: Path, arch: str) -> None:
+# The metadata a tokenizer is made from: transformers reads it from a GGUF holding only these keys
+# (written here from the checked header), never from the file itself, whose other keys it would
+# parse without bounds.
+_TOKENIZER_KEYS = ("general.architecture", "general.name")
+
+
+def _save_gguf_tokenizer(header: GGUFHeader, out: Path) -> None:
     """The GGUF's tokenizer and chat template (the architecture's own where the file has none),
-    written as HF tokenizer files."""
+    written as HF tokenizer files. GGUFFormatError if transformers cannot make a tokenizer of it."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    arch = gguf_arch.architecture(header)
+    with tempfile.TemporaryDirectory(dir=out) as tmp:
+        small = Path(tmp) / "tokenizer.gguf"
+        _write_tokenizer_gguf(header, small)
+        try:
+            tok = AutoTokenizer.from_pretrained(str(small.parent), gguf_file=small.name)
+        except Exception as exc:  # transformers' converters raise anything on odd vocabularies
+            message = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise GGUFFormatError(f"{header.path.name}: no tokenizer can be made of its tokenizer.ggml.* "
+                                  f"metadata ({type(exc).__name__}: {message})") from None
     if not tok.chat_template:
         tok.chat_template = gguf_arch.default_chat_template(arch)
     tok.save_pretrained(str(out))
+
+
+def _write_tokenizer_gguf(header: GGUFHeader, path: Path) -> None:
+    """A GGUF with no tensors and only the keys a tokenizer is made from (see _TOKENIZER_KEYS)."""
+    import gguf
+
+    logging.getLogger("gguf.gguf_writer").setLevel(logging.WARNING)  # its notes on a scratch file
+    writer = gguf.GGUFWriter(str(path), header.get("general.architecture"))
+    for key, value in header.metadata.items():
+        if key == "general.architecture" or not (key in _TOKENIZER_KEYS or key.startswith("tokenizer.")
+                                                 or key.startswith(f"{header.get('general.architecture')}.")):
+            continue
+        if isinstance(value, ArrayValue):
+            items = header.strings(key) if value.elem_type == gguf.GGUFValueType.STRING else header.numbers(key)
+            writer.add_key_value(key, items, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType(value.elem_type))
+        else:
+            writer.add_key_value(key, value, gguf.GGUFValueType(header.value_types[key]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

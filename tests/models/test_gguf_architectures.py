@@ -13,6 +13,7 @@ import torch
 from octavo.config import CacheConfig
 from octavo.model_runner import ModelRunner
 from octavo.models import gguf_arch
+from octavo.models.gguf_file import read_header
 from octavo.models.layers import QuantLinear
 from octavo.models.loader import _empty_model, load_gguf_weights
 from octavo.models.registry import model_config_from_hf
@@ -69,6 +70,26 @@ def _interleave_rope(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def add_tiny_tokenizer(w, vocab_size: int, gemma: bool) -> None:
+    """A vocabulary of `vocab_size` entries, as the architecture's files carry one: byte-level BPE
+    with no merges, or for Gemma a SentencePiece one (pad, eos, bos, unk, then single letters and
+    pieces) with scores, so that transformers makes a tokenizer of it."""
+    if not gemma:
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list([f"t{i}" for i in range(vocab_size)])
+        w.add_token_types([1] * vocab_size)
+        w.add_token_merges([])
+        return
+    pieces = ["<pad>", "<eos>", "<bos>", "<unk>", "\u2581"] + [chr(ord("a") + i) for i in range(26)]
+    pieces += [f"\u2581{chr(ord('a') + i % 26)}{chr(ord('a') + i // 26)}" for i in range(vocab_size - len(pieces))]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(pieces)
+    w.add_token_scores([0.0] * 4 + [-float(i) for i in range(vocab_size - 4)])
+    w.add_token_types([3, 3, 3, 2] + [1] * (vocab_size - 4))
+    w.add_bos_token_id(2)
+    w.add_unk_token_id(3)
+
+
 def write_gguf(hf, file_arch: str, path) -> None:
     """`hf`'s weights as llama.cpp writes them; the model's own linear weights become the
     dequantized Q8_0 values, so that it stays the model the file holds."""
@@ -89,6 +110,7 @@ def write_gguf(hf, file_arch: str, path) -> None:
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_eos_token_id(1)
+    add_tiny_tokenizer(w, cfg.vocab_size, gemma)
     if gemma:
         w.add_sliding_window(cfg.sliding_window)
     q8 = gguf.GGMLQuantizationType.Q8_0
@@ -125,8 +147,7 @@ def test_gguf_of_each_architecture_loads_as_the_transformers_model(tmp_path, arc
     hf = hf_model(arch)
     path = tmp_path / f"{arch}.gguf"
     write_gguf(hf, file_arch, path)
-    reader = gguf.GGUFReader(str(path))
-    config = model_config_from_hf(gguf_arch.hf_config(reader))
+    config = model_config_from_hf(gguf_arch.hf_config(read_header(path)))
     assert config.architecture == type(hf).__name__.replace("Mistral", "Llama")
     if arch == "gemma3":
         assert config.layer_types == ("sliding",) * 5 + ("full",) and config.sliding_window == 5
@@ -156,4 +177,4 @@ def test_an_unsupported_architecture_is_named_with_the_supported_ones(tmp_path):
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(gguf_arch.UnsupportedGGUFError, match="'phi3' is not supported; supported: llama, qwen2"):
-        gguf_arch.hf_config(gguf.GGUFReader(str(path)))
+        gguf_arch.hf_config(read_header(path))

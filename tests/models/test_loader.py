@@ -66,3 +66,39 @@ def test_a_gguf_converts_without_float32_weights_until_asked(tmp_path, monkeypat
     assert dense_weights(model_dir) == model_dir
     ids = torch.tensor([1, 504, 3458, 282, 4649, 314])
     assert torch.equal(quantized.embed_tokens(ids), dense.embed_tokens(ids))
+
+
+def test_a_gguf_replaced_in_place_with_the_same_size_and_time_is_converted_again(tmp_path, monkeypatch):
+    """`cp -p` / `rsync -a` of another model over the file keeps its size and modification time:
+    the conversion is keyed by content, so the new weights are the ones loaded."""
+    import os
+
+    import torch
+
+    from octavo.models.loader import load_model
+    from tests.models.test_gguf_architectures import hf_model, write_gguf
+
+    from octavo.cache import cache_dir
+
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "kernels").symlink_to(cache_dir() / "kernels")  # built already: only the model is new
+    monkeypatch.setenv("OCTAVO_CACHE_DIR", str(tmp_path / "cache"))
+    first, second = tmp_path / "model.gguf", tmp_path / "other.gguf"
+    write_gguf(hf_model("gemma3"), "gemma3", first)
+    other = hf_model("gemma3")
+    with torch.no_grad():
+        other.model.layers[1].mlp.down_proj.weight.mul_(-1)  # the same shapes and bytes: other weights
+    write_gguf(other, "gemma3", second)
+    assert first.stat().st_size == second.stat().st_size
+    before = resolve_model(first)
+    stat = first.stat()
+    os.replace(second, first)
+    os.utime(first, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    after = resolve_model(first)
+    assert after != before
+    old = load_model(before, quantization="auto")[0]
+    new = load_model(after, quantization="auto")[0]
+    assert new.config == old.config
+    down = lambda m: m.layers[1].mlp.down_proj  # noqa: E731
+    x = torch.randn(2, 96)
+    torch.testing.assert_close(down(new)(x), -down(old)(x))

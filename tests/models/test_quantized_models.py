@@ -111,6 +111,8 @@ SHAPES = {"token_embd.weight": (VOCAB, HIDDEN), "output.weight": (VOCAB, HIDDEN)
 def _write_gguf(path):
     import gguf
 
+    from tests.models.test_gguf_architectures import add_tiny_tokenizer
+
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(1)
     w.add_context_length(128)
@@ -121,6 +123,7 @@ def _write_gguf(path):
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(VOCAB)
+    add_tiny_tokenizer(w, VOCAB, gemma=False)
     g = torch.Generator().manual_seed(7)
     dense = {}
     for name, fmt in TYPES.items():
