@@ -153,6 +153,7 @@ class CacheConfig:
     kv_offload_bytes: int = 0  # the second KV tier's size (0: no tier)
     kv_offload_path: str | None = None  # its folder (None: one per model and setting under the cache)
     kv_offload_medium: str = "auto"  # disk, host (memory), or auto: host on CUDA, disk on the CPU
+    kv_offload_required: bool = False  # a tier that cannot be used stops the start (else: run without it)
     pinned_prefix_share: float = 0.25  # the most of the pool pinned prefixes may hold
 
     def __post_init__(self) -> None:

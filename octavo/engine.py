@@ -25,7 +25,7 @@ from octavo.engine_args import EngineArgs, resolve_device
 from octavo.cache import cache_dir
 from octavo.kv_cache.manager import KVCacheManager
 from octavo.kv_cache.tier import TierIndex
-from octavo.kv_tier import TierStore, open_disk_tier, open_host_tier, tier_fingerprint
+from octavo.kv_tier import TierInUse, TierStore, TierUnavailable, open_disk_tier, open_host_tier, tier_fingerprint
 from octavo.lora.request import LoRARequest
 from octavo.memory import CUDA_GRAPH_RESERVE_BYTES, KVSizing, size_kv_cache
 from octavo.model_runner import ModelRunner, RunnerOptions
@@ -72,11 +72,13 @@ class LLMEngine:
                         config.model_config.num_kv_heads, tensor_parallel.world)
         self.executor.init_kv_cache(sizing.num_blocks)
         self.tier: TierStore | None = None
-        tier_index = self._open_tier(self.config) if config.cache.kv_offload_bytes else None
+        self._closed = False
+        opened = self._open_tier(self.config) if config.cache.kv_offload_bytes else None
         kv = KVCacheManager(sizing.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                            tuple(g.window for g in config.model_config.kv_groups()), tier=tier_index)
-        if self.tier is not None:
-            kv.swap_preempted = self._swap_is_cheaper(self.config)
+                            tuple(g.window for g in config.model_config.kv_groups()),
+                            tier=None if opened is None else opened[0])
+        if opened is not None:
+            kv.swap_preempted = opened[1]
         kv.max_pinned_blocks = int(config.cache.pinned_prefix_share * sizing.num_blocks)
         self.scheduler = Scheduler(config.scheduler, kv)
         self.scheduler.draft_filter = self._grammar_draft_prefix
@@ -131,44 +133,59 @@ class LLMEngine:
             graph_bytes=CUDA_GRAPH_RESERVE_BYTES if on_cuda and not config.enforce_eager else 0,
         )
 
-    def _open_tier(self, config: EngineConfig) -> TierIndex | None:
-        """The second KV tier (its store attached to the runner) and its index: host memory on
-        CUDA (pinned) or when asked, else files on disk; None when its folder cannot be used
-        (logged: the engine runs without it)."""
+    def _open_tier(self, config: EngineConfig) -> tuple[TierIndex, bool] | None:
+        """The second KV tier (its store attached to the runner), its index and whether preempted
+        requests swap through it: host memory on CUDA (pinned) or when asked, else files on disk.
+        A tier that cannot be used (a full disk, a read-only or foreign folder, one held by another
+        server) is logged once and the engine runs without it (None); with kv_offload_required,
+        or when an engine of this same process still holds its folder, it is a ValueError."""
         medium = config.cache.kv_offload_medium
-        if medium == "host" or (medium == "auto" and self.runner.device.type == "cuda"):
-            if config.cache.kv_offload_path is not None:
-                logger.warning("KV tier in host memory: --kv-offload-path %s is not used", config.cache.kv_offload_path)
-            self.tier, index = open_host_tier(config.cache.kv_offload_bytes, self.runner.tier_block_bytes(),
-                                              self.runner.host_buffer)
-            self.runner.attach_tier(self.tier)
-            return index
-        fingerprint = tier_fingerprint(config.model_path or str(config.model), config.model_config, config.dtype,
-                                       config.cache.block_size, config.quantization, self.runner.attention_backend)
-        path = config.cache.kv_offload_path
-        if path is None:  # one folder per fingerprint: switching models never wipes another's tier
-            digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
-            path = str(cache_dir() / "kv-tier" / digest)
-        opened = open_disk_tier(path, config.cache.kv_offload_bytes, self.runner.tier_block_bytes(), fingerprint)
-        if opened is None:
+        try:
+            if medium == "host" or (medium == "auto" and self.runner.device.type == "cuda"):
+                if config.cache.kv_offload_path is not None:
+                    logger.warning("KV tier in host memory: --kv-offload-path %s is not used", config.cache.kv_offload_path)
+                self.tier, index = open_host_tier(config.cache.kv_offload_bytes, self.runner.tier_block_bytes(),
+                                                  self.runner.host_buffer)
+            else:
+                self.tier, index = open_disk_tier(self._tier_path(config), config.cache.kv_offload_bytes,
+                                                  self.runner.tier_block_bytes(), self._tier_fingerprint(config))
+            swap = self._swap_is_cheaper(config)  # its probe writes and reads: a full disk fails it
+        except TierUnavailable as exc:
+            if self.tier is not None:
+                self.tier.close()
+                self.tier = None
+            same_process = isinstance(exc, TierInUse) and exc.holder == os.getpid()
+            if config.cache.kv_offload_required or same_process:
+                raise ValueError(f"the second KV tier cannot be used: {exc}") from None
+            logger.warning("KV tier off: %s; running without it (--kv-offload-required refuses to start instead)", exc)
             return None
-        self.tier, index = opened
         self.runner.attach_tier(self.tier)
-        return index
+        return index, swap
+
+    def _tier_fingerprint(self, config: EngineConfig) -> dict:
+        return tier_fingerprint(config.model_path or str(config.model), config.model_config, config.dtype,
+                                config.cache.block_size, config.quantization, self.runner.attention_backend)
+
+    def _tier_path(self, config: EngineConfig) -> str:
+        """--kv-offload-path, or one folder per fingerprint: switching models never wipes another's tier."""
+        if config.cache.kv_offload_path is not None:
+            return config.cache.kv_offload_path
+        digest = hashlib.sha256(json.dumps(self._tier_fingerprint(config), sort_keys=True).encode()).hexdigest()[:16]
+        return str(cache_dir() / "kv-tier" / digest)
 
     def _swap_is_cheaper(self, config: EngineConfig) -> bool:
         """Measure what one block of a preempted request costs to move through the tier (out and
         back, cold) against recomputing it (a prefill step's time per token, best of two, times
         the block size); log both. Both grow with the request's length alike, so the choice
-        holds for every victim of this engine."""
+        holds for every victim of this engine. TierUnavailable if the tier's probe fails."""
         num_tokens = min(128, config.scheduler.max_num_batched_tokens, config.scheduler.max_model_len)
+        move = self.tier.measure_round_trip()
         timings = []
         for _ in range(2):
             start = time.perf_counter()
             self.runner.profile_activation_peak(num_tokens, 1)
             timings.append(time.perf_counter() - start)
         recompute = min(timings) / num_tokens * config.cache.block_size
-        move = self.tier.measure_round_trip()
         swap = move < recompute
         logger.info("KV tier: a block costs %.2f ms to move out and back, %.2f ms to recompute: preempted requests %s",
                     move * 1e3, recompute * 1e3, "swap through the tier" if swap else "recompute")
@@ -243,7 +260,11 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any, and the grammar-compiling threads; write the
-        pool's cached blocks the second tier lacks (a restart serves them) and close it."""
+        pool's cached blocks the second tier lacks (a restart serves them) and close it (its
+        folder's lock released). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         if self.tier is not None:
             flush = self.scheduler.kv_cache.tier_flush_plan() if self.tier.durable else []
             if flush:

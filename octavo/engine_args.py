@@ -59,6 +59,9 @@ class EngineArgs:
     kv_offload_medium: str = field(default="auto", metadata={
         "help": "where the second KV tier lives: disk (files, kept across restarts), host (memory: pinned on "
                 "CUDA, gone at exit), or auto (host on CUDA, disk on the CPU)", "choices": ("auto", "disk", "host")})
+    kv_offload_required: bool = field(default=False, metadata={
+        "help": "refuse to start when the second KV tier cannot be used (a full disk, a read-only or foreign "
+                "folder, one another server holds) instead of running without it (logged)"})
     num_kv_blocks: int | None = field(default=None, metadata={
         "help": "exactly this many KV blocks (overrides the memory-based sizing)"})
     scheduling_policy: str = field(default="fcfs", metadata={
@@ -224,6 +227,7 @@ class EngineArgs:
                 kv_offload_bytes=self.kv_offload_size,
                 kv_offload_path=self.kv_offload_path,
                 kv_offload_medium=self.kv_offload_medium,
+                kv_offload_required=self.kv_offload_required,
                 pinned_prefix_share=self.pinned_prefix_share,
             ),
             scheduler=SchedulerConfig(

@@ -32,11 +32,22 @@ class LLM:
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
-        """Wrap an engine built elsewhere (tests share one set of weights between engines)."""
+        """Wrap an engine built elsewhere (tests share one set of weights between engines); the LLM
+        owns it from then on (closed with it)."""
         llm = cls.__new__(cls)
         llm.engine = engine
         llm._ids = itertools.count()
         return llm
+
+    def __del__(self) -> None:
+        # `del llm` (vLLM users' way to let an engine go) releases what it holds beyond memory, as
+        # close() does: a new LLM on the same second-tier folder then gets it
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            try:
+                engine.close()
+            except Exception:  # interpreter shutdown, or a half-built engine: nothing more to release
+                pass
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -11,12 +11,12 @@ from pathlib import Path
 
 from octavo.config import ModelConfig
 from octavo.kv_cache.tier import TierIndex
-from octavo.kv_tier.disk import DiskTier, TierUnavailable
+from octavo.kv_tier.disk import DiskTier, TierInUse, TierUnavailable
 from octavo.kv_tier.host import HostTier
 
 logger = logging.getLogger("octavo")
 
-__all__ = ["DiskTier", "HostTier", "TierStore", "TierUnavailable", "open_disk_tier", "open_host_tier", "tier_fingerprint"]
+__all__ = ["DiskTier", "HostTier", "TierInUse", "TierStore", "TierUnavailable", "open_disk_tier", "open_host_tier", "tier_fingerprint"]
 
 TierStore = DiskTier | HostTier  # what the runner moves blocks through (the same calls)
 
@@ -45,20 +45,21 @@ def tier_fingerprint(model_path: str | Path, model_config: ModelConfig, dtype: s
     }
 
 
-def open_disk_tier(path: str | Path, num_bytes: int, slot_bytes: int, fingerprint: dict) -> tuple[DiskTier, TierIndex] | None:
+def open_disk_tier(path: str | Path, num_bytes: int, slot_bytes: int, fingerprint: dict) -> tuple[DiskTier, TierIndex]:
     """The tier under `path` with room for `num_bytes` of blocks, and its index holding what a
-    previous run left there; None (logged) when the path cannot be used."""
+    previous run left there. TierUnavailable (TierInUse when another engine holds it) when the
+    path cannot be used."""
     probe = DiskTier.stride_for(slot_bytes)
     num_slots = num_bytes // probe
     if num_slots < 1:
         raise ValueError(f"kv_offload_size {num_bytes} B holds no block of {slot_bytes} B (with its header {probe} B)")
-    try:
-        disk = DiskTier(path, slot_bytes, num_slots, fingerprint)
-    except TierUnavailable as exc:
-        logger.warning("KV tier off: %s", exc)
-        return None
+    disk = DiskTier(path, slot_bytes, num_slots, fingerprint)
     index = TierIndex(num_slots)
-    num_found = index.restore(disk.recover())
+    try:
+        num_found = index.restore(disk.recover())
+    except OSError as exc:
+        disk.close()
+        raise TierUnavailable(f"cannot read {path}: {exc.strerror or exc}") from None
     free = _free_bytes(Path(path))
     logger.info("KV tier: %d blocks (%.2f GiB) at %s; %d kept from before%s", num_slots, num_slots * probe / 2**30,
                 path, num_found, "" if free is None or free >= num_slots * probe else

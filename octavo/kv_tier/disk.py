@@ -59,7 +59,53 @@ TierKey = tuple[int, bytes]
 
 
 class TierUnavailable(RuntimeError):
-    """The tier cannot be used (path not writable, held by another server): run without it."""
+    """The tier cannot be used (path not writable, a full disk, a folder not this user's, held by
+    another engine): the engine runs without it, or refuses to start if asked to
+    (`kv_offload_required`)."""
+
+
+class TierInUse(TierUnavailable):
+    """Another engine holds the folder's lock: `holder` is its process id (this process's own
+    when a forgotten engine of this program still holds it)."""
+
+    def __init__(self, path: Path, holder: int | None) -> None:
+        self.path, self.holder = path, holder
+        if holder == os.getpid():
+            what = ("another engine in this process (close it first: llm.close(), `with LLM(...) as llm:`, or "
+                    "`del llm`)")
+        else:
+            what = f"another Octavo process ({'pid ' + str(holder) if holder else 'unknown pid'})"
+        super().__init__(f"{path} is in use by {what}")
+
+
+def _reason(exc: OSError, name: str | None = None) -> str:
+    if exc.errno == errno.ELOOP and name is not None:
+        return f"{name} there is a symbolic link (refused: a tier's files are never opened through links)"
+    if exc.errno == errno.ENOSPC:
+        return "the disk is full"
+    return exc.strerror or str(exc)
+
+
+def _open_own_folder(path: Path) -> int:
+    """A descriptor of the tier's folder (made if missing, private), after checking it is a folder
+    this user owns that not every user can write to: in a shared folder another user could
+    plant files under the tier's names (links fail O_NOFOLLOW; a file of theirs would receive our
+    KV). TierUnavailable otherwise."""
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        raise TierUnavailable(f"cannot use {path}: {_reason(exc)}") from None
+    st = os.fstat(fd)
+    problem = None
+    if st.st_uid != os.geteuid():
+        problem = f"it belongs to user {st.st_uid}, not to this process's user {os.geteuid()}"
+    elif st.st_mode & 0o002:
+        problem = f"every user may write to it (mode {st.st_mode & 0o777:o}); make it private: chmod o-w"
+    if problem is not None:
+        os.close(fd)
+        raise TierUnavailable(f"cannot use {path}: {problem}")
+    return fd
 
 
 def pack_header(key: TierKey, seq: int, data_crc: int) -> bytes:
@@ -109,22 +155,28 @@ class DiskTier:
         self._bounce = mmap.mmap(-1, max(1, BOUNCE_BYTES // self.stride) * self.stride)  # page-aligned
         self._images: list[mmap.mmap] = []  # free page-aligned buffers for runs being written
         self._num_images = 0
+        self._dir_fd = _open_own_folder(self.path)
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            self._lock_fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600, dir_fd=self._dir_fd)
         except OSError as exc:
-            raise TierUnavailable(f"cannot use {self.path}: {exc.strerror or exc}") from None
+            os.close(self._dir_fd)
+            raise TierUnavailable(f"cannot use {self.path}: {_reason(exc, LOCK_FILE)}") from None
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
+            holder = os.pread(self._lock_fd, 32, 0).decode(errors="replace").strip()
             os.close(self._lock_fd)
-            raise TierUnavailable(f"{self.path} is in use by another Octavo process") from None
+            os.close(self._dir_fd)
+            raise TierInUse(self.path, int(holder) if holder.isdigit() else None) from None
         try:
+            os.ftruncate(self._lock_fd, 0)
+            os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)  # who holds it, for the message above
             self._check_fingerprint(dict(fingerprint, format=FORMAT_VERSION, slot_bytes=slot_bytes))
             self._fd, self.is_direct = self._open_data(direct)
         except OSError as exc:
             os.close(self._lock_fd)
-            raise TierUnavailable(f"cannot use {self.path}: {exc.strerror or exc}") from None
+            os.close(self._dir_fd)
+            raise TierUnavailable(f"cannot use {self.path}: {_reason(exc)}") from None
         self._seq = 0
         self._writes: deque[_Job] = deque()
         self._reads: deque[_Job] = deque()
@@ -140,15 +192,19 @@ class DiskTier:
         self._thread = threading.Thread(target=self._serve, name="octavo-kv-tier", daemon=True)
         self._thread.start()
 
+    def _open(self, name: str, flags: int) -> int:
+        """A file of the folder, never through a symbolic link (O_NOFOLLOW: a link planted in a
+        shared folder under one of the tier's names fails the open instead of redirecting it)."""
+        return os.open(name, flags | os.O_NOFOLLOW, 0o600, dir_fd=self._dir_fd)
+
     def _open_data(self, direct: bool) -> tuple[int, bool]:
-        file = self.path / DATA_FILE
         if direct and hasattr(os, "O_DIRECT"):
             try:
-                return os.open(file, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644), True
+                return self._open(DATA_FILE, os.O_RDWR | os.O_CREAT | os.O_DIRECT), True
             except OSError as exc:
                 if exc.errno != errno.EINVAL:  # EINVAL: this filesystem has no O_DIRECT (tmpfs)
                     raise
-        return os.open(file, os.O_RDWR | os.O_CREAT, 0o644), False
+        return self._open(DATA_FILE, os.O_RDWR | os.O_CREAT), False
 
     @staticmethod
     def stride_for(slot_bytes: int) -> int:
@@ -156,21 +212,33 @@ class DiskTier:
         return -(-(HEADER_BYTES + slot_bytes) // PAGE_BYTES) * PAGE_BYTES
 
     def _check_fingerprint(self, fingerprint: dict) -> None:
-        """Wipe the tier when another model or setting wrote it (logged); record ours."""
-        file = self.path / FINGERPRINT_FILE
+        """Wipe the tier when another model or setting wrote it (logged); record ours (written to
+        a new file of a random name, then renamed over the old: a planted link is replaced, never
+        followed)."""
         try:
-            found = json.loads(file.read_text())
+            fd = self._open(FINGERPRINT_FILE, os.O_RDONLY)
+            with os.fdopen(fd, "rb") as fh:
+                found = json.loads(fh.read(1 << 20))
         except (OSError, ValueError):
             found = None
         if found != fingerprint:
-            if found is not None or (self.path / DATA_FILE).exists():
+            has_data = DATA_FILE in os.listdir(self._dir_fd)
+            if found is not None or has_data:
                 differ = sorted(k for k in set(fingerprint) | set(found or {}) if (found or {}).get(k) != fingerprint.get(k))
                 logger.warning("KV tier at %s was written by another model or setting (differs in: %s): "
                                "its blocks are never read; wiping it", self.path, ", ".join(differ) or "unreadable")
-            (self.path / DATA_FILE).unlink(missing_ok=True)
-            tmp = file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(fingerprint, sort_keys=True))
-            os.replace(tmp, file)
+            if has_data:
+                os.unlink(DATA_FILE, dir_fd=self._dir_fd)
+            tmp = f".{FINGERPRINT_FILE}.{os.getpid()}.{os.urandom(6).hex()}"
+            fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            try:
+                with os.fdopen(fd, "w") as fh:
+                    fh.write(json.dumps(fingerprint, sort_keys=True))
+                os.replace(tmp, FINGERPRINT_FILE, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=self._dir_fd)
+                raise
 
     # ---- start-up ----------------------------------------------------------------------------
 
@@ -179,7 +247,7 @@ class DiskTier:
         read here: each load checks them."""
         found = []
         size = os.fstat(self._fd).st_size
-        fd = os.open(self.path / DATA_FILE, os.O_RDONLY)  # buffered: headers are small reads
+        fd = self._open(DATA_FILE, os.O_RDONLY)  # buffered: headers are small reads
         try:
             for slot in range(min(self.num_slots, size // self.stride)):
                 parsed = unpack_header(os.pread(fd, HEADER_BYTES, slot * self.stride))
@@ -197,20 +265,28 @@ class DiskTier:
         in the folder, then reading them back cold (flushed and dropped from the page cache first,
         untimed). What a swap costs per block, measured on this disk at start."""
         data = os.urandom(num_blocks * self.slot_bytes)
-        probe = self.path / "probe.bin"
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        probe = f"probe.{os.getpid()}.{os.urandom(6).hex()}.bin"
+        try:
+            fd = self._open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        except OSError as exc:
+            raise TierUnavailable(f"cannot use {self.path}: {_reason(exc)}") from None
         try:
             start = time.perf_counter()
-            os.pwrite(fd, data, 0)
+            written = os.pwrite(fd, data, 0)
             elapsed = time.perf_counter() - start
+            if written < len(data):
+                raise OSError(errno.ENOSPC, f"{written} of {len(data)} bytes written")
             os.fdatasync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             start = time.perf_counter()
             os.pread(fd, len(data), 0)
             elapsed += time.perf_counter() - start
+        except OSError as exc:  # a full disk, a read-only or failing one: the tier cannot be used
+            raise TierUnavailable(f"cannot use {self.path}: its probe write failed: {_reason(exc)}") from None
         finally:
             os.close(fd)
-            probe.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                os.unlink(probe, dir_fd=self._dir_fd)
         return elapsed / num_blocks
 
     # ---- the runner's calls ------------------------------------------------------------------
@@ -276,6 +352,7 @@ class DiskTier:
         self._thread.join()
         os.close(self._fd)
         os.close(self._lock_fd)
+        os.close(self._dir_fd)
         self._bounce.close()
         for image in self._images:
             image.close()

@@ -7,7 +7,17 @@ import sys
 
 import pytest
 
-from octavo.kv_tier.disk import DATA_FILE, HEADER_BYTES, DiskTier, TierUnavailable, pack_header, unpack_header
+from octavo.kv_tier.disk import (
+    DATA_FILE,
+    FINGERPRINT_FILE,
+    HEADER_BYTES,
+    LOCK_FILE,
+    DiskTier,
+    TierInUse,
+    TierUnavailable,
+    pack_header,
+    unpack_header,
+)
 
 SLOT = 5000  # not a multiple of the page: the stride pads
 FP = {"model": "test", "dtype": "float32"}
@@ -88,8 +98,9 @@ def test_another_fingerprint_wipes_the_folder_and_says_so(tmp_path, caplog):
 
 def test_a_folder_in_use_by_another_process_is_refused_and_an_unwritable_one_too(tmp_path):
     tier = DiskTier(tmp_path, SLOT, 4, FP)
-    with pytest.raises(TierUnavailable, match="in use by another Octavo process"):
+    with pytest.raises(TierInUse, match="in use by another engine in this process") as held:
         DiskTier(tmp_path, SLOT, 4, FP)
+    assert held.value.holder == os.getpid()
     tier.close()
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
@@ -144,3 +155,38 @@ def test_a_callers_buffer_is_free_to_reuse_once_its_write_is_submitted(tmp_path)
     ok, got = read(tier, [0], [key(1)])
     assert ok == [True] and got == [block(1)]
     tier.close()
+
+
+@pytest.mark.parametrize("name", [LOCK_FILE, FINGERPRINT_FILE, DATA_FILE])
+def test_links_planted_under_the_tiers_names_are_never_followed(tmp_path, name):
+    """A shared folder where someone planted `lock`, `fingerprint.json` or `blocks.bin` as links to
+    a file of ours: the tier refuses the folder or replaces the link, the target is untouched."""
+    folder, precious = tmp_path / "tier", tmp_path / "precious.txt"
+    folder.mkdir(mode=0o700)
+    precious.write_text("keep me")
+    (folder / name).symlink_to(precious)
+    try:
+        tier = DiskTier(folder, SLOT, 4, FP)
+    except TierUnavailable as exc:
+        assert "symbolic link" in str(exc) or "Too many levels" in str(exc)
+    else:
+        write(tier, [0], [key(0)], [block(0)])
+        tier.measure_round_trip()
+        tier.close()
+        assert not (folder / name).is_symlink()
+    assert precious.read_text() == "keep me"
+
+
+def test_a_folder_every_user_may_write_or_another_users_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(TierUnavailable, match="every user may write to it"):
+        DiskTier(shared, SLOT, 4, FP)
+    if os.geteuid() != 0:
+        pytest.skip("giving a folder to another user needs root")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(TierUnavailable, match="belongs to user 65534"):
+        DiskTier(theirs, SLOT, 4, FP)
