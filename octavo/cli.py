@@ -148,6 +148,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("error: --enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)", file=sys.stderr)
         return 2
     engine_args = EngineArgs(**engine_kwargs(args))
+    _check_serve_flags(args)
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else args.model)
     limits = ServerLimits(
         max_request_bytes=args.max_request_bytes,
@@ -203,6 +204,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_serve_flags(args: argparse.Namespace) -> None:
+    """The server's own numbers, each in its range (ServerLimits checks the ones it holds)."""
+    import math
+
+    checks = [("--port", args.port, 0, 65535), ("--max-waiting-requests", args.max_waiting_requests, 1, 1 << 24),
+              ("--log-interval", args.log_interval, 0.01, 86400.0), ("--shutdown-timeout", args.shutdown_timeout, 0.0, 86400.0)]
+    if args.max_connections is not None:
+        checks.append(("--max-connections", args.max_connections, 1, 1 << 24))
+    for flag, value, low, high in checks:
+        if not (math.isfinite(value) and low <= value <= high):
+            raise ValueError(f"{flag} must be in [{low}, {high}], got {value}")
+
+
 def _start_or_exit_on_signal(async_engine, log: logging.Logger) -> None:
     """Build the engine (its first start converts the model and compiles the kernels: minutes).
     If SIGINT or SIGTERM comes first, the process exits (status 0) at once: os._exit, because the
@@ -238,7 +252,13 @@ def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 80GiB, 24GB, 512MiB, 1e9)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    try:
+        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 80GiB, 24GB, 512MiB, 1e9)") from None
+    if not value < 2**60:
+        raise argparse.ArgumentTypeError(f"not a size this machine could hold: {text!r}")
+    return int(value)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from octavo.config import (
@@ -137,6 +138,13 @@ class EngineArgs:
         "bytes": True})
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            self._apply_speculative_config()
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules) if isinstance(self.lora_modules, list)
+                           else self.lora_modules)
+        object.__setattr__(self, "pinned_prefix", tuple(self.pinned_prefix) if isinstance(self.pinned_prefix, list)
+                           else self.pinned_prefix)
+        self._check_types_and_ranges()
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATION_CHOICES:
@@ -147,16 +155,12 @@ class EngineArgs:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.speculative_config is not None:
-            self._apply_speculative_config()
         if self.speculative_method is not None and self.speculative_method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                              f"got {self.speculative_method!r}")
         if (self.speculative_method == "draft") != (self.speculative_model is not None):
             raise ValueError("--speculative-method draft needs --speculative-model (the drafting model), "
                              "and --speculative-model needs --speculative-method draft")
-        object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
-        object.__setattr__(self, "pinned_prefix", tuple(self.pinned_prefix))
         if self.pinned_prefix and not self.enable_prefix_caching:
             raise ValueError("pinned prefixes (--pinned-prefix) are prefix-cache blocks: they need prefix caching on")
         bad = [m for m in self.lora_modules if "=" not in m or not m.split("=", 1)[0] or not m.split("=", 1)[1]]
@@ -181,6 +185,25 @@ class EngineArgs:
             raise ValueError("the second KV tier (kv_offload_size) keeps prefix-cache blocks: it needs prefix caching on")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    def _check_types_and_ranges(self) -> None:
+        """Every field of the type its annotation names (an int is no bool, a float is finite, a
+        fractional number is no int) and inside its range (RANGES): ValueError naming the field,
+        at construction, before any model is loaded; so a bad option is refused at start rather
+        than at the first request."""
+        import math
+
+        for f in dataclasses.fields(self):
+            value, allowed = getattr(self, f.name), str(f.type).split(" | ")
+            if value is None and "None" in allowed:
+                continue
+            if not any(_is_of(value, kind) for kind in allowed if kind != "None"):
+                kinds = [_KIND_WORDS.get(k, k) for k in allowed]
+                raise ValueError(f"{f.name} must be {' or '.join(kinds)}, got {value!r}")
+            if f.name in RANGES and isinstance(value, (int, float)) and not isinstance(value, bool):
+                low, high = RANGES[f.name]
+                if not (low <= value <= high) or (isinstance(value, float) and not math.isfinite(value)):
+                    raise ValueError(f"{f.name} must be in [{low}, {high}], got {value!r}")
 
     def _apply_speculative_config(self) -> None:
         """vLLM's --speculative-config JSON (or a dict from Python) -> the speculative_* fields."""
@@ -255,6 +278,34 @@ class EngineArgs:
             grammar_cache_bytes=self.grammar_cache_bytes,
             quantization=self.quantization,
         )
+
+
+# Each numeric option's valid range (both ends included); every option is type-checked as well.
+RANGES: dict[str, tuple[float, float]] = {
+    "block_size": (1, 1024), "max_model_len": (2, 1 << 24), "max_num_seqs": (1, 1 << 16),
+    "max_num_batched_tokens": (1, 1 << 24), "kv_cache_memory": (1, 1 << 50),
+    "kv_offload_size": (0, 1 << 50), "num_kv_blocks": (1, 1 << 30), "max_wait_steps": (1, 1 << 30),
+    "pinned_prefix_share": (0.0, 0.99), "admission_headroom_steps": (0, 1 << 20), "num_speculative_tokens": (1, 16),
+    "speculative_max_batch": (1, 1 << 16), "prompt_lookup_min": (1, 1024), "prompt_lookup_max": (1, 1024),
+    "tensor_parallel_size": (1, 1024), "max_loras": (1, 1024), "max_lora_rank": (1, 4096),
+    "seed": (-(1 << 63), (1 << 63) - 1), "grammar_cache_bytes": (1 << 20, 1 << 50),
+}
+_KIND_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+               "tuple[str, ...]": "a list of strings", "None": "None"}
+
+
+def _is_of(value: object, kind: str) -> bool:
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "str":
+        return isinstance(value, str)
+    if kind == "tuple[str, ...]":
+        return isinstance(value, tuple) and all(isinstance(v, str) for v in value)
+    raise AssertionError(f"EngineArgs field of an unchecked type {kind}")
 
 
 def resolve_device(device: str) -> str:

@@ -71,6 +71,15 @@ class ServerLimits:
     def __post_init__(self) -> None:
         if not 0.01 <= self.dashboard_interval_s <= 60:
             raise ValueError(f"--dashboard-interval must be between 0.01 and 60 seconds, got {self.dashboard_interval_s}")
+        for flag, value, low, high in (
+            ("--max-request-bytes", self.max_request_bytes, 1024, 1 << 40),
+            ("--max-stored-responses", self.max_stored_responses, 0, 1 << 24),
+            ("--max-stored-response-bytes", self.max_stored_response_bytes, 0, 1 << 40),
+            ("--grammar-compile-timeout", self.grammar_compile_timeout_s, 0.01, 3600.0),
+            ("--header-timeout", self.header_timeout_s, 0.1, 3600.0),
+        ):
+            if not low <= value <= high:  # NaN fails too
+                raise ValueError(f"{flag} must be in [{low}, {high}], got {value}")
 
 
 class OpenAIServer:

@@ -59,3 +59,42 @@ def test_cache_aware_scheduling_flags_reach_the_scheduler_config():
 
     with pytest.raises(ValueError, match="need prefix caching"):
         EngineArgs(pinned_prefix=("a.txt",), enable_prefix_caching=False)
+
+
+def test_every_option_is_checked_for_its_type_and_range_at_construction():
+    """A wrong type or an out-of-range value of any option is a ValueError naming it when the
+    options are made, before a model loads (a fractional prompt_lookup_max used to pass and kill
+    the server at its first request)."""
+    import pytest
+
+    from octavo.engine_args import RANGES
+
+    wrong_type = {"int": 2.5, "float": "x", "bool": 1, "str": 3, "tuple[str, ...]": ("a", 1)}
+    for f in dataclasses.fields(EngineArgs):
+        kind = str(f.type).split(" | ")[0]
+        with pytest.raises(ValueError, match=f"^{f.name} must be"):
+            EngineArgs(**{f.name: wrong_type[kind]})
+    for name, (low, high) in RANGES.items():
+        below = low - 1 if isinstance(low, int) else low - 1e-3
+        for bad in (below, high + 1, float("nan")) if str(EngineArgs.__dataclass_fields__[name].type).startswith("float") \
+                else (below, high + 1):
+            with pytest.raises(ValueError, match=f"^{name} must be in"):
+                EngineArgs(**{name: bad})
+    for conf in ('{"method": "ngram", "prompt_lookup_max": 2.5}', '{"method": "ngram", "num_speculative_tokens": "4"}',
+                 '{"method": "ngram", "prompt_lookup_min": 0}', '{"method": 7}'):
+        with pytest.raises(ValueError, match="must be"):
+            EngineArgs(speculative_config=conf)
+
+
+def test_serve_refuses_bad_flags_in_one_line_before_loading_anything():
+    import subprocess
+    import sys
+
+    for flags, expect in ((["--speculative-config", '{"method": "ngram", "prompt_lookup_max": 2.5}'],
+                           "prompt_lookup_max must be an integer, got 2.5"),
+                          (["--kv-cache-memory", "1e400"], "not a size this machine could hold"),
+                          (["--grammar-compile-timeout", "nan"], "--grammar-compile-timeout must be in"),
+                          (["--max-waiting-requests", "0"], "--max-waiting-requests must be in")):
+        out = subprocess.run([sys.executable, "-m", "octavo.cli", "serve", *flags], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 2 and expect in out.stderr and "Traceback" not in out.stderr, (flags, out.stderr)
