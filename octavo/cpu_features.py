@@ -1,5 +1,6 @@
-"""What this CPU can do, detected at run time: its feature flags, bf16 units, and whether this torch's
-bf16 linear is faster than float32 here. A leaf: the kernel build, the loader and the tools read it."""
+"""What this CPU can do, detected at run time: its feature flags, bf16 units, and (a measurement,
+`python -m octavo.cpu_features`) whether this torch's bf16 linear is faster than float32 here. A
+leaf: the kernel build, the loader and the tools read it. `--dtype auto` reads the flags only."""
 
 from __future__ import annotations
 
@@ -34,8 +35,9 @@ def bf16_matmul_speedups(in_features: int, out_features: int, rows: tuple[int, .
     """float32 time / bfloat16 time of this torch's linear on this CPU, per row count, for a layer
     of this shape (8 copies, so that one row reads weights from memory as a decode step does).
 
-    Measured, because having bf16 units is not enough: with torch 2.13 on a Xeon with AVX512_BF16
-    the bf16 product was no faster at 1 row and slower at 64 (docs/BENCHMARKS.md). ~0.1-0.3 s.
+    Having bf16 units is not enough: with torch 2.13 on a Xeon with AVX512_BF16 the bf16 product
+    was no faster at 1 row and slower at 64 (docs/BENCHMARKS.md). ~0.1-0.3 s. A tool, not a
+    start-up step: a timing depends on the machine's load, and a model's numerics must not.
     """
     import time
 
@@ -57,3 +59,17 @@ def bf16_matmul_speedups(in_features: int, out_features: int, rows: tuple[int, .
             times.append(best)
         out[n] = times[0] / times[1]
     return out
+
+
+def main() -> None:
+    """Print the CPU's relevant flags and bf16 / float32 linear speedups at two layer shapes."""
+    flags = cpu_flags()
+    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")
+    print("flags:", " ".join(f for f in wanted if f in flags) or "(none of " + ", ".join(wanted) + ")")
+    for shape in ((576, 1536), (2048, 8192)):
+        speedups = bf16_matmul_speedups(*shape, rows=(1, 8, 64, 512))
+        print(f"bf16 linear vs float32, {shape[0]}x{shape[1]}: " + ", ".join(f"{n} rows {v:.2f}x" for n, v in speedups.items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -29,7 +29,7 @@ from octavo.kv_tier import TierInUse, TierStore, TierUnavailable, open_disk_tier
 from octavo.lora.request import LoRARequest
 from octavo.memory import CUDA_GRAPH_RESERVE_BYTES, KVSizing, size_kv_cache
 from octavo.model_runner import ModelRunner, RunnerOptions
-from octavo.models.loader import auto_dtype, describe_weights, load_model, resolve_model, weight_bytes
+from octavo.models.loader import auto_dtype, describe_weights, load_model, resolve_model, stored_dtype, weight_bytes
 from octavo.output_processor import OutputProcessor
 from octavo.request import FinishReason, Request, RequestOutput, check_inputs, child_request_id
 from octavo.sampling.params import BeamSearchParams, SamplingParams
@@ -209,7 +209,8 @@ class LLMEngine:
         else:
             model, model_config = load_model(model_dir, dtype=_DTYPES[dtype], device=device, quantization=quantization)
             if args.dtype == "auto":
-                dtype = auto_dtype(model, device)
+                dtype, why = auto_dtype(model, device, stored_dtype(model_dir))
+                logger.info("dtype auto: %s (%s)", dtype, why)
                 model = model.to(_DTYPES[dtype])
         config = dataclasses.replace(args, dtype=dtype, device=device).to_config(model_config)
         config = dataclasses.replace(config, model_path=str(model_dir), quantization=quantization)

@@ -107,8 +107,9 @@ class EngineArgs:
                 "\"prompt_lookup_min\": 2} (sets the flags of the same names)"})
     dtype: str = field(default="auto", metadata={
         "help": "activations, dense weights and KV cache. auto: float32 for quantized weights (the C++ "
-                "kernels' input); for dense weights bfloat16 where the CPU has bf16 units (AVX512_BF16 or "
-                "AMX), else float32", "choices": SUPPORTED_DTYPES})
+                "kernels' input); for dense weights stored as bfloat16, bfloat16 where the CPU has AMX-BF16 "
+                "tiles; else float32 (decided from the file and the CPU's flags, never from a timing)",
+        "choices": SUPPORTED_DTYPES})
     quantization: str = field(default="auto", metadata={
         "help": "auto: a GGUF's Q4_0/Q4_1/Q8_0 tensors stay quantized (others, and HF weights, dense); "
                 "none: dequantize everything to the dtype; int8 / int4: quantize every linear layer at load "

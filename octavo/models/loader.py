@@ -267,28 +267,36 @@ def prepare_quantized_layers(model: torch.nn.Module) -> None:
             module.prepare()
 
 
-def auto_dtype(model: torch.nn.Module, device: str) -> str:
-    """--dtype auto: float32 when any weight is quantized (the C++ kernels take float32 activations).
-    Dense weights on a CPU with bf16 units (AVX512_BF16 or AMX-BF16, detected): bfloat16 if this
-    torch's bf16 linear measures faster than float32 on the model's widest layer, both at 1 row
-    (one user: >= 1.2x) and at 64 (no slower); else float32. On CUDA: bfloat16."""
-    from octavo.cpu_features import bf16_matmul_speedups, cpu_has_bf16
+def stored_dtype(model_dir: Path) -> str | None:
+    """The dtype the checkpoint's config says its weights are stored in (`torch_dtype` or `dtype`;
+    a converted GGUF says float32), or None where it says nothing."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("torch_dtype") or config.get("dtype")
+    return value if isinstance(value, str) else None
+
+
+def auto_dtype(model: torch.nn.Module, device: str, stored: str | None = None) -> tuple[str, str]:
+    """--dtype auto: (dtype, why), decided from what the weights are and what the CPU has, never
+    from a timing (a timing taken on a busy machine picked bfloat16 one start and float32 the
+    next: the same file answered differently). float32 when any weight is quantized (the C++
+    kernels take float32 activations); on CUDA bfloat16; on a CPU, bfloat16 only for weights
+    stored as bfloat16 on a CPU with AMX-BF16 tiles (detected; with AVX512_BF16 alone this
+    torch's bf16 linear measured slower than float32: docs/BENCHMARKS.md), else float32, which
+    keeps transformers' float32 numerics. `python -m octavo.cpu_features` measures bf16 here."""
+    from octavo.cpu_features import cpu_flags
 
     if any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules()):
-        return "float32"
+        return "float32", "quantized weights: the CPU kernels take float32 activations"
     if device.startswith("cuda"):
-        return "bfloat16"
-    if not cpu_has_bf16():
-        logger.info("dtype auto: float32 (this CPU reports no AVX512_BF16 or AMX-BF16)")
-        return "float32"
-    layer = max((m for m in model.modules() if isinstance(m, torch.nn.Linear)), key=lambda m: m.weight.numel(), default=None)
-    if layer is None:
-        return "float32"
-    speedups = bf16_matmul_speedups(layer.in_features, layer.out_features)
-    choice = "bfloat16" if speedups[1] >= 1.2 and speedups[64] >= 1.0 else "float32"
-    logger.info("dtype auto: %s (bf16 units present; bf16 linear measured %.2fx float32 at 1 row, %.2fx at 64)",
-                choice, speedups[1], speedups[64])
-    return choice
+        return "bfloat16", "CUDA"
+    if stored != "bfloat16":
+        return "float32", f"dense weights stored as {stored or 'float32 (config says nothing)'}"
+    if "amx_bf16" not in cpu_flags():
+        return "float32", "weights stored as bfloat16, but this CPU has no AMX-BF16 tiles"
+    return "bfloat16", "weights stored as bfloat16 on a CPU with AMX-BF16 tiles"
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

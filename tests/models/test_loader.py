@@ -102,3 +102,31 @@ def test_a_gguf_replaced_in_place_with_the_same_size_and_time_is_converted_again
     down = lambda m: m.layers[1].mlp.down_proj  # noqa: E731
     x = torch.randn(2, 96)
     torch.testing.assert_close(down(new)(x), -down(old)(x))
+
+
+def test_dtype_auto_follows_the_weights_and_the_cpu_flags_never_a_timing(monkeypatch):
+    """The same file gets the same numerics on every start, loaded or idle: --dtype auto reads the
+    stored dtype and the CPU's flags only (a start-up timing once picked bfloat16 under load)."""
+    import torch
+
+    from octavo import cpu_features
+    from octavo.models.loader import auto_dtype
+    from octavo.models.layers import QuantLinear
+    from octavo.quantization import Q8_0, quantize
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("--dtype auto must not time anything")
+
+    monkeypatch.setattr(cpu_features, "bf16_matmul_speedups", no_timing)
+    dense = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    quantized = torch.nn.Sequential(QuantLinear(quantize(torch.randn(64, 64), Q8_0), Q8_0, 64, None, prepare=False))
+    for flags, stored, model, expect in (
+        ({"avx512_bf16", "amx_bf16"}, "bfloat16", dense, "bfloat16"),
+        ({"avx512_bf16"}, "bfloat16", dense, "float32"),  # bf16 units without AMX measured slower here
+        ({"avx512_bf16", "amx_bf16"}, "float32", dense, "float32"),  # a converted GGUF says float32
+        ({"avx512_bf16", "amx_bf16"}, None, dense, "float32"),
+        ({"avx512_bf16", "amx_bf16"}, "bfloat16", quantized, "float32"),
+    ):
+        monkeypatch.setattr(cpu_features, "cpu_flags", lambda flags=flags: frozenset(flags))
+        dtype, why = auto_dtype(model, "cpu", stored)
+        assert dtype == expect and why, (flags, stored, dtype, why)
