@@ -266,26 +266,52 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from octavo.planner import format_plan, make_plan, read_fields
 
+    gguf = None  # a GGUF's weights are read from its tensors, as the engine will hold them
     if args.config is None:
-        from octavo.models.loader import DEFAULT_MODEL_NAME, resolve_model
+        from octavo.models.loader import DEFAULT_MODEL_NAME, default_gguf_path, resolve_model
 
-        path, name = resolve_model(None) / "config.json", DEFAULT_MODEL_NAME
+        path, name, gguf = resolve_model(None) / "config.json", DEFAULT_MODEL_NAME, default_gguf_path()
     else:
         path, name = Path(args.config), args.config
         if not path.exists() or path.suffix == ".gguf":  # a packaged model's name or a GGUF file
-            from octavo.models.loader import resolve_model
+            from octavo.models.loader import PACKAGED_MODELS, packaged_gguf, resolve_model
 
+            gguf = path if path.suffix == ".gguf" else packaged_gguf(args.config) if args.config in PACKAGED_MODELS else None
             path = resolve_model(args.config)
         path = path / "config.json" if path.is_dir() else path
     if not path.is_file():
         raise FileNotFoundError(f"no config.json at {path}")
+    hf = json.loads(path.read_text())
+    kv_dtype, kv_why = (args.kv_dtype, "--kv-dtype") if args.kv_dtype else _serving_kv_dtype(hf, quantized=gguf is not None)
+    weight_bytes, weight_source = args.weight_bytes, "--weight-bytes"
+    if weight_bytes is None and gguf is not None and args.weight_dtype is None:
+        from octavo.models.gguf_arch import held_weight_bytes
+        from octavo.models.gguf_file import read_header
+
+        weight_bytes, weight_source = held_weight_bytes(read_header(gguf)), f"{Path(gguf).name}'s tensors as the engine holds them"
     plan = make_plan(
-        read_fields(json.loads(path.read_text())), device_memory=args.device_memory, memory_fraction=args.memory_fraction,
-        kv_dtype=args.kv_dtype, weight_bytes=args.weight_bytes, weight_dtype=args.weight_dtype,
+        read_fields(hf), device_memory=args.device_memory, memory_fraction=args.memory_fraction,
+        kv_dtype=kv_dtype, weight_bytes=weight_bytes, weight_dtype=args.weight_dtype,
         block_size=args.block_size, typical_len=args.typical_len, max_len=args.max_len,
+        kv_dtype_source=kv_why, weight_source=weight_source if weight_bytes is not None else "",
     )
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan, name))
     return 0
+
+
+def _serving_kv_dtype(hf_config: dict, quantized: bool) -> tuple[str, str]:
+    """(the KV dtype `octavo serve` would use for this model on this machine, why): its --dtype
+    auto rule (models/loader.auto_dtype) without loading the weights."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "bfloat16", "what serve uses on CUDA"
+    from octavo.cpu_features import cpu_flags
+
+    stored = hf_config.get("torch_dtype") or hf_config.get("dtype")
+    if not quantized and stored == "bfloat16" and "amx_bf16" in cpu_flags():
+        return "bfloat16", "what serve uses on this CPU (bfloat16 weights, AMX-BF16)"
+    return "float32", "what serve uses on this CPU" + (", for quantized weights" if quantized else "")
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -572,8 +598,11 @@ def _add_plan(sub) -> None:
     plan.add_argument("config", nargs="?", default=None, help="config.json, a model directory, a .gguf file or a packaged model name (default: the embedded model)")
     plan.add_argument("--device-memory", type=parse_bytes, default=parse_bytes("80GiB"), help="device memory, e.g. 80GiB, 24GB (default 80GiB)")
     plan.add_argument("--memory-fraction", type=float, default=0.9, help="share of device memory for weights + KV cache")
-    plan.add_argument("--kv-dtype", default="float16", help="KV cache dtype: float32, bfloat16, float16, fp8")
-    plan.add_argument("--weight-bytes", type=parse_bytes, default=None, help="weight memory (default: estimated from the config)")
+    plan.add_argument("--kv-dtype", default=None,
+                      help="KV cache dtype: float32, bfloat16, float16, fp8 (default: what `octavo serve` would use here: "
+                           "float32 on a CPU, bfloat16 on CUDA)")
+    plan.add_argument("--weight-bytes", type=parse_bytes, default=None,
+                      help="weight memory (default: a GGUF's tensors as the engine holds them; else estimated from the config)")
     plan.add_argument("--weight-dtype", default=None, help="dtype for the weight estimate (default: the KV dtype)")
     plan.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     plan.add_argument("--typical-len", type=int, default=1024, help="typical prompt + output length")

@@ -286,3 +286,6 @@ class EngineConfig:
     grammar_cache_bytes: int = 256 << 20  # compiled structured-output grammars kept
     model_path: str | None = None  # the weights' resolved folder or file (the KV tier's fingerprint)
     quantization: str = "auto"
+    # whether scheduler.max_model_len is the user's (a pool that cannot hold it is an error) or the
+    # model's (capped to what the pool holds)
+    max_model_len_explicit: bool = True

@@ -63,7 +63,10 @@ class LLMEngine:
         self.executor: ModelRunner | TensorParallelExecutor = (
             self.runner if tensor_parallel is None else TensorParallelExecutor(self.runner, tensor_parallel, options))
         sizing = self._size_kv_cache(config, weight_bytes)
-        self.config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, num_blocks=sizing.num_blocks))
+        self.config = dataclasses.replace(  # the pool's size, and max_model_len capped to it where the model's did not fit
+            config, cache=dataclasses.replace(config.cache, num_blocks=sizing.num_blocks),
+            scheduler=dataclasses.replace(config.scheduler, max_model_len=sizing.max_model_len))
+        config = self.config
         self.kv_sizing: KVSizing = sizing
         logger.info(sizing.describe())
         if tensor_parallel is not None:
@@ -131,6 +134,7 @@ class LLMEngine:
             config.cache, config.scheduler, config.model_config, weight_bytes, _DTYPES[config.dtype].itemsize,
             config.device, activation_peak=peak,
             graph_bytes=CUDA_GRAPH_RESERVE_BYTES if on_cuda and not config.enforce_eager else 0,
+            max_model_len_explicit=config.max_model_len_explicit,
         )
 
     def _open_tier(self, config: EngineConfig) -> tuple[TierIndex, bool] | None:

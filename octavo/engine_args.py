@@ -37,7 +37,8 @@ class EngineArgs:
         "help": "HF model directory, .gguf file or packaged model name (gemma3-270m) (default: the embedded SmolLM2-135M-Instruct)"})
     block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"help": "tokens per KV-cache block"})
     max_model_len: int | None = field(default=None, metadata={
-        "help": "longest prompt + output, in tokens (default: the model's max_position_embeddings)"})
+        "help": "longest prompt + output, in tokens (default: the model's max_position_embeddings, capped to what "
+                "the KV cache holds for one sequence; a value the cache cannot hold is refused at start)"})
     max_num_seqs: int = field(default=DEFAULT_MAX_NUM_SEQS, metadata={"help": "most sequences in one step"})
     max_num_batched_tokens: int = field(default=DEFAULT_MAX_NUM_BATCHED_TOKENS, metadata={
         "help": "token budget of one step"})
@@ -278,6 +279,7 @@ class EngineArgs:
             seed=self.seed,
             grammar_cache_bytes=self.grammar_cache_bytes,
             quantization=self.quantization,
+            max_model_len_explicit=self.max_model_len is not None,
         )
 
 

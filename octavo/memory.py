@@ -26,6 +26,7 @@ class KVSizing:
     blocks_per_seq: int
     window_blind_blocks_per_seq: int
     groups: str = ""  # the KV groups, in words (empty: one group of every layer)
+    capped_from: int | None = None  # the model's max_model_len, when it did not fit and was capped
 
     @property
     def num_tokens(self) -> int:
@@ -46,6 +47,9 @@ class KVSizing:
             f"{self.num_bytes / GiB:.2f} GiB; max concurrency at max_model_len {self.max_model_len}: "
             f"{self.max_concurrency:.2f} requests"
         )
+        if self.capped_from is not None:
+            line += (f"; max_model_len capped to {self.max_model_len} from the model's {self.capped_from}, which "
+                     "does not fit the cache (--max-model-len sets it; --kv-cache-memory gives the cache more)")
         if self.groups:
             blind = self.num_blocks / self.window_blind_blocks_per_seq
             line += (f" ({self.blocks_per_seq} blocks each; {blind:.2f} if windows were ignored); "
@@ -116,12 +120,17 @@ def size_kv_cache(
     device: str,
     activation_peak: int | None = None,
     graph_bytes: int = 0,
+    max_model_len_explicit: bool = True,
 ) -> KVSizing:
     """Blocks from, in order of precedence: an explicit block count, kv_cache_memory bytes, a share
     of the device (gpu_memory_utilization; on CUDA 0.9 by default) minus the weights, the step's
     activation peak (`activation_peak` as measured by a profiling step, else an estimate) and
-    `graph_bytes`, or the CPU's fixed default. On the share-of-device path it is an error (naming
-    the flags to change) when not even one sequence of max_model_len tokens fits."""
+    `graph_bytes`, or the CPU's fixed default.
+
+    When not even one sequence of max_model_len tokens fits: a max_model_len the user set is an
+    error naming both numbers and the flags to change (vLLM refuses to start so too); the model's
+    own (`max_model_len_explicit` False) is capped to the longest that fits, as llama.cpp's default
+    context is (`KVSizing.capped_from` says so)."""
     bytes_per_block = model.kv_bytes_per_block(cache.block_size, kv_dtype_bytes)
     windows = tuple(g.window for g in model.kv_groups())
     # a decoding sequence's blocks (a window group: its window's); while a chunk of a prompt is
@@ -140,7 +149,7 @@ def size_kv_cache(
         peak = activation_bytes(model, sched, kv_dtype_bytes) if activation_peak is None else activation_peak
         budget = int(utilization * total) - weight_bytes - peak - graph_bytes
         num_blocks = max(0, budget) // bytes_per_block
-        if num_blocks < blocks_per_seq:
+        if num_blocks < blocks_per_seq and max_model_len_explicit:
             raise ValueError(
                 f"not even one sequence of max_model_len {sched.max_model_len} tokens fits in the KV cache: "
                 f"{utilization:.2f} x {total / GiB:.1f} GiB of {device} memory, minus {weight_bytes / GiB:.2f} GiB "
@@ -153,6 +162,30 @@ def size_kv_cache(
             f"no room for the KV cache: one block of {cache.block_size} tokens needs {bytes_per_block} bytes; "
             "raise kv_cache_memory or gpu_memory_utilization"
         )
-    blind = len(windows) * -(-sched.max_model_len // cache.block_size)
-    return KVSizing(num_blocks, cache.block_size, bytes_per_block, sched.max_model_len, blocks_per_seq, blind,
-                    describe_groups(model))
+    max_len, capped_from = sched.max_model_len, None
+    if num_blocks < blocks_per_seq:
+        longest = longest_fitting_len(windows, num_blocks, cache.block_size, sched.max_model_len)
+        if max_model_len_explicit or longest < 2:
+            raise ValueError(
+                f"--max-model-len {sched.max_model_len} does not fit the KV cache: one sequence of it needs "
+                f"{blocks_per_seq} blocks of {cache.block_size} tokens, the cache holds {num_blocks} "
+                f"({num_blocks * bytes_per_block / GiB:.2f} GiB); lower --max-model-len (at most {longest} fits) or "
+                "give the cache more memory (--kv-cache-memory, --num-kv-blocks, --gpu-memory-utilization)")
+        max_len, capped_from = longest, sched.max_model_len
+        blocks_per_seq = blocks_to_hold(windows, max_len, cache.block_size, max_chunk=1)
+    blind = len(windows) * -(-max_len // cache.block_size)
+    return KVSizing(num_blocks, cache.block_size, bytes_per_block, max_len, blocks_per_seq, blind,
+                    describe_groups(model), capped_from)
+
+
+def longest_fitting_len(windows: tuple[int | None, ...], num_blocks: int, block_size: int, upper: int) -> int:
+    """The longest sequence (at most `upper` tokens) whose blocks, decoding (`blocks_to_hold`), fit
+    in `num_blocks`; 0 if not even one token's do."""
+    low, high = 0, upper  # blocks_to_hold grows with the length: the largest that fits, by bisection
+    while low < high:
+        mid = (low + high + 1) // 2
+        if blocks_to_hold(windows, mid, block_size, max_chunk=1) <= num_blocks:
+            low = mid
+        else:
+            high = mid - 1
+    return low

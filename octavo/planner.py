@@ -151,6 +151,8 @@ class Plan:
     # the engine's KV groups (ModelConfig.kv_groups: every group has gcd(global, window) layers),
     # each with its own block table: [(window or None, groups of that kind, layers per group)]
     kv_groups: list[tuple[int | None, int, int]] = field(default_factory=list)
+    kv_dtype_source: str = ""  # why this KV dtype (e.g. what serve uses on this CPU)
+    weight_source: str = ""  # where weight_bytes came from when not estimated
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -166,6 +168,8 @@ def make_plan(
     block_size: int = 16,
     typical_len: int = 1024,
     max_len: int = 8192,
+    kv_dtype_source: str = "",
+    weight_source: str = "",
 ) -> Plan:
     """kv_memory = device_memory x memory_fraction - weight_bytes; blocks = kv_memory // bytes_per_block."""
     if kv_dtype not in DTYPE_BYTES:
@@ -211,6 +215,8 @@ def make_plan(
                              max(0, kv_memory) // (-(-n // block_size) * bytes_per_block))
                          for n in HYBRID_CONTEXTS} if f.sliding_window else {},
         kv_groups=kv_groups(f),
+        kv_dtype_source=kv_dtype_source,
+        weight_source=weight_source,
     )
 
 
@@ -246,11 +252,12 @@ def _human(num_bytes: float) -> str:
 def format_plan(plan: Plan, model: str) -> str:
     rows = [
         ("model", model),
-        ("KV dtype", plan.kv_dtype),
+        ("KV dtype", plan.kv_dtype + (f" ({plan.kv_dtype_source})" if plan.kv_dtype_source else "")),
         ("KV bytes per token", f"{plan.bytes_per_token:,} ({_human(plan.bytes_per_token)})"),
         ("bytes per block", f"{plan.bytes_per_block:,} ({plan.block_size} tokens)"),
         ("device memory x fraction", f"{_human(plan.device_memory)} x {plan.memory_fraction}"),
-        ("weights", f"{_human(plan.weight_bytes)}{' (estimated from the config)' if plan.weight_bytes_estimated else ''}"),
+        ("weights", f"{_human(plan.weight_bytes)}" + (" (estimated from the config)" if plan.weight_bytes_estimated
+                                                       else f" ({plan.weight_source})" if plan.weight_source else "")),
         ("memory for the KV cache", _human(plan.kv_memory)),
         ("blocks / tokens that fit", f"{plan.num_blocks:,} / {plan.num_tokens:,}"),
         (f"sequences, each reserving {plan.max_len}", f"{plan.seqs_reserving_max:,} (waste {plan.waste_reserving_max:.1%} at {plan.typical_len} tokens)"),

@@ -36,7 +36,8 @@ def test_gpu_memory_utilization_subtracts_weights_and_activations(monkeypatch):
 
 def test_explicit_block_count_wins_and_too_little_memory_is_an_error():
     sched = SchedulerConfig()
-    assert size_kv_cache(CacheConfig(num_blocks=7, kv_cache_memory=GiB), sched, SMOL, 0, 4, "cpu").num_blocks == 7
+    assert size_kv_cache(CacheConfig(num_blocks=7, kv_cache_memory=GiB), sched, SMOL, 0, 4, "cpu",
+                         max_model_len_explicit=False).num_blocks == 7
     with pytest.raises(ValueError, match="no room for the KV cache"):
         size_kv_cache(CacheConfig(kv_cache_memory=1000), sched, SMOL, 0, 4, "cpu")
 
@@ -59,3 +60,44 @@ def test_not_even_one_sequence_names_the_flags(monkeypatch):
         size_kv_cache(CacheConfig(), sched, SMOL, int(17.8 * GiB), 4, "cuda", activation_peak=0)
     ok = size_kv_cache(CacheConfig(), SchedulerConfig(max_model_len=2048), SMOL, int(17.8 * GiB), 4, "cuda", activation_peak=0)
     assert ok.max_concurrency >= 1
+
+
+def test_the_models_max_model_len_is_capped_to_the_pool_and_the_users_is_refused(monkeypatch):
+    """A pool that cannot hold one sequence of the model's context (a 1B Llama file declares 131,072
+    tokens): the model's max_model_len is capped to the longest that fits, said in the start-up
+    line; one the user set is refused naming both numbers (vLLM refuses; llama.cpp's default
+    context fits)."""
+    sched = SchedulerConfig(max_model_len=8192)
+    capped = size_kv_cache(CacheConfig(num_blocks=20), sched, SMOL, 0, 4, "cpu", max_model_len_explicit=False)
+    assert (capped.max_model_len, capped.capped_from, capped.blocks_per_seq) == (320, 8192, 20)
+    assert capped.max_concurrency == 1.0
+    assert "max_model_len capped to 320 from the model's 8192" in capped.describe()
+    assert "--max-model-len" in capped.describe()
+    with pytest.raises(ValueError, match=r"--max-model-len 8192 does not fit the KV cache: one sequence of it needs "
+                                         r"512 blocks of 16 tokens, the cache holds 20 .*at most 320 fits"):
+        size_kv_cache(CacheConfig(num_blocks=20), sched, SMOL, 0, 4, "cpu")
+    fits = size_kv_cache(CacheConfig(num_blocks=600), sched, SMOL, 0, 4, "cpu", max_model_len_explicit=False)
+    assert (fits.max_model_len, fits.capped_from) == (8192, None)
+    monkeypatch.setattr("octavo.memory.total_device_memory", lambda device: 20 * GiB)
+    gpu = size_kv_cache(CacheConfig(), sched, SMOL, int(17.8 * GiB), 4, "cuda", activation_peak=0,
+                        max_model_len_explicit=False)  # 291 blocks: the default is capped there too
+    assert gpu.capped_from == 8192 and gpu.max_model_len == 291 * 16
+
+
+def test_a_sliding_window_pool_caps_by_what_a_decoding_sequence_holds():
+    from octavo.config import blocks_to_hold
+    from octavo.memory import longest_fitting_len
+
+    windows = (None, 512, 512, 512, 512, 512)  # Gemma 3: one global and five window groups
+    longest = longest_fitting_len(windows, 400, 16, 32768)
+    assert blocks_to_hold(windows, longest, 16, max_chunk=1) <= 400 < blocks_to_hold(windows, longest + 1, 16, max_chunk=1)
+    assert longest_fitting_len(windows, 400, 16, 1000) == 1000
+
+
+def test_an_engine_started_without_max_model_len_gets_the_pools(make_llm):
+    llm = make_llm(kv_cache_memory=16 << 20)  # 22 blocks of the embedded model's 16 tokens
+    assert llm.engine.config.scheduler.max_model_len == 22 * 16 == llm.engine.scheduler.config.max_model_len
+    import pytest as _pytest
+
+    with _pytest.raises(ValueError, match="--max-model-len 2048 does not fit"):
+        make_llm(kv_cache_memory=16 << 20, max_model_len=2048)

@@ -24,7 +24,7 @@ def test_a_tier_server_serves_its_conversations_again_after_a_restart(tmp_path, 
     # 4 conversations of up to 216 tokens (14 blocks each) in a pool of 24 blocks: turns evict each
     # other's history, which the tier keeps
     conversations = multi_turn_workload(4, 3, system_len=128, user_len=24, answer_len=8, seed=3)
-    flags = ["--num-kv-blocks", "24", "--max-model-len", "512", "--kv-offload-size", str(64 << 20),
+    flags = ["--num-kv-blocks", "24", "--max-model-len", "384", "--kv-offload-size", str(64 << 20),
              "--kv-offload-path", str(tmp_path / "tier"), "--shutdown-timeout", "5"]
     threads = 1 if os.cpu_count() and os.cpu_count() <= 2 else 2
     server = start_server(tmp_path / "first.log", flags, threads=threads)

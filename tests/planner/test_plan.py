@@ -68,7 +68,7 @@ def test_cli_prints_table_and_json(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(GPT2))
     out = subprocess.run([sys.executable, "-m", "octavo.cli", "plan", str(path), "--device-memory", "16GiB",
-                          "--memory-fraction", "0.5", "--weight-bytes", "1GiB", "--typical-len", "100",
+                          "--memory-fraction", "0.5", "--weight-bytes", "1GiB", "--typical-len", "100", "--kv-dtype", "float16",
                           "--max-len", "1024", "--json"], capture_output=True, text=True, check=True)
     data = json.loads(out.stdout)
     assert data["bytes_per_token"] == 36864 and data["seqs_paged"] == 1820
@@ -116,7 +116,8 @@ def test_plan_cli_prints_the_window_rows(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(GEMMA3_270M))
     out = subprocess.run([sys.executable, "-m", "octavo.cli", "plan", str(path), "--device-memory", "1GiB",
-                          "--memory-fraction", "1", "--weight-bytes", "0"], capture_output=True, text=True, timeout=120)
+                          "--memory-fraction", "1", "--weight-bytes", "0", "--kv-dtype", "float16"], capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr
     assert "512 tokens on 15 of the layers" in out.stdout, out.stdout
     assert "32 keeping only window blocks, 7 window-blind (4.57x)" in out.stdout, out.stdout
@@ -140,3 +141,20 @@ def test_the_plan_groups_layers_as_the_engine_does(types):
     if len(engine) > 1:
         assert plan.bytes_per_token * by_kind[0][2] // 18 == 2 * by_kind[0][2] * 256 * 2  # K and V, fp16, per group
 
+
+
+def test_plan_of_a_gguf_reads_its_tensor_bytes_as_held_and_the_serving_kv_dtype(smol):
+    """`octavo plan FILE.gguf`: the weights the engine really holds (the file's blocks as packed,
+    not parameters x the KV dtype's size from the config) and the KV dtype serve would use here."""
+    import torch
+
+    from octavo.models.loader import default_gguf_path
+
+    _, _, held = smol  # the embedded model as the engine loads it
+    out = subprocess.run([sys.executable, "-m", "octavo.cli", "plan", str(default_gguf_path()), "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads(out.stdout)
+    assert data["weight_bytes"] == held and not data["weight_bytes_estimated"]
+    assert data["kv_dtype"] == ("bfloat16" if torch.cuda.is_available() else "float32")
+    assert data["bytes_per_token"] == 2 * 30 * 3 * 64 * (2 if torch.cuda.is_available() else 4)
