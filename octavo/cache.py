@@ -23,7 +23,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 # How long a process waits for another's build (kernels, a model conversion) before giving up;
-# a first compile takes ~2 min on two busy cores. OCTAVO_CACHE_WAIT_TIMEOUT overrides it.
+# a first compile takes ~25 s on two idle cores, minutes on busy ones. OCTAVO_CACHE_WAIT_TIMEOUT overrides it.
 DEFAULT_WAIT_TIMEOUT_S = 900.0
 _WAIT_LOG_EVERY_S = 30.0
 

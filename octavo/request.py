@@ -64,6 +64,9 @@ class Request:
     spec_kept: float = 0.0  # drafts kept and verifications that rejected one, decayed (its acceptance rate)
     spec_rejected: float = 0.0
     pin: bool = False  # its prompt's blocks stay in the pool for good once it ends (a pinned prefix)
+    # the largest prompt chunk one step computes for it (None: the step's budget): set at admission
+    # when its sliding-window groups fit the pool only in smaller chunks (Scheduler.check_fits)
+    max_chunk_tokens: int | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

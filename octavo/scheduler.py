@@ -104,9 +104,10 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. Raises RequestRefused when it could never fit; nothing is kept then."""
-        num_blocks = self.check_fits(request)
+        num_blocks, max_chunk = self.check_fits(request)
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.max_chunk_tokens = max_chunk
         self.requests[request.request_id] = request
         self._blocks_needed[request.request_id] = num_blocks
         if request.pin:
@@ -117,9 +118,12 @@ class Scheduler:
         request.queued_step = self._num_steps
         self.waiting.add(request)
 
-    def check_fits(self, request: Request) -> int:
+    def check_fits(self, request: Request) -> tuple[int, int | None]:
         """Raise RequestRefused, saying which limit and by how much, if `request` can never run
-        (pinned blocks are not for it); else return the most blocks it can hold."""
+        (pinned blocks are not for it); else return the most blocks it can hold, and the largest
+        prompt chunk it may compute in one step (None: the step's budget). A sliding-window group
+        holds a chunk's blocks beside its window's, so a long prompt that does not fit computed in
+        budget-sized chunks may fit in smaller ones: it is admitted with the largest that fits."""
         max_len = self.config.max_model_len
         num_prompt = request.num_prompt_tokens
         if num_prompt == 0:
@@ -144,17 +148,31 @@ class Scheduler:
                 f"exceeds max_model_len ({max_len}); lower max_tokens to at most {max_len - num_prompt}"
             )
         total = num_prompt + max_tokens if max_tokens is not None else max_len
-        num_blocks = self.kv_cache.num_blocks_to_hold(total, self.config.max_num_batched_tokens)
-        if request.beam is not None:
-            # beams share blocks while running, but a preempted search recomputes each beam on its
-            # own (without prefix caching, sharing nothing): it must fit with no sharing at all
-            num_blocks *= request.beam.width
+        # beams share blocks while running, but a preempted search recomputes each beam on its own
+        # (without prefix caching, sharing nothing): it must fit with no sharing at all
+        width = request.beam.width if request.beam is not None else 1
         if request.pin:
             self._check_pin_fits(request)
         # pinned blocks, and those pins not yet computed will hold, are not for it (but those its
         # prompt starts with)
         num_pinned = self.kv_cache.num_pinned_blocks + sum(self._pending_pins.values())
-        if num_blocks - self.kv_cache.num_pinned_hits(request) > self.kv_cache.num_blocks - num_pinned:
+        room = self.kv_cache.num_blocks - num_pinned + self.kv_cache.num_pinned_hits(request)
+        budget = self.config.max_num_batched_tokens
+        max_chunk = None
+        num_blocks = width * self.kv_cache.num_blocks_to_hold(total, budget)
+        if num_blocks > room and any(w is not None for w in self.kv_cache.group_windows):
+            low, high = 1, budget - 1  # the largest chunk that fits: blocks grow with the chunk
+            while low < high:
+                mid = (low + high + 1) // 2
+                if width * self.kv_cache.num_blocks_to_hold(total, mid) <= room:
+                    low = mid
+                else:
+                    high = mid - 1
+            if width * self.kv_cache.num_blocks_to_hold(total, low) <= room:
+                max_chunk, num_blocks = low, width * self.kv_cache.num_blocks_to_hold(total, low)
+            else:
+                num_blocks = width * self.kv_cache.num_blocks_to_hold(total, 1)
+        if num_blocks > room:
             block_size = self.kv_cache.block_size
             pinned = f", {num_pinned} of them pinned" if num_pinned else ""
             raise RequestRefused(
@@ -163,7 +181,7 @@ class Scheduler:
                 f"({self.kv_cache.num_blocks * block_size} tokens); "
                 "shorten it or give the cache more memory"
             )
-        return num_blocks
+        return num_blocks, max_chunk
 
     def _check_pin_fits(self, request: Request) -> None:
         """Raise RequestRefused if pinning the request's prompt would pass the pinned share, or
@@ -245,7 +263,7 @@ class Scheduler:
         budget += refund
         if request.status is not RequestStatus.RUNNING or not computes:
             return budget  # a victim, or it takes more of its history from the cache next step
-        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget, request.max_chunk_tokens or budget)
         if num_new == 0:  # a beam waiting for the other beams of its search
             return budget
         if self.drafter is not None:
@@ -379,7 +397,8 @@ class Scheduler:
             loads_ahead = False
             if plan is not None:
                 if not self._loads_ahead:  # several KV groups: it loads while waiting, computes next step
-                    first_chunk = min(request.num_tokens - plan.num_blocks * self.kv_cache.block_size, budget)
+                    first_chunk = min(request.num_tokens - plan.num_blocks * self.kv_cache.block_size, budget,
+                                      request.max_chunk_tokens or budget)
                     chunk_blocks = self.kv_cache.num_blocks_to_hold(first_chunk + self.kv_cache.block_size)
                     if self.kv_cache.start_tier_load(request, plan, chunk_blocks + reserved):
                         self.waiting.pop()  # loads this step, comes back to the queue's front after it
@@ -398,7 +417,7 @@ class Scheduler:
             num_new = 0 if loads_ahead else request.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
-            num_new = min(num_new, budget)
+            num_new = min(num_new, budget, request.max_chunk_tokens or budget)
             if (headroom or reserved) and self.kv_cache.num_free_blocks - self.kv_cache.num_blocks_to_admit(request, num_new, computed) < headroom + reserved:
                 # it would take blocks the running requests grow into soon (a preemption to come),
                 # or that a request loading ahead of it in the queue computes into next step

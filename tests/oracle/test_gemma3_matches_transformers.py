@@ -129,6 +129,16 @@ def test_tiny_pool_with_preemption(make_gemma, prompts, refs):
     check_all(outs, refs, "preemption")
 
 
+def test_a_prompt_that_fits_the_pool_only_in_smaller_chunks_is_admitted(make_gemma, prompts, refs):
+    """A pool of 400 blocks: the 1,600-token prompt computed in the budget's 2,048-token chunks
+    would hold 102 blocks in each of the six groups (612); in chunks of at most 417 tokens its five
+    window groups hold 59 each (102 + 295 = 397), so it is admitted and chunked (it was refused)."""
+    llm = make_gemma(num_kv_blocks=400, max_model_len=2048)
+    (out,) = llm.generate([prompts[3]], GREEDY, use_tqdm=False)
+    check_all([out], refs[3:4], "pool of 400, chunks of 417")
+    assert llm.engine.get_stats().num_steps >= -(-1600 // 417) + NUM_NEW - 1
+
+
 def test_prefix_hits_after_the_window_has_slid(make_gemma, prompts, refs, hf_model):
     """The 1,600-token prompt is computed and cached; then the 2,000-token one, which shares
     nothing, and a prompt sharing its first 1,200 tokens (far past the window) with a new tail."""

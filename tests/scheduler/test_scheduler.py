@@ -347,3 +347,25 @@ def test_requests_behind_one_loading_from_the_tier_leave_it_the_blocks_it_comput
     while s.has_unfinished_requests():
         s.update(out := s.schedule(), tier_run(out))
     assert s.kv_cache.check_invariants() == [] and s.kv_cache.num_free_blocks == 32
+
+
+def test_a_long_prompt_that_fits_a_window_pool_in_smaller_chunks_is_admitted_and_chunked_so():
+    """Gemma-like groups (one global, five sliding of 8 tokens): computed in chunks of the step's
+    64 tokens, a 60-token prompt holds 96 blocks of 4 (each window group takes a chunk's blocks
+    beside its window's); in chunks of 13 it holds 16 + 5 x 5 = 41, so a pool of 50 admits it and
+    every step computes at most 13 of its tokens. One that fits in no chunk size is refused."""
+    windows = (None, 8, 8, 8, 8, 8)
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256, admission_headroom_steps=0)
+    s = Scheduler(cfg, KVCacheManager(50, BS, group_windows=windows))
+    s.add_request(make_request("long", 60, max_tokens=4))
+    assert s.requests["long"].max_chunk_tokens == 13
+    chunks = []
+    for _ in range(20):
+        out = step(s)
+        chunks += [e.num_tokens for e in out.scheduled]
+        assert s.kv_cache.num_free_blocks >= 0
+        if not s.has_unfinished_requests():
+            break
+    assert max(chunks) == 13 and sum(chunks) == 60 + 3  # the prompt in chunks, then 3 decodes
+    with pytest.raises(RequestRefused, match="184 tokens = 61 KV blocks of 4"):  # 46 global + 5 x 3 even in chunks of 1
+        s.add_request(make_request("longer", 180, max_tokens=4))

@@ -4,7 +4,7 @@ compiler with it) while a second server waits for that build and then builds its
 while serving. Each start after a kill serves the same greedy text as the session's server.
 
 The cache is new and empty, so this test converts the model and compiles the kernels once
-(~2 min on two cores); each deadline holds at 3x the usual time on a busy machine.
+(~25 s on two idle cores); each deadline holds at 3x the usual time on a busy machine.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ def load() -> ModuleType | None:
     """The compiled module (with `paged_attention`), or None if this machine can't build it.
 
     Set OCTAVO_CPU_KERNELS=0 to skip it (the torch reference kernels are used instead).
-    The first call on a machine compiles for ~1-2 min (see `build.ensure_built`: one process
+    The first call on a machine compiles for ~25 s (see `build.ensure_built`: one process
     compiles, the others wait for it); later calls import the cached library.
     """
     if os.environ.get("OCTAVO_CPU_KERNELS", "1") == "0":

@@ -1,5 +1,5 @@
 // The Python module of Octavo's CPU kernels: one binding per kernel, defined in its own file.
-#include <torch/extension.h>
+#include <torch/python.h>
 
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                      torch::Tensor block_tables, torch::Tensor q_starts, torch::Tensor q_lens,

@@ -3,7 +3,8 @@
 // arithmetic behind tens of microseconds of op dispatch and temporaries when written as torch
 // ops (measured: norm + rotary + KV write were 2.7 of a 13 ms step at batch 1; docs/BENCHMARKS.md).
 // Same arithmetic as octavo/kernels/reference.py, float32 only.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
 
 #include <ATen/Parallel.h>
 
@@ -47,14 +48,14 @@ inline void silu_mul_row(const float* __restrict g, const float* __restrict u, f
   for (; i < n; ++i) y[i] = g[i] * u[i] / (1.f + std::exp(-g[i]));
 }
 
-void check_rows(const torch::Tensor& t, const char* name) {
+void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.is_contiguous(), name, " must be contiguous float32 2-D");
 }
 
 }  // namespace
 
 // out = rms_norm(x) * weight. x, out [n, dim].
-void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps) {
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
   check_rows(x, "x");
   check_rows(out, "out");
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == x.size(1), "weight [dim]");
@@ -67,7 +68,7 @@ void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double e
 }
 
 // residual += x; x = rms_norm(residual) * weight. Both [n, dim], in place.
-void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+void add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
   check_rows(x, "x");
   check_rows(residual, "residual");
   TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual differ in shape");
@@ -92,9 +93,9 @@ void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
 // sin [n, head_dim]; then k and v of token t go to slot slots[t] of the caches
 // [num_blocks, block_size, num_kv_heads, head_dim]. One op where the model ran seven torch ops
 // per layer (two norms, two RoPEs, the split and the two cache writes).
-void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
-                     torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads, int64_t num_kv_heads,
-                     torch::Tensor q_weight, torch::Tensor k_weight, double eps) {
+void rotary_write_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k_cache,
+                     at::Tensor v_cache, at::Tensor slots, int64_t num_heads, int64_t num_kv_heads,
+                     at::Tensor q_weight, at::Tensor k_weight, double eps) {
   check_rows(qkv, "qkv");
   check_rows(cos, "cos");
   check_rows(sin, "sin");
@@ -148,7 +149,7 @@ void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, to
 }
 
 // out [n, inter] = silu(gate_up[:, :inter]) * gate_up[:, inter:].
-void silu_and_mul(torch::Tensor out, torch::Tensor gate_up) {
+void silu_and_mul(at::Tensor out, at::Tensor gate_up) {
   check_rows(gate_up, "gate_up");
   check_rows(out, "out");
   const int64_t n = gate_up.size(0), inter = gate_up.size(1) / 2;

@@ -11,7 +11,8 @@
 //   3. out_r = sum_j p[r][j] * v_j.
 // Keys and values of one block stay in L1 while all rows of the tile use them. Items are handed
 // out dynamically, because their cost grows with the context length.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
 
 #include <ATen/Parallel.h>
 
@@ -154,9 +155,9 @@ inline void prefetch_block(const float* block, int64_t num_floats) {
 // [context_lens[s] - q_lens[s], context_lens[s]); its keys 0 .. context_lens[s]-1 live in the
 // blocks block_tables[s][0 ..]. window > 0: the query at position p sees keys p - window + 1 .. p
 // only; blocks wholly before the first query's window are never read (they may be gone).
-void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                     torch::Tensor block_tables, torch::Tensor q_starts, torch::Tensor q_lens,
-                     torch::Tensor context_lens, double scale, int64_t q_tile, int64_t window) {
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                     at::Tensor block_tables, at::Tensor q_starts, at::Tensor q_lens,
+                     at::Tensor context_lens, double scale, int64_t q_tile, int64_t window) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "the CPU paged-attention kernel takes float32 tensors");

@@ -23,7 +23,8 @@
 // instead rebuild W^T (`dequantize_transposed`: each weight exactly as gguf-py computes it) and
 // run a float32 GEMM. Either way the model is the GGUF's dequantized weights; only the order of
 // the float sums differs, as between two GEMM libraries.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
 
 #include <ATen/Parallel.h>
 
@@ -179,7 +180,7 @@ void check_format(int64_t fmt) {
   TORCH_CHECK(fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ8_0, "unknown quantization format ", fmt);
 }
 
-void check_packed(const torch::Tensor& packed, int64_t fmt, int64_t N, int64_t K) {
+void check_packed(const at::Tensor& packed, int64_t fmt, int64_t N, int64_t K) {
   check_format(fmt);
   TORCH_CHECK(K % QK == 0, "in_features must be a multiple of 32, got ", K);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
@@ -190,7 +191,7 @@ void check_packed(const torch::Tensor& packed, int64_t fmt, int64_t N, int64_t K
 }  // namespace
 
 // GGUF blocks uint8 [N, K / 32 * block_bytes] -> packed uint8 [ceil(N / G), K / 32, tile_bytes].
-torch::Tensor pack(torch::Tensor qweight, int64_t fmt) {
+at::Tensor pack(at::Tensor qweight, int64_t fmt) {
   if (octavo_k8::handles(fmt)) return octavo_k8::pack(qweight, fmt);
   check_format(fmt);
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
@@ -198,7 +199,7 @@ torch::Tensor pack(torch::Tensor qweight, int64_t fmt) {
   const int64_t bb = block_bytes(fmt);
   TORCH_CHECK(qweight.size(1) % bb == 0, "row of ", qweight.size(1), " bytes is not whole blocks of ", bb);
   const int64_t N = qweight.size(0), nb = qweight.size(1) / bb, num_groups = (N + G - 1) / G;
-  auto packed = torch::zeros({num_groups, nb, tile_bytes(fmt)}, qweight.options());
+  auto packed = at::zeros({num_groups, nb, tile_bytes(fmt)}, qweight.options());
   const uint8_t* src = qweight.data_ptr<uint8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
   const int64_t qo = q_offset(fmt), num_q = fmt == kQ8_0 ? QK : 16;
@@ -219,7 +220,7 @@ torch::Tensor pack(torch::Tensor qweight, int64_t fmt) {
 }
 
 // out [M, N] = x [M, K] @ W^T; x and out float32, contiguous; W packed.
-void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t fmt) {
+void quant_linear(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t fmt) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "quant_linear takes float32 activations");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.dim() == 2 && out.is_contiguous(), "x, out: contiguous 2-D");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
@@ -238,7 +239,7 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int6
 
 // out [len(rows), K] float32 = rows `rows` of W, exactly as gguf-py rebuilds them (the embedding
 // lookup; all rows: the whole weight).
-void dequantize_rows(torch::Tensor out, torch::Tensor packed, int64_t fmt, torch::Tensor rows, int64_t N) {
+void dequantize_rows(at::Tensor out, at::Tensor packed, int64_t fmt, at::Tensor rows, int64_t N) {
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous(), "out: contiguous float32");
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous() && rows.size(0) == out.size(0),
               "rows: int64 [len(out)]");
@@ -281,7 +282,7 @@ void dequantize_rows(torch::Tensor out, torch::Tensor packed, int64_t fmt, torch
 // out [K, ceil(N / G) * G] float32 = W^T (padding columns zero), each weight exactly as gguf-py
 // rebuilds it: for a step of many rows a float32 GEMM on the rebuilt weight beats the factored
 // kernel (which reaches about 2/3 of the FMA peak; docs/BENCHMARKS.md).
-void dequantize_transposed(torch::Tensor out, torch::Tensor packed, int64_t fmt) {
+void dequantize_transposed(at::Tensor out, at::Tensor packed, int64_t fmt) {
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous() && out.size(1) % G == 0,
               "out: contiguous float32 [K, groups * ", G, "]");
   if (octavo_k8::handles(fmt)) return octavo_k8::dequantize_transposed(out, packed, fmt);

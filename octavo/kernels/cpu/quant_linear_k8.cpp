@@ -202,7 +202,7 @@ inline float rebuild(const uint8_t* tile, int64_t i, int64_t c, bool has_m, bool
   return has_m ? w + M[c] : w;
 }
 
-void check_packed(const torch::Tensor& packed, int64_t fmt, int64_t N, int64_t K) {
+void check_packed(const at::Tensor& packed, int64_t fmt, int64_t N, int64_t K) {
   const Spec sp = spec(fmt);
   TORCH_CHECK(K % sp.block_weights == 0, "in_features must be a multiple of ", sp.block_weights, ", got ", K);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
@@ -215,7 +215,7 @@ void check_packed(const torch::Tensor& packed, int64_t fmt, int64_t N, int64_t K
 }  // namespace
 
 // GGUF blocks uint8 [N, K / block_weights * block_bytes] -> packed uint8 [ceil(N / G), K / S, tile bytes].
-torch::Tensor pack(torch::Tensor qweight, int64_t fmt) {
+at::Tensor pack(at::Tensor qweight, int64_t fmt) {
   const Spec sp = spec(fmt);
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
               "a GGUF-layout weight is a contiguous uint8 tensor [out_features, blocks * block_bytes]");
@@ -224,7 +224,7 @@ torch::Tensor pack(torch::Tensor qweight, int64_t fmt) {
   const int64_t N = qweight.size(0), nb = qweight.size(1) / sp.block_bytes;
   const int64_t subs_per_block = sp.block_weights / sp.sub, nsub = nb * subs_per_block;
   const int64_t num_groups = (N + G - 1) / G, tb = tile_bytes(sp.sub, sp.nib);
-  auto packed = torch::zeros({num_groups, nsub, tb}, qweight.options());
+  auto packed = at::zeros({num_groups, nsub, tb}, qweight.options());
   const uint8_t* src = qweight.data_ptr<uint8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
   at::parallel_for(0, num_groups, 1, [&](int64_t g0, int64_t g1) {
@@ -251,7 +251,7 @@ torch::Tensor pack(torch::Tensor qweight, int64_t fmt) {
   return packed;
 }
 
-void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t fmt) {
+void quant_linear(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t fmt) {
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   check_packed(packed, fmt, N, K);
   const float* xp = x.data_ptr<float>();
@@ -265,7 +265,7 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int6
   }
 }
 
-void dequantize_rows(torch::Tensor out, torch::Tensor packed, int64_t fmt, torch::Tensor rows, int64_t N) {
+void dequantize_rows(at::Tensor out, at::Tensor packed, int64_t fmt, at::Tensor rows, int64_t N) {
   const Spec sp = spec(fmt);
   const int64_t K = out.size(1), nsub = K / sp.sub, tb = tile_bytes(sp.sub, sp.nib);
   check_packed(packed, fmt, N, K);
@@ -284,7 +284,7 @@ void dequantize_rows(torch::Tensor out, torch::Tensor packed, int64_t fmt, torch
   });
 }
 
-void dequantize_transposed(torch::Tensor out, torch::Tensor packed, int64_t fmt) {
+void dequantize_transposed(at::Tensor out, at::Tensor packed, int64_t fmt) {
   const Spec sp = spec(fmt);
   const int64_t K = out.size(0), N = out.size(1), nsub = K / sp.sub, tb = tile_bytes(sp.sub, sp.nib);
   check_packed(packed, fmt, N, K);

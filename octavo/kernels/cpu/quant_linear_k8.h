@@ -3,7 +3,8 @@
 // which hands these format codes over.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
 
 namespace octavo_k8 {
 
@@ -11,9 +12,9 @@ enum Format : int64_t { kQ5_0 = 3, kQ5_1 = 4, kQ4_K = 5, kQ5_K = 6, kQ6_K = 7 };
 
 inline bool handles(int64_t fmt) { return fmt >= kQ5_0 && fmt <= kQ6_K; }
 
-torch::Tensor pack(torch::Tensor qweight, int64_t fmt);
-void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t fmt);
-void dequantize_rows(torch::Tensor out, torch::Tensor packed, int64_t fmt, torch::Tensor rows, int64_t N);
-void dequantize_transposed(torch::Tensor out, torch::Tensor packed, int64_t fmt);
+at::Tensor pack(at::Tensor qweight, int64_t fmt);
+void quant_linear(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t fmt);
+void dequantize_rows(at::Tensor out, at::Tensor packed, int64_t fmt, at::Tensor rows, int64_t N);
+void dequantize_transposed(at::Tensor out, at::Tensor packed, int64_t fmt);
 
 }  // namespace octavo_k8
