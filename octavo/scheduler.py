@@ -809,11 +809,13 @@ class Scheduler:
         max_model_len), or None."""
         params = request.sampling_params
         token, num_out = request.output_token_ids[-1], request.num_output_tokens
-        if num_out >= params.min_tokens:
-            if not params.ignore_eos and token in request.eos_token_ids:
-                return FinishReason.STOP
-            if token in params.stop_token_ids:
-                return FinishReason.STOP
+        # Under min_tokens the sampler bans EOS, unless a grammar leaves no other token (it is
+        # complete): then the grammar wins and the request ends (it repeated EOS until min_tokens)
+        if not params.ignore_eos and token in request.eos_token_ids and (
+                num_out >= params.min_tokens or params.structured_outputs is not None):
+            return FinishReason.STOP
+        if num_out >= params.min_tokens and token in params.stop_token_ids:
+            return FinishReason.STOP
         if params.max_tokens is not None and num_out >= params.max_tokens:
             return FinishReason.LENGTH
         if request.num_tokens >= self.config.max_model_len:

@@ -7,6 +7,8 @@ import json
 import math
 from dataclasses import dataclass
 
+from octavo.json_limits import loads_bounded
+
 _GREEDY_EPS = 1e-5
 # Limits that keep one request's cost bounded (documented in docs/RELIABILITY.md).
 MAX_N = 128  # completions per request (the engine also refuses n > max_num_seqs)
@@ -50,14 +52,14 @@ class StructuredOutputsParams:
                 raise ValueError("structured_outputs.json is nested too deeply") from None
         elif isinstance(self.json, str):
             try:
-                schema = json.loads(self.json)
+                schema = loads_bounded(self.json, "structured_outputs.json")
                 if not isinstance(schema, (dict, bool)):
                     raise ValueError("structured_outputs.json must be a JSON schema (an object)")
                 object.__setattr__(self, "json", json.dumps(schema, ensure_ascii=False))
             except RecursionError:  # JSON text nested ~1,000 deep: no schema is
                 raise ValueError("structured_outputs.json is nested too deeply") from None
             except ValueError as exc:
-                if "JSON schema" in str(exc):
+                if "JSON schema" in str(exc) or "nested deeper" in str(exc):
                     raise
                 raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
         elif self.json is not None:

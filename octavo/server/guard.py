@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import secrets
 from typing import Any
 
 from fastapi.responses import JSONResponse
+
+from octavo.json_limits import json_nesting_error
 
 
 def error_body(status: int, message: str, type_: str, param: str | None = None) -> dict:
@@ -35,39 +36,6 @@ async def _send_error(send: Any, status: int, message: str, type_: str, headers:
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})
-
-
-# A JSON schema may nest 64 subschemas (structured/schema.py), two JSON levels each through
-# "properties", inside a few levels of request; nothing legitimate comes near 160.
-MAX_JSON_DEPTH = 160
-_JSON_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')  # a string (skipped whole) or a bracket
-
-
-def json_nesting_error(body: bytes, limit: int = MAX_JSON_DEPTH) -> str | None:
-    """None if the JSON text `body` nests at most `limit` arrays/objects deep, else a message naming
-    the top-level field that nests deeper. Reads brackets outside strings only (no parsing), and
-    stops at the first level over the limit."""
-    if body.count(b"[") + body.count(b"{") <= limit:
-        return None
-    depth, last_top_string, field = 0, None, None
-    for match in _JSON_TOKENS.finditer(body):
-        first = match.group()[0]
-        if first == 0x22:  # '"': at depth 1 the last string before a bracket is that value's key
-            if depth == 1:
-                last_top_string = match.group()
-        elif first in (0x5B, 0x7B):  # '[' '{'
-            depth += 1
-            if depth == 2:
-                field = last_top_string
-            if depth > limit:
-                try:
-                    name = json.loads(field) if field is not None else "body"
-                except ValueError:
-                    name = "body"
-                return f"{name}: JSON nested deeper than {limit} levels"
-        else:
-            depth -= 1
-    return None
 
 
 def bearer_token_matches(header: str | None, api_key: str) -> bool:

@@ -13,8 +13,9 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from octavo.json_limits import MAX_JSON_DEPTH, is_nested_too_deeply, loads_bounded
 from octavo.sampling.params import (
     MAX_BEAM_WIDTH,
     MAX_LOGPROBS,
@@ -319,6 +320,14 @@ class FunctionCall(_Body):
     name: str = Field(min_length=1, max_length=256)
     arguments: str = Field("{}", max_length=MAX_SPEC_CHARS)
 
+    @field_validator("arguments")
+    @classmethod
+    def _nesting(cls, value: str) -> str:
+        # JSON text the chat template parses and walks: as deep as a body may be, no deeper
+        if is_nested_too_deeply(value):
+            raise ValueError(f"tool call arguments: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+        return value
+
 
 class ToolCall(_Body):
     id: str | None = Field(None, max_length=256)
@@ -354,8 +363,8 @@ class ChatMessage(_Body):
 
 def _maybe_json(text: str) -> Any:
     try:
-        return json.loads(text)
-    except ValueError:
+        return loads_bounded(text, "tool call arguments")
+    except ValueError:  # not JSON, or nested too deeply to walk: the text as it came
         return text
 
 

@@ -39,17 +39,43 @@ def forced_call_constraint(tools: list[Any], tool_choice: Any, parallel: bool) -
     if tool_choice in (None, "none", "auto"):
         return None
     if tool_choice == "required":
-        calls = {"anyOf": [
-            {"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]}, "parameters": _parameters(t)},
-             "required": ["name", "parameters"], "additionalProperties": False}
-            for t in tools
-        ]}
-        schema: dict[str, Any] = {"type": "array", "items": calls, "minItems": 1}
+        defs: dict[str, Any] = {}
+        entries = []
+        for i, t in enumerate(tools):
+            parameters = _parameters(t)
+            if _has_local_ref(parameters):  # its "#/..." pointers mean its own root: it moves under ours
+                defs[f"tool{i}"] = _rebase_refs(parameters, f"#/$defs/tool{i}")
+                parameters = {"$ref": f"#/$defs/tool{i}"}
+            entries.append({"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                                             "parameters": parameters},
+                            "required": ["name", "parameters"], "additionalProperties": False})
+        schema: dict[str, Any] = {"type": "array", "items": {"anyOf": entries}, "minItems": 1}
+        if defs:
+            schema["$defs"] = defs
         if not parallel:
             schema["maxItems"] = 1
         return StructuredOutputsParams(json=schema)
     tool = next(t for t in tools if t.function.name == tool_choice.function.name)
     return StructuredOutputsParams(json=_parameters(tool))
+
+
+def _has_local_ref(node: Any) -> bool:
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        return (isinstance(ref, str) and ref.startswith("#")) or any(_has_local_ref(v) for v in node.values())
+    return isinstance(node, list) and any(_has_local_ref(v) for v in node)
+
+
+def _rebase_refs(node: Any, base: str) -> Any:
+    """A copy of a schema whose local pointers ("#", "#/$defs/X", "#/properties/...") are relative
+    to `base`, where the schema now sits inside another (tool_choice "required" wraps every tool's
+    parameters in one array schema: a tool's own $defs then sit at `base`/$defs)."""
+    if isinstance(node, dict):
+        return {k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebase_refs(v, base))
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [_rebase_refs(v, base) for v in node]
+    return node
 
 
 def parse_forced_calls(text: str, tool_choice: Any, complete: bool = True) -> list[ParsedCall] | None:

@@ -62,14 +62,15 @@ def compile_spec(compiler: Any, params: StructuredOutputsParams) -> Any:
     try:
         if params.kind == "json":
             check_json_schema(json.loads(params.json))
-            return compiler.compile_json_schema(params.json, any_whitespace=False, strict_mode=True)
-        if params.kind == "json_object":
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-        if params.kind == "regex":
-            return compiler.compile_regex(params.regex)
-        if params.kind == "choice":
-            return compiler.compile_grammar(choice_grammar(params.choice))
-        return compiler.compile_grammar(params.grammar)
+            compiled = compiler.compile_json_schema(params.json, any_whitespace=False, strict_mode=True)
+        elif params.kind == "json_object":
+            compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+        elif params.kind == "regex":
+            compiled = compiler.compile_regex(params.regex)
+        elif params.kind == "choice":
+            compiled = compiler.compile_grammar(choice_grammar(params.choice))
+        else:
+            compiled = compiler.compile_grammar(params.grammar)
     except SchemaError as exc:
         raise GrammarError(f"structured_outputs.json: {exc}") from None
     except RecursionError:
@@ -80,6 +81,21 @@ def compile_spec(compiler: Any, params: StructuredOutputsParams) -> Any:
         message = text[0] if text else type(exc).__name__
         message = message.split(": ", 1)[1] if ".cc:" in message else message
         raise GrammarError(f"structured_outputs.{params.kind}: {message}") from None
+    if not _allows_a_first_token(compiled):
+        raise GrammarError(f"structured_outputs.{params.kind}: no output satisfies this constraint (not even an "
+                           "empty one): no token of the vocabulary can start it")
+    return compiled
+
+
+def _allows_a_first_token(compiled: Any) -> bool:
+    """Whether a fresh matcher of `compiled` allows some token (EOS included, where the empty
+    output is in its language): a regex or grammar whose language is empty, or needs what no
+    token spells, allows none. Dead ends later in an output cannot be seen this cheaply."""
+    xgr = _xgr()
+    matcher = xgr.GrammarMatcher(compiled)
+    mask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    matcher.fill_next_token_bitmask(mask)
+    return bool((mask != 0).any()) or matcher.is_terminated()
 
 
 @dataclass(slots=True)

@@ -188,7 +188,8 @@ def test_json_is_written_on_one_line(make_llm):
 
 def test_a_complete_grammar_ends_with_eos_even_under_min_tokens(make_llm):
     """Issue 20: once the grammar is complete only EOS may follow, and min_tokens bans EOS: no token
-    was left and the draw took token 0. The grammar wins: EOS comes back to that row."""
+    was left and the draw took token 0. The grammar wins: EOS comes back to that row, and (issue 36)
+    the request ends there (it repeated EOS until min_tokens)."""
     llm = make_llm()
     params = SamplingParams(temperature=0, min_tokens=6, max_tokens=10, structured_outputs=StructuredOutputsParams(choice=("yes", "no")))
     out = llm.generate(["Is water wet? Answer yes or no."], params, use_tqdm=False)[0].outputs[0]
@@ -196,5 +197,5 @@ def test_a_complete_grammar_ends_with_eos_even_under_min_tokens(make_llm):
     eos = set(llm.engine.eos_token_ids)
     chosen = llm.engine.tokenizer.encode(out.text, add_special_tokens=False)
     tail = out.token_ids[len(chosen):] if out.token_ids[:len(chosen)] == chosen else out.token_ids[-4:]
-    assert tail and set(tail) <= eos, (out.token_ids, eos)
+    assert len(tail) == 1 and set(tail) <= eos and out.finish_reason == "stop", (out.token_ids, eos, out.finish_reason)
     assert 0 not in out.token_ids or 0 in eos
