@@ -24,7 +24,7 @@ from octavo.server.async_engine import (
 )
 from octavo.server.protocol import new_id
 from octavo.server.tools import render_tool_calls_as_text, tools_system_prompt
-from octavo.structured.isolated import DEFAULT_COMPILE_TIMEOUT_S, IsolatedCompiler
+from octavo.structured.isolated import DEFAULT_COMPILE_TIMEOUT_S, GrammarQueueFull, IsolatedCompiler
 from octavo.structured.manager import GrammarCacheFull, GrammarError
 from octavo.tokenizer import apply_chat_template, encode_prompt
 
@@ -200,7 +200,10 @@ class OpenAIServer:
         try:
             grammar = manager.lookup(constraint)
             if grammar is None:
-                task = asyncio.ensure_future(self.grammars.compile(constraint))
+                # a fair turn per client: by connection (its queue of new schemas waits behind every
+                # other client's next one, never in front of it)
+                client = f"{request.client.host}:{request.client.port}" if request.client else ""
+                task = asyncio.ensure_future(self.grammars.compile(constraint, client))
                 async with DisconnectWatch(request, task.cancel) as watch:
                     try:
                         grammar = await task
@@ -211,7 +214,7 @@ class OpenAIServer:
             manager.insert(constraint, grammar, holder=holder)
         except GrammarError as exc:
             raise APIError(400, f"{param}: {exc}", "BadRequestError", param) from exc
-        except GrammarCacheFull as exc:
+        except (GrammarCacheFull, GrammarQueueFull) as exc:
             raise APIError(429, str(exc), "RateLimitError", param,
                            headers={"Retry-After": str(self.limits.retry_after_s)}) from exc
         try:

@@ -35,4 +35,6 @@ def add_debug_routes(app: FastAPI, server: OpenAIServer) -> None:
     @app.get("/debug/grammars")
     async def grammars() -> dict:
         return {**server.engine.grammar_cache.stats(), "num_compiling": server.grammars.num_compiling,
+                "num_queued": server.grammars.num_queued, "num_compiled_here": server.grammars.num_local,
+                "num_compiled_in_workers": server.grammars.num_remote,
                 "num_compile_timeouts": server.grammars.num_timeouts}

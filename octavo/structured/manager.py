@@ -122,6 +122,7 @@ class StructuredOutputManager:
         self.eos_token_ids = eos_token_ids
         self.max_bytes = max_bytes
         self.num_bytes = 0
+        self._held_bytes = 0  # of grammars some request holds (kept here: summing the cache is O(cache))
         self._lock = threading.Lock()
         self._info: Any = None
         self._compiler: Any = None
@@ -174,7 +175,7 @@ class StructuredOutputManager:
             entry = self._cache.get(params.key)
             if entry is None:
                 size = int(grammar.memory_size_bytes)
-                if holder is not None and self._held_bytes() + size > self.max_bytes:
+                if holder is not None and self._held_bytes + size > self.max_bytes:
                     raise GrammarCacheFull(
                         f"the compiled grammars of requests in flight fill the grammar cache ({self.max_bytes >> 20} MiB); "
                         "retry when some have finished")
@@ -202,19 +203,23 @@ class StructuredOutputManager:
             entry = None if key is None else self._cache.get(key)
             if entry is not None:
                 entry.num_holds -= 1
+                if entry.num_holds == 0:
+                    self._held_bytes -= entry.num_bytes
             self._evict()
 
     def _hold(self, holder: str, key: tuple, entry: _Cached) -> None:
         if holder in self._holders:
             raise ValueError(f"{holder!r} already holds a grammar")
         self._holders[holder] = key
+        if entry.num_holds == 0:
+            self._held_bytes += entry.num_bytes
         entry.num_holds += 1
 
-    def _held_bytes(self) -> int:
-        return sum(e.num_bytes for e in self._cache.values() if e.num_holds > 0)
-
     def _evict(self) -> None:
-        """Under the lock: drop unheld grammars, least recently used first, while over max_bytes."""
+        """Under the lock: drop unheld grammars, least recently used first, while over max_bytes
+        (O(1) when under it: this runs at every insert and release)."""
+        if self.num_bytes <= self.max_bytes:
+            return
         for key in [k for k, e in self._cache.items() if e.num_holds == 0]:
             if self.num_bytes <= self.max_bytes:
                 return

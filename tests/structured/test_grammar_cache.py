@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from octavo.sampling.params import SamplingParams, StructuredOutputsParams
-from octavo.structured.isolated import IsolatedCompiler
+from octavo.structured.isolated import GrammarQueueFull, IsolatedCompiler, is_quick
 from octavo.structured.manager import GrammarCacheFull, GrammarError, StructuredOutputManager
 from tests.structured.schemas import PET_SCHEMA, SLOW_REGEX
 
@@ -77,16 +77,21 @@ def test_requests_hold_their_grammar_until_they_end(make_llm):
 @pytest.fixture(scope="module")
 def isolated(smol_tokenizer):
     manager = StructuredOutputManager(smol_tokenizer, 49152, (2,))
-    compiler = IsolatedCompiler(manager, timeout_s=1.0)
+    compiler = IsolatedCompiler(manager, timeout_s=1.0, compile_quick_here=False)
     yield compiler
     compiler.close()
 
 
-def test_a_grammar_compiled_in_a_child_masks_as_one_compiled_here(isolated):
+@pytest.mark.parametrize("where", ["worker", "quick, in the server's process"])
+def test_a_grammar_compiled_in_a_worker_or_in_process_masks_as_one_compiled_here(isolated, where):
     import xgrammar as xgr
 
     params = StructuredOutputsParams(json=PET_SCHEMA)
-    theirs = asyncio.run(isolated.compile(params))
+    assert is_quick(params)  # small, no regex, bounds of at most 30
+    compiler = isolated if where == "worker" else IsolatedCompiler(isolated.manager, compile_quick_here=True)
+    before = (compiler.num_local, compiler.num_remote)
+    theirs = asyncio.run(compiler.compile(params))
+    assert (compiler.num_local - before[0], compiler.num_remote - before[1]) == ((0, 1) if where == "worker" else (1, 0))
     ours = isolated.manager.compile(params)
     text = '{"name": "Rex", "species": "dog", "age": 3, "owner": {"first": "Ann", "city": "Oslo"}, "toys": []}'
     tokens = isolated.manager.tokenizer.encode(text, add_special_tokens=False)
@@ -135,3 +140,29 @@ def test_a_cancelled_compile_leaves_no_process(isolated):
         assert patient.num_compiling == 0
     finally:
         patient.close()
+
+
+def test_queued_compiles_take_turns_across_clients_and_a_clients_queue_is_bounded(isolated):
+    """Round-robin: a client that queued many new schemas waits for every other client's next one;
+    past max_queued_per_client its next is GrammarQueueFull (HTTP 429)."""
+    pool = IsolatedCompiler(isolated.manager, max_queued_per_client=3)
+    pool._workers = [None]  # no worker takes jobs: the queue is read by hand below
+    jobs = {f"{c}{i}": pool._submit(StructuredOutputsParams(regex=f"{c}{i}"), c) for c, n in (("a", 3), ("b", 2), ("c", 1))
+            for i in range(n)}
+    with pytest.raises(GrammarQueueFull, match="3 of this client's constraints are already waiting"):
+        pool._submit(StructuredOutputsParams(regex="a9"), "a")
+    order = [pool._next_job().params.regex for _ in range(6)]
+    assert order == ["a0", "b0", "c0", "a1", "b1", "a2"], order
+    assert pool.num_queued == 0 and len(jobs) == 6
+
+
+def test_what_compiles_in_the_servers_process():
+    assert is_quick(StructuredOutputsParams(json_object=True))
+    assert is_quick(StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "string", "maxLength": 64}}}))
+    for slow in ({"type": "string", "pattern": "(a|b){0,900}"}, {"type": "string", "maxLength": 9000},
+                 {"type": "array", "items": {"type": "string"}, "minItems": 1000}, {"type": "string", "format": "email"},
+                 {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(200)}}):
+        assert not is_quick(StructuredOutputsParams(json=slow)), slow
+    assert not is_quick(StructuredOutputsParams(regex="a"))
+    assert not is_quick(StructuredOutputsParams(grammar='root ::= "a"'))
+    assert not is_quick(StructuredOutputsParams(choice=("a", "b")))
