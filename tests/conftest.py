@@ -73,6 +73,20 @@ def smol_dense(smol_dir, smol_tokenizer):
 
 
 @pytest.fixture(scope="session")
+def hf_smol():
+    """transformers' model of the embedded GGUF (it dequantizes it to float32): the oracle. Loaded
+    once per session, and only by tests whose references were not kept from an earlier run
+    (tests/oracle/reference.py `cached`); never modified (adapters are made on copies)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from octavo.models.loader import default_gguf_path
+
+    gguf = default_gguf_path()
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def make_llm(smol, smol_dir, request):
     """Build an LLM over the shared weights with any EngineArgs fields; weights="dense" for the
     dequantized copy."""

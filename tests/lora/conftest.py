@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import hashlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,18 +22,20 @@ PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time, in a
 
 
 @pytest.fixture(scope="session")
-def hf_base():
-    from transformers import AutoModelForCausalLM
+def skeleton(smol_dir):
+    """A transformers model of the embedded model's shape with random weights: adapters are made
+    on it (their A and B come from the seeded generator, not from the base's weights), so making
+    them needs no 135M-weight load of the GGUF; references use the real base (`hf_smol`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    gguf = default_gguf_path()
-    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(smol_dir)), dtype=torch.float32).eval()
 
 
-def make_adapter(hf_base, path, seed: int, rank: int, targets: list[str], rslora: bool):
+def make_adapter(base, path, seed: int, rank: int, targets: list[str], rslora: bool) -> None:
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    model = get_peft_model(copy.deepcopy(hf_base), LoraConfig(
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(
         r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0, init_lora_weights=False,
         use_rslora=rslora))
     with torch.no_grad():
@@ -39,18 +43,35 @@ def make_adapter(hf_base, path, seed: int, rank: int, targets: list[str], rslora
             if "lora_B" in name:  # non-zero, small enough that the text stays text
                 p.copy_(torch.randn_like(p) * 0.02)
     model.save_pretrained(str(path))
-    return model.eval()
+
+
+def _files_digest(path) -> str:
+    digest = hashlib.sha256()
+    for f in sorted(Path(path).rglob("*")):
+        if f.is_file():
+            digest.update(f.name.encode() + f.read_bytes())
+    return digest.hexdigest()
 
 
 @pytest.fixture(scope="session")
-def adapters(hf_base, tmp_path_factory, smol_tokenizer):
-    """name -> (LoRARequest, greedy reference tokens per prompt from transformers + peft)."""
+def adapters(request, skeleton, tmp_path_factory, smol_tokenizer):
+    """name -> (LoRARequest, greedy reference tokens per prompt from transformers + peft on the
+    real base; kept between runs, keyed by the adapter's files: tests/oracle/reference.py)."""
+    from peft import PeftModel
+
+    from tests.oracle.reference import cached, model_key
+
+    base_key = {"model": model_key(default_gguf_path()), "prompts": PROMPTS, "num_new": NUM_NEW}
+    hf = lambda: request.getfixturevalue("hf_smol")  # noqa: E731  (loaded only when a reference is missing)
     out = {}
     for i, (name, (seed, rank, targets, rslora)) in enumerate(ADAPTERS.items(), start=1):
         path = tmp_path_factory.mktemp(name)
-        model = make_adapter(hf_base, path, seed, rank, targets, rslora)
-        out[name] = (LoRARequest(name, i, str(path)), greedy(model, smol_tokenizer))
-    out[None] = (None, greedy(hf_base, smol_tokenizer))
+        make_adapter(skeleton, path, seed, rank, targets, rslora)
+        refs = cached("lora", {**base_key, "adapter": _files_digest(path)},
+                      lambda path=path: greedy(PeftModel.from_pretrained(copy.deepcopy(hf()), str(path)).eval(),
+                                               smol_tokenizer))
+        out[name] = (LoRARequest(name, i, str(path)), refs)
+    out[None] = (None, cached("lora-base", base_key, lambda: greedy(hf(), smol_tokenizer)))
     return out
 
 

@@ -87,19 +87,28 @@ def read_bounded(path: Path) -> tuple[object, int]:
     return result, peak
 
 
-def check_mutant(original: Path, data: bytearray, tmp: Path, same_model: bool) -> None:
-    """Write `data` as a file and read it: refused with one line naming it, or (when the mutation
-    can only be structural: `same_model`) read as exactly the original model."""
+_SIGNATURES: dict[Path, tuple] = {}
+
+
+def check_mutant(original: Path, head: bytearray, tmp: Path, same_model: bool) -> None:
+    """Write the mutated header `head` as a file of the original's size (the tensor data a sparse
+    hole: the checks read only the header and the size) and read it: refused with one line naming
+    it, or (when the mutation can only be structural: `same_model`) read as exactly the original."""
     path = tmp / original.name
-    path.write_bytes(data)
+    path.write_bytes(head)
+    size = original.stat().st_size
+    os.truncate(path, size)
     result, peak = read_bounded(path)
-    assert peak < 2 * max(len(data), 1 << 16), f"reading allocated {peak} bytes for a {len(data)}-byte file"
+    assert peak < 2 * max(size, 1 << 16), f"reading allocated {peak} bytes for a {size}-byte file"
     if isinstance(result, GGUFFormatError):
         message = str(result)
         assert "\n" not in message and message.startswith(f"{path.name}: "), message
         return
     if same_model:
-        assert signature(path) == signature(original), "a structural mutation was read as another model"
+        if original not in _SIGNATURES:
+            _SIGNATURES[original] = signature(original)
+        assert signature(path) == _SIGNATURES[original], "a structural mutation was read as another model"
+    path.unlink()
 
 
 def mutate_field(data: bytes, field: tuple[int, int, str], value: int) -> bytearray:
@@ -124,19 +133,14 @@ def files(tiny_gemma):
     return sources(tiny_gemma)
 
 
-def full_bytes(path: Path, head: bytearray) -> bytearray:
-    """The mutated header followed by the file's untouched data."""
-    with open(path, "rb") as fh:
-        fh.seek(len(head))
-        return head + fh.read()
-
-
-_SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
+_SETTINGS = settings(max_examples=120, deadline=None, derandomize=True,
                      suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+# the tiny file three times as often: a mutant of the 49k-token vocabulary that is read costs ~0.3 s
+WHICH = st.sampled_from(["SmolLM2-135M-Instruct.Q4_1.gguf"] + ["tiny-gemma3.gguf"] * 3)
 
 
 @_SETTINGS
-@given(which=st.sampled_from(["SmolLM2-135M-Instruct.Q4_1.gguf", "tiny-gemma3.gguf"]), data=st.data())
+@given(which=WHICH, data=st.data())
 def test_a_mutated_count_length_type_or_offset_is_refused_or_changes_nothing(files, tmp_path, which, data):
     path, head, layout = files[which]
     structural = [f for f in layout if not f[2].startswith("metadata ")]
@@ -145,11 +149,11 @@ def test_a_mutated_count_length_type_or_offset_is_refused_or_changes_nothing(fil
     value = data.draw(st.one_of(st.sampled_from(EDGES), st.integers(0, 2 ** (8 * field[1]) - 1),
                                 st.sampled_from([original - 1, original + 1, original * 2, original // 2])))
     mutant = mutate_field(head, field, value)
-    check_mutant(path, full_bytes(path, mutant), tmp_path, same_model=True)
+    check_mutant(path, mutant, tmp_path, same_model=True)
 
 
 @_SETTINGS
-@given(which=st.sampled_from(["SmolLM2-135M-Instruct.Q4_1.gguf", "tiny-gemma3.gguf"]), data=st.data())
+@given(which=WHICH, data=st.data())
 def test_a_mutated_value_or_random_bytes_are_refused_in_one_line_or_read(files, tmp_path, which, data):
     path, head, layout = files[which]
     values = [f for f in layout if f[2].startswith("metadata ")]
@@ -160,7 +164,7 @@ def test_a_mutated_value_or_random_bytes_are_refused_in_one_line_or_read(files, 
     else:
         for _ in range(data.draw(st.integers(1, 8))):
             mutant[data.draw(st.integers(0, len(head) - 1))] = data.draw(st.integers(0, 255))
-    check_mutant(path, full_bytes(path, mutant), tmp_path, same_model=False)
+    check_mutant(path, mutant, tmp_path, same_model=False)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True,

@@ -1,8 +1,17 @@
-"""The Hugging Face transformers side of the oracle: greedy tokens and the top-2 logit gap per step."""
+"""The Hugging Face transformers side of the oracle: greedy tokens and the top-2 logit gap per step,
+kept on disk between runs (`cached`): transformers' output on the same file, prompts and versions
+is the same every run, and computing it was the suite's largest cost."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -99,6 +108,7 @@ class Reference:
 
 
 def hf_greedy(model, prompts: list[list[int]], num_new: int = NUM_NEW_TOKENS) -> list[Reference]:
+    """transformers' greedy continuation of each prompt (one at a time: no padding)."""
     refs = []
     with torch.inference_mode():
         for prompt in prompts:
@@ -128,3 +138,58 @@ def compare(got: list[int], ref: Reference) -> tuple[bool, str]:
         f"diverged at position {first} (reference top-2 gap {gap:.3e}): "
         f"got {got[max(0, first - 2) : first + 3]} expected {ref.tokens[max(0, first - 2) : first + 3]}"
     )
+
+
+# ---- references kept between runs ------------------------------------------------------------
+
+_SOURCE_DIGEST = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+
+
+def environment() -> dict[str, Any]:
+    """What else a reference depends on: the libraries that compute it, the threads and the CPU
+    (float32 sums are ordered by the kernels each ISA and thread count picks), this file."""
+    from importlib import metadata
+
+    import numpy
+    import transformers
+
+    from octavo.cpu_features import cpu_flags_line
+
+    return {"transformers": transformers.__version__, "torch": torch.__version__, "gguf": metadata.version("gguf"),
+            "numpy": numpy.__version__, "threads": torch.get_num_threads(),
+            "cpu": hashlib.sha256(cpu_flags_line().encode()).hexdigest()[:16], "reference_py": _SOURCE_DIGEST}
+
+
+def model_key(gguf_path: Path) -> str:
+    """The GGUF's content key (octavo.models.gguf_file): a changed file is another model."""
+    from octavo.models.gguf_file import read_header
+
+    return read_header(gguf_path).content_key()
+
+
+def cached(kind: str, key: dict[str, Any], compute: Callable[[], Any]) -> Any:
+    """compute() (JSON-able), or what it returned in an earlier run with the same `key` and
+    environment(): kept under the cache directory's test-references/ (OCTAVO_RECOMPUTE_REFERENCES=1
+    recomputes). Written whole or not at all."""
+    from octavo.cache import cache_dir
+
+    digest = hashlib.sha256(json.dumps({"kind": kind, **key, **environment()}, sort_keys=True).encode()).hexdigest()
+    path = cache_dir() / "test-references" / f"{kind}-{digest[:32]}.json"
+    if path.is_file() and os.environ.get("OCTAVO_RECOMPUTE_REFERENCES") != "1":
+        return json.loads(path.read_text())
+    value = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(value, fh)
+    os.replace(tmp, path)
+    return value
+
+
+def cached_greedy(load_model: Callable[[], Any], gguf_path: Path, prompts: list[list[int]],
+                  num_new: int = NUM_NEW_TOKENS) -> list[Reference]:
+    """hf_greedy on the model `load_model()` returns (called only when the references are not kept
+    from an earlier run), keyed by the GGUF's content, the prompts and num_new."""
+    key = {"model": model_key(gguf_path), "prompts": prompts, "num_new": num_new}
+    raw = cached("greedy", key, lambda: [asdict(r) for r in hf_greedy(load_model(), prompts, num_new)])
+    return [Reference(**r) for r in raw]

@@ -13,16 +13,9 @@ import torch
 from octavo.models.loader import default_gguf_path
 from octavo.sampling.params import BeamSearchParams
 from octavo.tokenizer import apply_chat_template
+from tests.oracle.reference import cached, model_key
 
 MAX_TOKENS = 20
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    gguf = default_gguf_path()
-    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +49,13 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def expected(hf_model, prompts):
-    return {p: [hf_beams(hf_model, prompt, p) for prompt in prompts] for p in CASES}
+def expected(request, prompts):
+    """transformers' beams for every case and prompt (kept between runs: tests/oracle/reference.py)."""
+    def compute(params: BeamSearchParams):
+        return lambda: [hf_beams(request.getfixturevalue("hf_smol"), prompt, params) for prompt in prompts]
+
+    key = {"model": model_key(default_gguf_path()), "prompts": prompts}
+    return {p: [tuple(r) for r in cached("beams", {**key, "params": repr(p)}, compute(p))] for p in CASES}
 
 
 @pytest.mark.parametrize("params", CASES, ids=lambda p: f"w{p.beam_width}-es{p.early_stopping}-lp{p.length_penalty}")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from octavo.sampling.params import SamplingParams
-from tests.oracle.reference import TEXT, compare, hf_greedy
+from tests.oracle.reference import TEXT, cached_greedy, compare
 
 NUM_NEW = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
@@ -87,8 +87,14 @@ def hf_model(gemma_gguf):
 
 
 @pytest.fixture(scope="module")
-def refs(hf_model, prompts):
-    return hf_greedy(hf_model, prompts, NUM_NEW)
+def reference(request, gemma_gguf):
+    """prompts -> transformers' greedy tokens (kept between runs; the model loaded only if needed)."""
+    return lambda prompts: cached_greedy(lambda: request.getfixturevalue("hf_model"), gemma_gguf, prompts, NUM_NEW)
+
+
+@pytest.fixture(scope="module")
+def refs(reference, prompts):
+    return reference(prompts)
 
 
 def check_all(outputs, refs, mode: str) -> None:
@@ -139,7 +145,7 @@ def test_a_prompt_that_fits_the_pool_only_in_smaller_chunks_is_admitted(make_gem
     assert llm.engine.get_stats().num_steps >= -(-1600 // 417) + NUM_NEW - 1
 
 
-def test_prefix_hits_after_the_window_has_slid(make_gemma, prompts, refs, hf_model):
+def test_prefix_hits_after_the_window_has_slid(make_gemma, prompts, refs, reference):
     """The 1,600-token prompt is computed and cached; then the 2,000-token one, which shares
     nothing, and a prompt sharing its first 1,200 tokens (far past the window) with a new tail."""
     llm = make_gemma()
@@ -148,10 +154,10 @@ def test_prefix_hits_after_the_window_has_slid(make_gemma, prompts, refs, hf_mod
     sharer = base[:1200] + prompts[4][1500:1700]
     (out,) = llm.generate([sharer], GREEDY, use_tqdm=False)
     assert out.num_cached_tokens >= 1184  # whole blocks of the shared 1,200 tokens
-    check_all([out], hf_greedy(hf_model, [sharer], NUM_NEW), "prefix hit past the window")
+    check_all([out], reference([sharer]), "prefix hit past the window")
 
 
-def test_prefix_hits_past_the_window_come_back_from_the_second_tier(make_gemma, prompts, hf_model, tmp_path):
+def test_prefix_hits_past_the_window_come_back_from_the_second_tier(make_gemma, prompts, reference, tmp_path):
     """As above, but the 2,000-token prompt in between evicts the first one's blocks (a pool of
     480 blocks): the sharer's global and window blocks come back from the tier on disk, in their
     own KV groups."""
@@ -164,7 +170,7 @@ def test_prefix_hits_past_the_window_come_back_from_the_second_tier(make_gemma, 
     (out,) = llm.generate([sharer], GREEDY, use_tqdm=False)
     stats = llm.engine.get_stats().scheduler
     assert out.num_cached_tokens >= 1184 and stats.tier_hits > 0 and stats.tier_blocks_corrupt == 0, stats
-    check_all([out], hf_greedy(hf_model, [sharer], NUM_NEW), "prefix hit past the window, from the tier")
+    check_all([out], reference([sharer]), "prefix hit past the window, from the tier")
     llm.close()
 
 

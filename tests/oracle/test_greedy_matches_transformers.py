@@ -17,22 +17,13 @@ from octavo.models.loader import default_gguf_path
 from octavo.sampling.params import SamplingParams
 from tests.oracle.reference import (
     NUM_NEW_TOKENS,
+    cached_greedy,
     compare,
-    hf_greedy,
     oracle_prompts,
     shared_prefix_prompts,
 )
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    gguf = default_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +37,8 @@ def prompts(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def refs(hf_model, prompts):
-    return hf_greedy(hf_model, prompts)
+def refs(request, prompts):
+    return cached_greedy(lambda: request.getfixturevalue("hf_smol"), default_gguf_path(), prompts)
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +47,8 @@ def shared_prompts(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def shared_refs(hf_model, shared_prompts):
-    return hf_greedy(hf_model, shared_prompts)
+def shared_refs(request, shared_prompts):
+    return cached_greedy(lambda: request.getfixturevalue("hf_smol"), default_gguf_path(), shared_prompts)
 
 
 def check_all(outputs, refs, mode: str) -> None:
