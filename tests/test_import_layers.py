@@ -16,7 +16,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "octavo.quantization", "octavo.memory", "octavo.sampling", "octavo.sampling.params",
         "octavo.sampling.logprobs", "octavo.lora.request", "octavo.beam_search", "octavo.structured.schema",
         "octavo.kernels.metadata", "octavo.tokenizer", "octavo.detokenizer", "octavo.planner",
-        "octavo.simulator.workload",
+        "octavo.simulator.workload", "octavo.json_limits",
     ]),
     ("scheduling state (pure Python)", [
         "octavo.request", "octavo.request_queue", "octavo.outputs", "octavo.kv_cache", "octavo.spec_decode", "octavo.scheduler", "octavo.dashboard",

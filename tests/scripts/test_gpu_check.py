@@ -1,5 +1,6 @@
 """scripts/gpu_check.sh --smoke runs every stage on the CPU (the script is tested here, since it has
-never run on a GPU), and a stage that dies as a CUDA fault does leaves the other stages, the table
+never run on a GPU) with its table, results.json (throughput of octavo and transformers included)
+and no failed stage, and a stage that dies as a CUDA fault does leaves the other stages, the table
 and the results whole, in at most 6 files."""
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ def test_smoke_run_of_the_shell_script_is_green_with_every_stage(tmp_path):
     assert set(STAGES) <= _table_stages(summary), summary
     assert "FAILED" not in summary and "oracle      float32 reference == transformers (sequences)            4/4" in summary
     assert sorted(p.name for p in log_dir.iterdir()) == ["gpu_check.log", "logs.tar.gz", "results.json", "summary.txt"]
-    assert json.loads((log_dir / "results.json").read_text())["stage_exit"] == {s: 0 for s in STAGES}
+    results = json.loads((log_dir / "results.json").read_text())
+    assert results["stage_exit"] == {s: 0 for s in STAGES}
+    assert set(results["throughput"]) >= {"octavo", "hf"} and results["throughput"]["octavo"]["output_tokens"] == 8 * 8
 
 
 def test_a_stage_that_aborts_leaves_the_others_the_table_and_the_results(tmp_path):
