@@ -85,6 +85,8 @@ def start(path: Path, env: dict, timeout_s: float) -> dict:
     if "Traceback" in err:
         return {**result, "outcome": "traceback", "detail": err[-1500:]}
     if proc.returncode == 2 and len(lines) == 1:
+        if lines[0].startswith("octavo: error: prompt 0:"):  # the file loaded; its declared context cannot hold the prompt
+            return {**result, "outcome": "served, prompt refused", "detail": lines[0]}
         return {**result, "outcome": "refused", "detail": lines[0]}
     if proc.returncode == 0:
         answer = json.loads(proc.stdout)["answers"][0]["text"]
