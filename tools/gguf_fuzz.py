@@ -28,24 +28,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from octavo.models.gguf_file import ArrayValue, read_header  # noqa: E402
-from tests.models.test_gguf_fuzz import _MEASURED_CLI, EDGES  # noqa: E402
+from octavo.models.gguf_file import read_header  # noqa: E402
+from tests.models.test_gguf_fuzz import _MEASURED_CLI, EDGES, layout_of  # noqa: E402
 
 PROMPT = "The capital of France is"
 
 
-def layout(path: Path) -> list[tuple[int, int, str]]:
-    fields: list[tuple[int, int, str]] = []
-    header = read_header(path, fields)
-    for key, value in header.metadata.items():
-        if isinstance(value, ArrayValue) and value.elem_type == 8 and value.count:
-            fields.append((value.offset, 8, f"the length of element 0 of {key}"))
-    return fields
-
-
 def mutations(path: Path, rng: random.Random, count: int) -> list[dict]:
     """`count` mutations of `path`: {kind, patches [(offset, bytes)] or cut, what}."""
-    fields = layout(path)
+    fields = layout_of(path)
     head_end = read_header(path).data_offset
     structural = [f for f in fields if not f[2].startswith("metadata ")]
     values = [f for f in fields if f[2].startswith("metadata ")]
