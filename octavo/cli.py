@@ -285,8 +285,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     kv_dtype, kv_why = (args.kv_dtype, "--kv-dtype") if args.kv_dtype else _serving_kv_dtype(hf, quantized=gguf is not None)
     weight_bytes, weight_source = args.weight_bytes, "--weight-bytes"
     if weight_bytes is None and gguf is not None and args.weight_dtype is None:
-        from octavo.models.gguf_arch import held_weight_bytes
         from octavo.models.gguf_file import read_header
+        from octavo.models.loader import held_weight_bytes
 
         weight_bytes, weight_source = held_weight_bytes(read_header(gguf)), f"{Path(gguf).name}'s tensors as the engine holds them"
     plan = make_plan(
@@ -301,17 +301,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _serving_kv_dtype(hf_config: dict, quantized: bool) -> tuple[str, str]:
     """(the KV dtype `octavo serve` would use for this model on this machine, why): its --dtype
-    auto rule (models/loader.auto_dtype) without loading the weights."""
-    import torch
+    auto rule without loading the weights."""
+    from octavo.engine_args import resolve_device
+    from octavo.models.loader import dtype_rule
 
-    if torch.cuda.is_available():
-        return "bfloat16", "what serve uses on CUDA"
-    from octavo.cpu_features import cpu_flags
-
-    stored = hf_config.get("torch_dtype") or hf_config.get("dtype")
-    if not quantized and stored == "bfloat16" and "amx_bf16" in cpu_flags():
-        return "bfloat16", "what serve uses on this CPU (bfloat16 weights, AMX-BF16)"
-    return "float32", "what serve uses on this CPU" + (", for quantized weights" if quantized else "")
+    dtype, why = dtype_rule(quantized, resolve_device("auto"), hf_config.get("torch_dtype") or hf_config.get("dtype"))
+    return dtype, f"what serve uses here: {why}"
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

@@ -151,8 +151,11 @@ class LLMEngine:
                 self.tier, index = open_host_tier(config.cache.kv_offload_bytes, self.runner.tier_block_bytes(),
                                                   self.runner.host_buffer)
             else:
-                self.tier, index = open_disk_tier(self._tier_path(config), config.cache.kv_offload_bytes,
-                                                  self.runner.tier_block_bytes(), self._tier_fingerprint(config))
+                fingerprint = tier_fingerprint(config.model_path or str(config.model), config.model_config, config.dtype,
+                                               config.cache.block_size, config.quantization,
+                                               self.runner.attention_backend)
+                self.tier, index = open_disk_tier(_tier_path(config, fingerprint), config.cache.kv_offload_bytes,
+                                                  self.runner.tier_block_bytes(), fingerprint)
             swap = self._swap_is_cheaper(config)  # its probe writes and reads: a full disk fails it
         except TierUnavailable as exc:
             if self.tier is not None:
@@ -165,17 +168,6 @@ class LLMEngine:
             return None
         self.runner.attach_tier(self.tier)
         return index, swap
-
-    def _tier_fingerprint(self, config: EngineConfig) -> dict:
-        return tier_fingerprint(config.model_path or str(config.model), config.model_config, config.dtype,
-                                config.cache.block_size, config.quantization, self.runner.attention_backend)
-
-    def _tier_path(self, config: EngineConfig) -> str:
-        """--kv-offload-path, or one folder per fingerprint: switching models never wipes another's tier."""
-        if config.cache.kv_offload_path is not None:
-            return config.cache.kv_offload_path
-        digest = hashlib.sha256(json.dumps(self._tier_fingerprint(config), sort_keys=True).encode()).hexdigest()[:16]
-        return str(cache_dir() / "kv-tier" / digest)
 
     def _swap_is_cheaper(self, config: EngineConfig) -> bool:
         """Measure what one block of a preempted request costs to move through the tier (out and
@@ -457,3 +449,11 @@ class LLMEngine:
             num_generation_tokens_total=self._num_generation_tokens,
             num_steps=self._num_steps,
         )
+
+
+def _tier_path(config: EngineConfig, fingerprint: dict) -> str:
+    """--kv-offload-path, or one folder per fingerprint: switching models never wipes another's tier."""
+    if config.cache.kv_offload_path is not None:
+        return config.cache.kv_offload_path
+    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+    return str(cache_dir() / "kv-tier" / digest)

@@ -81,10 +81,6 @@ class UnsupportedGGUFError(GGUFFormatError):
     pass
 
 
-def field(header: GGUFHeader, key: str) -> Any:
-    return header.get(key)
-
-
 def architecture(header: GGUFHeader) -> str:
     """The file's `general.architecture`; UnsupportedGGUFError names the supported ones."""
     arch = header.get("general.architecture")
@@ -141,11 +137,12 @@ def _stop_ids(header: GGUFHeader, tokens: list[str]) -> list[int]:
     return ids
 
 
-def hf_config(header: GGUFHeader) -> dict[str, Any]:
+def hf_config(header: GGUFHeader, hp: dict[str, Any] | None = None) -> dict[str, Any]:
     """The config.json a checkpoint of this file's model would have (transformers loads it), after
-    checking the file's hyperparameters, tokenizer arrays and tensors (`check_model`):
-    GGUFFormatError names the key or tensor that is wrong."""
-    hp = check_model(header)
+    checking the file's hyperparameters, tokenizer arrays and tensors (`check_model`; `hp`: what
+    it returned already, so a caller that checked does not check twice): GGUFFormatError names the
+    key or tensor that is wrong."""
+    hp = hp or check_model(header)
     arch = hp["arch"]
     get = lambda key, default=None: default if header.get(f"{arch}.{key}") is None else header.get(f"{arch}.{key}")  # noqa: E731
     hf_arch, model_type = _HF_ARCH[arch]
@@ -340,45 +337,3 @@ def check_file(path: str | Path) -> dict[str, Any]:
     GGUFFormatError (one line) for a malformed file. What `octavo serve FILE.gguf` does before
     it loads anything."""
     return hf_config(read_header(path))
-
-
-# Bytes per weight of each format the loader keeps in blocks, as the CPU kernels hold it after
-# packing (kernels/cpu: Q4_0 / Q4_1 / Q8_0 tiles keep the block bytes; the K8 formats widen to tiles
-# of 8 bytes of scale and min per G rows and sub-block, quant_linear_k8.cpp's tile_bytes). Q5_0 is
-# held as Q8_0 (exact), and so are fused parts all in formats of AS_Q8_0 (quantization.py); any
-# other tensor is dequantized to the activations' dtype.
-_HELD_BYTES_PER_WEIGHT = {"Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q8_0": 34 / 32, "Q5_1": 40 / 32, "Q4_K": 24 / 32,
-                          "Q5_K": 40 / 32, "Q6_K": 24 / 16}
-_AS_Q8_0 = ("Q4_0", "Q5_0", "Q8_0")
-_FUSED = {"attn_q": "attn_qkv", "attn_k": "attn_qkv", "attn_v": "attn_qkv", "ffn_gate": "ffn_gate_up",
-          "ffn_up": "ffn_gate_up"}
-
-
-def held_weight_bytes(header: GGUFHeader, dense_bytes: int = 4) -> int:
-    """Bytes of weights the engine holds for this file with the default --quantization auto on a
-    CPU (what `loader.load_gguf_weights` and the kernels' packing make of each tensor; `dense_bytes`
-    per dequantized weight: float32 activations). `octavo plan FILE.gguf` reports this."""
-    def held(t, fmt: str | None = None) -> int:
-        fmt = fmt or t.type_name
-        if fmt in _HELD_BYTES_PER_WEIGHT:
-            return int(t.num_elements * _HELD_BYTES_PER_WEIGHT[fmt])
-        return t.num_elements * dense_bytes
-
-    total = 0
-    fused: dict[str, list] = {}
-    for name, t in header.tensors.items():
-        stem, _, suffix = name.rpartition(".")
-        parts = stem.split(".")
-        if suffix == "weight" and len(parts) == 3 and parts[2] in _FUSED:
-            fused.setdefault(f"{parts[1]}.{_FUSED[parts[2]]}", []).append(t)
-        else:
-            total += held(t, "Q8_0" if t.type_name == "Q5_0" else None)
-    for tensors in fused.values():
-        types = {t.type_name for t in tensors}
-        if len(types) == 1 and types <= set(_HELD_BYTES_PER_WEIGHT):
-            total += sum(held(t) for t in tensors)
-        elif types <= set(_AS_Q8_0):
-            total += sum(held(t, "Q8_0") for t in tensors)
-        else:
-            total += sum(t.num_elements * dense_bytes for t in tensors)
-    return total

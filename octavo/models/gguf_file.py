@@ -189,10 +189,6 @@ class GGUFHeader:
             values.byteswap()
         return values.tolist()
 
-    def array_length(self, key: str) -> int | None:
-        value = self.metadata.get(key)
-        return value.count if isinstance(value, ArrayValue) else None
-
     def content_key(self) -> str:
         """A digest of what the file holds, cheap to compute at every start: the whole header (all
         metadata and the tensor index) and, of every tensor, its first, middle and last 4 KiB, so

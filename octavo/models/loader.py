@@ -279,19 +279,25 @@ def stored_dtype(model_dir: Path) -> str | None:
 
 
 def auto_dtype(model: torch.nn.Module, device: str, stored: str | None = None) -> tuple[str, str]:
+    """--dtype auto for a loaded model: `dtype_rule` on whether any of its weights is quantized."""
+    return dtype_rule(any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules()), device, stored)
+
+
+def dtype_rule(quantized: bool, device: str, stored: str | None) -> tuple[str, str]:
     """--dtype auto: (dtype, why), decided from what the weights are and what the CPU has, never
     from a timing (a timing taken on a busy machine picked bfloat16 one start and float32 the
-    next: the same file answered differently). float32 when any weight is quantized (the C++
-    kernels take float32 activations); on CUDA bfloat16; on a CPU, bfloat16 only for weights
-    stored as bfloat16 on a CPU with AMX-BF16 tiles (detected; with AVX512_BF16 alone this
-    torch's bf16 linear measured slower than float32: docs/BENCHMARKS.md), else float32, which
-    keeps transformers' float32 numerics. `python -m octavo.cpu_features` measures bf16 here."""
+    next: the same file answered differently). On CUDA bfloat16 (GGUF blocks are dequantized
+    there); float32 when any weight is quantized (the C++ kernels take float32 activations); on a
+    CPU, bfloat16 only for weights stored as bfloat16 on a CPU with AMX-BF16 tiles (detected; with
+    AVX512_BF16 alone this torch's bf16 linear measured slower than float32: docs/BENCHMARKS.md),
+    else float32, which keeps transformers' float32 numerics. `python -m octavo.cpu_features`
+    measures bf16 here. `octavo plan` applies it without loading the weights."""
     from octavo.cpu_features import cpu_flags
 
-    if any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules()):
-        return "float32", "quantized weights: the CPU kernels take float32 activations"
     if device.startswith("cuda"):
         return "bfloat16", "CUDA"
+    if quantized:
+        return "float32", "quantized weights: the CPU kernels take float32 activations"
     if stored != "bfloat16":
         return "float32", f"dense weights stored as {stored or 'float32 (config says nothing)'}"
     if "amx_bf16" not in cpu_flags():
@@ -425,12 +431,13 @@ def _tensor_data(buf: Any, info: TensorInfo) -> np.ndarray:
 
 
 def _gguf_tensors(
-    gguf_path: Path, model_dir: Path | None, header: GGUFHeader | None = None
+    gguf_path: Path, model_dir: Path | None, header: GGUFHeader | None = None, hf_config: dict[str, Any] | None = None
 ) -> list[tuple[str, torch.Tensor, QuantFormat | None]]:
     """(HF name, data, format) of every tensor: blocks uint8 [rows, row_bytes] for the formats
     the kernels read (format set), else float32 in the HF shape (format None); q/k rows
     un-interleaved as in `convert_gguf` (whole rows move, so this applies to blocks as well).
-    `header`: the file's checked header, so that the conversion does not read it twice."""
+    `header`, `hf_config`: the file's checked header and its config, so that the conversion does
+    not read and check it twice."""
     cache = None if model_dir is None else model_dir / GGUF_BLOCKS_FILE
     if cache is not None and cache.is_file():
         with safe_open(str(cache), framework="pt") as f:
@@ -440,7 +447,7 @@ def _gguf_tensors(
     from gguf.quants import dequantize as gguf_dequantize
 
     header = header or read_header(gguf_path)
-    hf_config = gguf_arch.hf_config(header)
+    hf_config = hf_config or gguf_arch.hf_config(header)
     arch = gguf_arch.architecture(header)
     out = []
     with open(gguf_path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
@@ -467,6 +474,45 @@ def _gguf_tensors(
         finally:
             Path(tmp).unlink(missing_ok=True)
     return out
+
+
+# Bytes per weight of each format load_gguf_weights keeps in blocks, as the CPU kernels hold it
+# after packing (kernels/cpu: Q4_0 / Q4_1 / Q8_0 tiles keep the block bytes; the K8 formats widen
+# to tiles of 8 bytes of scale and min per G rows and sub-block, quant_linear_k8.cpp's tile_bytes).
+_HELD_BYTES_PER_WEIGHT = {"Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q8_0": 34 / 32, "Q5_1": 40 / 32, "Q4_K": 24 / 32,
+                          "Q5_K": 40 / 32, "Q6_K": 24 / 16}
+_FUSED_PARTS = {"attn_q": "attn_qkv", "attn_k": "attn_qkv", "attn_v": "attn_qkv", "ffn_gate": "ffn_gate_up",
+                "ffn_up": "ffn_gate_up"}
+
+
+def held_weight_bytes(header: GGUFHeader, dense_bytes: int = 4) -> int:
+    """Bytes of weights the engine holds for this file with --quantization auto on a CPU, computed
+    from its header alone by load_gguf_weights' rules (a format of FORMATS kept in its blocks,
+    Q5_0 as Q8_0; a fused layer's parts in one format kept, all in AS_Q8_0 as Q8_0, else dense;
+    `dense_bytes` per dequantized weight). `octavo plan FILE.gguf` reports it."""
+    def held(t, fmt: str) -> int:
+        if fmt in _HELD_BYTES_PER_WEIGHT:
+            return int(t.num_elements * _HELD_BYTES_PER_WEIGHT[fmt])
+        return t.num_elements * dense_bytes
+
+    total = 0
+    fused: dict[str, list] = {}
+    for name, t in header.tensors.items():
+        stem, _, suffix = name.rpartition(".")
+        parts = stem.split(".")
+        if suffix == "weight" and len(parts) == 3 and parts[2] in _FUSED_PARTS:
+            fused.setdefault(f"{parts[1]}.{_FUSED_PARTS[parts[2]]}", []).append(t)
+        else:
+            total += held(t, Q8_0.name if t.type_name == Q5_0.name else t.type_name)
+    for tensors in fused.values():
+        types = {t.type_name for t in tensors}
+        if len(types) == 1 and types <= set(FORMATS) and Q5_0.name not in types:
+            total += sum(held(t, t.type_name) for t in tensors)
+        elif types <= set(AS_Q8_0):
+            total += sum(held(t, Q8_0.name) for t in tensors)
+        else:
+            total += sum(t.num_elements * dense_bytes for t in tensors)
+    return total
 
 
 def _set_quantized(
@@ -501,13 +547,13 @@ def convert_gguf(gguf_path: Path, name: str) -> Path:
     process converts while others wait (`octavo.cache.exclusive`); a conversion killed midway
     leaves only a temporary folder, removed by the next one."""
     header = read_header(gguf_path)
-    gguf_arch.check_model(header)
+    hp = gguf_arch.check_model(header)
     key = header.content_key()[:16]
     out = cache_dir() / "models" / f"{name}-{key}"
     if not _is_converted(out):
         with exclusive(out.with_name(out.name + ".lock"), f"the conversion of {gguf_path.name} into {out}"):
             if not _is_converted(out):
-                _convert_gguf_into(gguf_path, out, header, key)
+                _convert_gguf_into(gguf_path, out, header, key, hp)
     _record_gguf_source(out, gguf_path, key)
     return out
 
@@ -516,9 +562,9 @@ def _is_converted(out: Path) -> bool:
     return (out / "config.json").is_file() and (out / GGUF_BLOCKS_FILE).is_file()
 
 
-def _convert_gguf_into(gguf_path: Path, out: Path, header: GGUFHeader, key: str) -> None:
+def _convert_gguf_into(gguf_path: Path, out: Path, header: GGUFHeader, key: str, hp: dict[str, Any]) -> None:
     logger.info("converting %s into %s (once: config, tokenizer, quantized blocks)", gguf_path.name, out)
-    hf_config = gguf_arch.hf_config(header)
+    hf_config = gguf_arch.hf_config(header, hp)
     prefix = f".tmp-{out.name}-"
     if out.is_dir():  # a directory of an older layout: replaced whole
         shutil.rmtree(out)
@@ -528,7 +574,7 @@ def _convert_gguf_into(gguf_path: Path, out: Path, header: GGUFHeader, key: str)
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
         _save_gguf_tokenizer(header, tmp)
         _record_gguf_source(tmp, gguf_path, key)
-        _gguf_tensors(gguf_path, tmp, header)  # the blocks cache, from the header already read
+        _gguf_tensors(gguf_path, tmp, header, hf_config)  # the blocks cache, from the header already read
         move_into_place(tmp, out)
     finally:
         if tmp.exists():
