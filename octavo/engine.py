@@ -18,7 +18,6 @@ import torch
 
 from octavo.beam_search import BeamGroup
 from octavo.config import EngineConfig
-from octavo.dashboard.snapshot import StepLog, StepRecord
 from octavo.draft_model import DraftModel
 from octavo.distributed.executor import TensorParallelExecutor, TensorParallelGroup, WorkerSpec, start_tensor_parallel
 from octavo.engine_args import EngineArgs, resolve_device
@@ -33,7 +32,7 @@ from octavo.models.loader import auto_dtype, describe_weights, load_model, resol
 from octavo.output_processor import OutputProcessor
 from octavo.request import FinishReason, Request, RequestOutput, check_inputs, child_request_id
 from octavo.sampling.params import BeamSearchParams, SamplingParams
-from octavo.outputs import EngineStats
+from octavo.outputs import EngineStats, StepLog, StepRecord
 from octavo.scheduler import Scheduler
 from octavo.structured.manager import StructuredOutputManager
 from octavo.threads import ThreadGovernor

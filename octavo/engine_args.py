@@ -21,12 +21,12 @@ from octavo.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from octavo.memory import GPU_DEFAULT_UTILIZATION
+from octavo.quantization import QUANTIZATION_CHOICES
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "reference")
-GPU_DEFAULT_UTILIZATION = 0.9
-QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")  # int8 / int4: octavo.quantization.HF_SCHEMES
 
 
 @dataclass(frozen=True, slots=True)

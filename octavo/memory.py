@@ -6,9 +6,9 @@ import os
 from dataclasses import dataclass
 
 from octavo.config import CacheConfig, ModelConfig, SchedulerConfig, blocks_to_hold
-from octavo.engine_args import GPU_DEFAULT_UTILIZATION
 
 GiB = 1 << 30
+GPU_DEFAULT_UTILIZATION = 0.9  # of the GPU's memory, when --gpu-memory-utilization is not given
 # On the CPU the default is a fixed budget, as vLLM's CPU backend does (its KV-cache space
 # setting): "a fraction of RAM" would take most of a shared machine's memory.
 CPU_DEFAULT_KV_BYTES = 4 * GiB

@@ -1,15 +1,12 @@
-"""The plain data that crosses one engine step: SchedulerOutput to the runner, ModelRunnerOutput back."""
+"""The plain data that crosses one engine step: SchedulerOutput to the runner, ModelRunnerOutput back,
+and what a step leaves for logs, metrics and the dashboard (SchedulerStats, EngineStats, StepLog)."""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 from octavo.sampling.logprobs import TokenLogprob
 from octavo.sampling.params import SamplingParams
-
-if TYPE_CHECKING:
-    from octavo.scheduler import SchedulerStats
 
 
 @dataclass(slots=True)
@@ -119,6 +116,36 @@ class ModelRunnerOutput:
 
 
 @dataclass(slots=True)
+class SchedulerStats:
+    """A snapshot after a step, for logs and metrics. Counters are cumulative since start."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_scheduled_tokens: int
+    num_scheduled_requests: int
+    num_recomputed_tokens: int = 0  # tokens computed again after a preemption (the recompute tax)
+    num_repreemptions: int = 0  # preemptions of a request preempted before
+    num_resumed: int = 0  # admissions of a preempted request
+    tier_hits: int = 0  # prompt tokens whose KV came from the second tier (counted in prefix_cache_hits)
+    tier_blocks_stored: int = 0
+    tier_blocks_loaded: int = 0
+    tier_blocks_corrupt: int = 0  # loads refused by their checksum
+    tier_usage: float = 0.0
+    tier_num_blocks: int = 0
+    num_tier_loads: int = 0  # rounds of tier loads (a waiting request's hit, or a running one's next blocks)
+    num_swaps: int = 0  # preemptions that swap through the second tier (num_preemptions - this recompute)
+    spec_num_drafts: int = 0  # verifications of drafted tokens (one per request per step that drafted)
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_acceptance_counts: tuple[int, ...] = ()  # [m]: verifications that accepted m drafts
+
+
+@dataclass(slots=True)
 class EngineStats:
     """Scheduler snapshot after the last step plus cumulative token counters, for logs and metrics."""
 
@@ -126,3 +153,26 @@ class EngineStats:
     num_prompt_tokens_total: int  # prompt tokens computed (prefix hits excluded, recomputes included)
     num_generation_tokens_total: int
     num_steps: int
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One engine step, as the timeline shows it."""
+
+    step: int
+    end_time: float  # time.time() when it ended
+    seconds: float
+    num_prefill_tokens: int  # prompt tokens computed (chunks, recomputes)
+    num_decode_tokens: int  # tokens of requests past their prompt (decodes and verified drafts)
+    num_requests: int
+    num_preempted: int
+
+
+class StepLog:
+    """The last `maxlen` steps (a ring: a page left open for a day holds no more than this)."""
+
+    def __init__(self, maxlen: int = 240) -> None:
+        self.records: deque[StepRecord] = deque(maxlen=maxlen)
+
+    def add(self, record: StepRecord) -> None:
+        self.records.append(record)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from octavo.beam_search import BeamGroup, Continuation
 from octavo.config import SchedulerConfig
 from octavo.kv_cache.manager import Allocation, KVCacheManager
-from octavo.outputs import ModelRunnerOutput, SampleRow, ScheduledRequest, SchedulerOutput
+from octavo.outputs import ModelRunnerOutput, SampleRow, ScheduledRequest, SchedulerOutput, SchedulerStats
 from octavo.request import FinishReason, Request, RequestStatus, child_request_id
 from octavo.request_queue import make_waiting_queue
 from octavo.spec_decode import best_num_drafts, make_drafter
@@ -30,36 +30,6 @@ from octavo.spec_decode import best_num_drafts, make_drafter
 
 class RequestRefused(ValueError):
     """A request that can never be served with this engine's limits."""
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    """A snapshot after a step, for logs and metrics. Counters are cumulative since start."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_free_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_scheduled_tokens: int
-    num_scheduled_requests: int
-    num_recomputed_tokens: int = 0  # tokens computed again after a preemption (the recompute tax)
-    num_repreemptions: int = 0  # preemptions of a request preempted before
-    num_resumed: int = 0  # admissions of a preempted request
-    tier_hits: int = 0  # prompt tokens whose KV came from the second tier (counted in prefix_cache_hits)
-    tier_blocks_stored: int = 0
-    tier_blocks_loaded: int = 0
-    tier_blocks_corrupt: int = 0  # loads refused by their checksum
-    tier_usage: float = 0.0
-    tier_num_blocks: int = 0
-    num_tier_loads: int = 0  # rounds of tier loads (a waiting request's hit, or a running one's next blocks)
-    num_swaps: int = 0  # preemptions that swap through the second tier (num_preemptions - this recompute)
-    spec_num_drafts: int = 0  # verifications of drafted tokens (one per request per step that drafted)
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_acceptance_counts: tuple[int, ...] = ()  # [m]: verifications that accepted m drafts
 
 
 class Scheduler:
@@ -522,7 +492,8 @@ class Scheduler:
             self.requests[rid] for rid in self._sequences.get(request.user_request_id, ())
             if self.requests[rid].status is not RequestStatus.RUNNING
         ]
-        needed = sum(self.kv_cache.num_blocks_to_hold(r.num_tokens, self.config.max_num_batched_tokens) for r in waiting)
+        budget = self.config.max_num_batched_tokens
+        needed = sum(self.kv_cache.num_blocks_to_hold(r.num_tokens, r.max_chunk_tokens or budget) for r in waiting)
         held = sum(self.kv_cache.num_blocks_held_for(r) for r in waiting)  # back from the tier: their hits
         return len(waiting) <= 1 or needed <= self.kv_cache.num_free_blocks + held
 
@@ -780,6 +751,7 @@ class Scheduler:
             num_computed_tokens=leader.num_computed_tokens,
             num_cached_tokens=leader.num_cached_tokens,
             admit_seq=leader.admit_seq,
+            max_chunk_tokens=leader.max_chunk_tokens,
         )
         self.kv_cache.fork(leader, child)
         self.requests[child_id] = child

@@ -1,6 +1,8 @@
 """The import graph of `octavo/` has no cycles and no upward edges: each module imports only from
-its own layer or those below (imports inside functions count too: a lazy import is still a
-dependency). The layers are the architecture of docs/ARCHITECTURE.md, lowest first."""
+its own layer or those below (imports inside functions and type-only imports under TYPE_CHECKING
+count too: a lazy import or a type hint is still a dependency). The layers are the architecture of
+docs/ARCHITECTURE.md, lowest first. Server modules reach the engine only through AsyncEngine's
+public methods."""
 
 from __future__ import annotations
 
@@ -12,22 +14,26 @@ ROOT = Path(__file__).resolve().parents[1] / "octavo"
 # Lowest first. A module belongs to the longest prefix listed; packages' __init__ go with their prefix.
 LAYERS: list[tuple[str, list[str]]] = [
     ("data and leaves", [
-        "octavo.config", "octavo.engine_args", "octavo.cache", "octavo.cpu_features", "octavo.threads",
-        "octavo.quantization", "octavo.memory", "octavo.sampling", "octavo.sampling.params",
+        "octavo.config", "octavo.cache", "octavo.cpu_features", "octavo.threads", "octavo.hf_fields",
+        "octavo.quantization", "octavo.sampling", "octavo.sampling.params",
         "octavo.sampling.logprobs", "octavo.lora.request", "octavo.beam_search", "octavo.structured.schema",
-        "octavo.kernels.metadata", "octavo.tokenizer", "octavo.detokenizer", "octavo.planner",
+        "octavo.kernels.metadata", "octavo.tokenizer", "octavo.detokenizer",
         "octavo.simulator.workload", "octavo.json_limits",
     ]),
-    ("scheduling state (pure Python)", [
-        "octavo.request", "octavo.request_queue", "octavo.outputs", "octavo.kv_cache", "octavo.spec_decode", "octavo.scheduler", "octavo.dashboard",
-        "octavo.metrics", "octavo.structured", "octavo.simulator",
-    ]),
+    ("sizing the KV cache (arithmetic)", ["octavo.memory"]),
+    ("request data (what crosses a step)", ["octavo.request", "octavo.request_queue", "octavo.outputs"]),
+    ("the KV cache", ["octavo.kv_cache"]),
+    ("the scheduler", ["octavo.scheduler", "octavo.spec_decode"]),
+    ("readers of scheduling state", ["octavo.dashboard", "octavo.simulator", "octavo.metrics", "octavo.structured"]),
     ("kernels and the KV tier's storage", ["octavo.kernels", "octavo.kv_tier"]),
     ("models and what wraps them", [
         "octavo.models", "octavo.lora", "octavo.sampling.sampler", "octavo.cuda_graphs", "octavo.distributed.layers",
     ]),
     ("the runner and its ranks", ["octavo.model_runner", "octavo.draft_model", "octavo.distributed"]),
-    ("the engine", ["octavo.output_processor", "octavo.engine", "octavo.llm", "octavo.bench"]),
+    ("the user's arguments", ["octavo.engine_args"]),
+    ("the engine and the tools over it", [
+        "octavo.output_processor", "octavo.engine", "octavo.llm", "octavo.bench", "octavo.planner",
+    ]),
     ("serving", ["octavo.server", "octavo.router"]),
     ("entry points", ["octavo.cli", "octavo.__main__"]),
 ]
@@ -53,15 +59,16 @@ def _owner(name: str) -> str:
 
 
 def _imports(module: str) -> set[str]:
-    """Octavo modules `module` imports anywhere (TYPE_CHECKING blocks excepted). The root package
-    counts only its top level: its lazy `__getattr__` is the public facade over the engine."""
+    """Octavo modules `module` imports anywhere, TYPE_CHECKING blocks included. The root package
+    counts only its top level: its lazy `__getattr__` is the public facade over the engine, and its
+    TYPE_CHECKING block names that facade's types for readers' tools."""
     path = MODULES[module]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
 
     def visit(node: ast.AST, top: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            if module == "octavo" and isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
                 continue
             if isinstance(child, ast.Import) and (top or module != "octavo"):
                 found.update(_owner(a.name) for a in child.names if a.name.split(".")[0] == "octavo")
@@ -153,3 +160,45 @@ def test_routes_import_no_other_route_and_reach_the_engine_only_through_async_en
     reaching = [m for m in server if ".engine.engine" in MODULES[m].read_text()
                 or "octavo.engine" in GRAPH[m]]
     assert not reaching, f"server modules reaching past AsyncEngine into LLMEngine: {reaching}"
+
+
+def _async_engine_public_names() -> set[str]:
+    """AsyncEngine's public methods and properties (its `engine` attribute is not among them)."""
+    tree = ast.parse(MODULES["octavo.server.async_engine"].read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "AsyncEngine"]
+    names = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return {n for n in names if not n.startswith("_")} | {"metrics", "error"}
+
+
+def _engine_uses(module: str) -> list[tuple[int, str]]:
+    """(line, attribute) of every `<something>.engine.<attribute>` or `engine.<attribute>` read in
+    the module: what it asks of the engine object it was handed."""
+    found = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if not isinstance(node, ast.Attribute):
+            continue
+        base = node.value
+        if (isinstance(base, ast.Name) and base.id == "engine") or (isinstance(base, ast.Attribute) and base.attr == "engine"):
+            found.append((node.lineno, node.attr))
+    return found
+
+
+def test_server_modules_use_only_async_engine_public_methods():
+    public = _async_engine_public_names()
+    assert {"add", "abort", "dashboard_snapshot", "kv_cache_report"} <= public
+    server = [m for m in MODULES if m.startswith(("octavo.server.", "octavo.router.")) and m != "octavo.server.async_engine"]
+    reaching = [f"{m}:{line} .engine.{attr}" for m in sorted(server) for line, attr in _engine_uses(m) if attr not in public]
+    assert not reaching, "server modules reaching past AsyncEngine's public methods:\n" + "\n".join(reaching)
+
+
+def test_the_engine_use_finder_finds_a_reach_inside():
+    sample = "def f(server, engine):\n    a = server.engine.scheduler\n    b = engine.call(g)\n    c = engine_b.x\n"
+    import tempfile
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as fh:
+        fh.write(sample)
+    MODULES["sample"] = Path(fh.name)
+    try:
+        assert _engine_uses("sample") == [(2, "scheduler"), (3, "call")]
+    finally:
+        del MODULES["sample"]
+        Path(fh.name).unlink()

@@ -26,7 +26,7 @@ from octavo.sampling.params import SamplingParams
 
 def without_model(args: argparse.Namespace) -> None:
     from octavo.config import SchedulerConfig
-    from octavo.dashboard.snapshot import StepLog, StepRecord
+    from octavo.outputs import StepLog, StepRecord
     from octavo.kv_cache.manager import KVCacheManager
     from octavo.outputs import ModelRunnerOutput
     from octavo.request import Request

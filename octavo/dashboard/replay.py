@@ -8,7 +8,8 @@ import json
 from importlib import resources
 from typing import Any
 
-from octavo.dashboard.snapshot import StepLog, StepRecord, build_snapshot
+from octavo.dashboard.snapshot import build_snapshot
+from octavo.outputs import StepLog, StepRecord
 
 MAX_FRAMES = 150  # per policy: a file of a few MB, opened by any browser
 REPLAY_REQUESTS = 24  # requests a frame lists

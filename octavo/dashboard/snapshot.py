@@ -32,29 +32,6 @@ MAX_TABLE = 128  # block-table entries listed per request and group at most (the
 RECENT_FREED = 64  # window-freed block ids a snapshot lists at most
 
 
-@dataclass(slots=True)
-class StepRecord:
-    """One engine step, as the timeline shows it."""
-
-    step: int
-    end_time: float  # time.time() when it ended
-    seconds: float
-    num_prefill_tokens: int  # prompt tokens computed (chunks, recomputes)
-    num_decode_tokens: int  # tokens of requests past their prompt (decodes and verified drafts)
-    num_requests: int
-    num_preempted: int
-
-
-class StepLog:
-    """The last `maxlen` steps (a ring: a page left open for a day holds no more than this)."""
-
-    def __init__(self, maxlen: int = 240) -> None:
-        self.records: deque[StepRecord] = deque(maxlen=maxlen)
-
-    def add(self, record: StepRecord) -> None:
-        self.records.append(record)
-
-
 def block_states(kv: Any, tables: dict[str, list[list[int | None]]]) -> tuple[str, dict[int, list[str]], dict[int, int]]:
     """(one state character per pool block, block id -> the live sequence ids holding it, block id
     -> the KV group holding it: filled only where the model has several groups). `tables`: every

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from octavo.config import ModelConfig, RopeConfig
-from octavo.planner import window_layer_types
+from octavo.hf_fields import window_layer_types
 
 # architecture name -> (q/k/v projections carry a bias, per-head q/k RMSNorm)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool | None, bool]] = {
@@ -90,7 +90,7 @@ def _gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def _window_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """Mistral-style or Qwen sliding windows (see planner.window_layer_types)."""
+    """Mistral-style or Qwen sliding windows (see hf_fields.window_layer_types)."""
     window, types = window_layer_types(hf, int(hf["num_hidden_layers"]))
     return {"sliding_window": window, "layer_types": types}
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from octavo.dashboard.snapshot import block_tokens, build_snapshot
 from octavo.engine import LLMEngine
 from octavo.lora.request import LoRARequest
 from octavo.metrics import EngineMetrics
@@ -245,7 +246,31 @@ class AsyncEngine:
         """End the requests wherever they are (no-op for ended ones); their collector is closed."""
         self._commands.put(("abort", list(request_ids)))
 
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+    async def add_lora(self, lora: LoRARequest) -> None:
+        """Load an adapter between steps (ValueError if it cannot be used)."""
+        await self._call(lambda e: e.add_lora(lora))
+
+    async def remove_lora(self, lora_id: int) -> None:
+        """Unload an adapter between steps (ValueError while a request runs with it)."""
+        await self._call(lambda e: e.remove_lora(lora_id))
+
+    async def dashboard_snapshot(self) -> dict:
+        """The dashboard's view of the pool, the requests and the last steps, with the recent
+        latencies, built between steps."""
+        metrics = self.metrics
+        return await self._call(lambda e: {**build_snapshot(e.scheduler, e.step_log),
+                                           "latency": metrics.recent_latencies()})
+
+    async def block_holders(self, block_id: int) -> tuple[list[str], list[int]] | None:
+        """(the live sequences holding pool block `block_id`, the tokens it holds), or None when
+        no live sequence holds it."""
+        return await self._call(lambda e: block_tokens(e.scheduler, block_id))
+
+    async def kv_cache_report(self) -> dict:
+        """Pool counts and the KV-cache invariant check (O(num_blocks); the debug route's)."""
+        return await self._call(_kv_cache_report)
+
+    async def _call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run fn(engine) on the engine thread between steps and return its result."""
         loop = asyncio.get_running_loop()
         cmd = _Call(fn, loop, loop.create_future())
@@ -418,6 +443,18 @@ class AsyncEngine:
             prompt_tps, gen_tps, s.num_running, s.num_waiting, 100 * s.kv_cache_usage, 100 * hit_rate, s.num_preemptions,
         )
         self._last_log, self._last_log_stats = now, stats
+
+
+def _kv_cache_report(engine: LLMEngine) -> dict:
+    kv = engine.scheduler.kv_cache
+    return {
+        "num_blocks": kv.num_blocks,
+        "num_free_blocks": kv.num_free_blocks,
+        "num_cached_blocks": len(kv.pool.cached),
+        "num_running": len(engine.scheduler.running),
+        "num_waiting": engine.scheduler.num_waiting,
+        "problems": kv.check_invariants(),
+    }
 
 
 def _set_result(fut: asyncio.Future, value: Any = None) -> None:

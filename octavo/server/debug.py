@@ -3,25 +3,12 @@ thread, and the compiled-grammar cache."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
 if TYPE_CHECKING:
     from octavo.server.core import OpenAIServer
-
-
-def kv_cache_report(engine: Any) -> dict:
-    """Pool counts and the invariant check of the engine's KV-cache manager (run between steps)."""
-    kv = engine.scheduler.kv_cache
-    return {
-        "num_blocks": kv.num_blocks,
-        "num_free_blocks": kv.num_free_blocks,
-        "num_cached_blocks": len(kv.pool.cached),
-        "num_running": len(engine.scheduler.running),
-        "num_waiting": engine.scheduler.num_waiting,
-        "problems": kv.check_invariants(),
-    }
 
 
 def add_debug_routes(app: FastAPI, server: OpenAIServer) -> None:
@@ -30,7 +17,7 @@ def add_debug_routes(app: FastAPI, server: OpenAIServer) -> None:
 
     @app.get("/debug/kv_cache")
     async def kv_cache() -> dict:
-        return await server.engine.call(kv_cache_report)
+        return await server.engine.kv_cache_report()
 
     @app.get("/debug/grammars")
     async def grammars() -> dict:

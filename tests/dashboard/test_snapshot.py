@@ -3,7 +3,8 @@ a fork, a finish (cached), an eviction, a preemption and a pin; aggregation of b
 step log's bound."""
 
 from octavo.config import SchedulerConfig
-from octavo.dashboard.snapshot import StepLog, StepRecord, aggregate, block_tokens, build_snapshot
+from octavo.dashboard.snapshot import aggregate, block_tokens, build_snapshot
+from octavo.outputs import StepLog, StepRecord
 from octavo.kv_cache.manager import KVCacheManager
 from octavo.outputs import ModelRunnerOutput
 from octavo.request import FinishReason

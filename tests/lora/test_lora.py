@@ -160,14 +160,14 @@ def test_a_request_for_an_adapter_unloaded_on_its_way_is_refused_and_the_name_st
         served = AsyncEngine(engine, EngineMetrics("t"))
         served.start()
         try:
-            unload = asyncio.ensure_future(served.call(lambda e: e.remove_lora(alpha.lora_int_id)))
+            unload = asyncio.ensure_future(served.remove_lora(alpha.lora_int_id))
             add = asyncio.ensure_future(served.add(["r1"], [ids], SamplingParams(max_tokens=2), lora_request=alpha))
             await unload
             with pytest.raises(LoRANotLoadedError, match="alpha"):
                 await add
             assert engine.list_loras() == [] and not engine.has_unfinished_requests()
             again = LoRARequest("alpha", alpha.lora_int_id + 1, alpha.lora_path)
-            await served.call(lambda e: e.add_lora(again))
+            await served.add_lora(again)
             collector = await served.add(["r2"], [ids], SamplingParams(max_tokens=2), lora_request=again)
             while await collector.next_batch():
                 pass

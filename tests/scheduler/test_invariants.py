@@ -178,6 +178,10 @@ def check_invariants(s: Scheduler) -> None:
 @example(ops=[("add", 1, 1, 0, 1), ("add", 1, 1, 0, 1), ("add", 1, 1, 0, 1), ("pin", 1, 1, 1, 1), ("add", 14, 12, 0, 1)],
          num_blocks=8, budget=4, caching=True, policy="fcfs", windows=(None,), tier_slots=None, victim="cheapest",
          max_wait=2, headroom=0, spec=None)
+# a preempted beam search whose beams fit only in chunks smaller than the budget was sized for
+# budget-sized chunks, and its forked beam recomputed in them: it never fitted again (livelock)
+@example(ops=[("add", 1, 1, 0, 1), ("beam", 12, 2, 0, 2), ("add", 9, 1, 0, 1)], num_blocks=8, budget=4, caching=False,
+         policy="fcfs", windows=(None, 6), tier_slots=None, victim="newest", max_wait=2, headroom=0, spec=None)
 @settings(max_examples=150, deadline=None)
 @given(ops=ops, num_blocks=st.integers(8, 24), budget=st.sampled_from([4, 16, 64]), caching=st.booleans(),
        policy=st.sampled_from(["fcfs", "priority", "cache-aware"]), victim=st.sampled_from(["cheapest", "newest"]),

@@ -65,11 +65,11 @@ def test_a_refused_prompt_keeps_none_of_the_batch_and_the_waiting_limit_holds(ma
         ae.start()
         with pytest.raises(ValueError, match=r"prompt 1: prompt token ids must be in \[0, 49152\)"):
             await ae.add(["b0", "b1"], [ok, [10**7]], PARAMS)
-        assert await ae.call(lambda e: e.has_unfinished_requests()) is False  # b0 was not kept
+        assert await ae._call(lambda e: e.has_unfinished_requests()) is False  # b0 was not kept
         with pytest.raises(EngineOverloadedError, match=r"0 requests are already waiting \(limit 2\)"):
             await ae.add(["x0", "x1", "x2"], [ok, ok, ok], PARAMS)  # the batch alone is over the limit
         first = await ae.add(["r0", "r1"], [ok, ok], PARAMS)
-        while await ae.call(lambda e: e.num_waiting_requests()) != 1:  # r0 runs (max_num_seqs 1), r1 waits
+        while await ae._call(lambda e: e.num_waiting_requests()) != 1:  # r0 runs (max_num_seqs 1), r1 waits
             await asyncio.sleep(0.01)
         with pytest.raises(EngineOverloadedError, match=r"1 requests are already waiting \(limit 2\)"):
             await ae.add(["r2", "r3"], [ok, ok], PARAMS)
@@ -77,7 +77,7 @@ def test_a_refused_prompt_keeps_none_of_the_batch_and_the_waiting_limit_holds(ma
         assert await first.next_batch() is not None
         while await first.next_batch():
             pass
-        return await ae.call(lambda e: (e.has_unfinished_requests(), e.scheduler.kv_cache.check_invariants()))
+        return await ae._call(lambda e: (e.has_unfinished_requests(), e.scheduler.kv_cache.check_invariants()))
 
     busy, problems = asyncio.run(asyncio.wait_for(main(), 60))
     ae.shutdown()

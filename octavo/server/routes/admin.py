@@ -56,7 +56,7 @@ def build_router(server: OpenAIServer) -> APIRouter:
                     raise APIError(400, f"a model named `{body.lora_name}` is already served", "BadRequestError", "lora_name")
                 lora = LoRARequest(body.lora_name, next(next_id), body.lora_path)
                 try:
-                    await server.engine.call(lambda e: e.add_lora(lora))
+                    await server.engine.add_lora(lora)
                 except ValueError as exc:
                     raise APIError(400, str(exc), "BadRequestError", "lora_path") from exc
                 server.loras[lora.lora_name] = lora
@@ -69,7 +69,7 @@ def build_router(server: OpenAIServer) -> APIRouter:
                 if lora is None:
                     raise APIError(404, f"no LoRA adapter named `{body.lora_name}` is loaded", "NotFoundError", "lora_name")
                 try:
-                    await server.engine.call(lambda e: e.remove_lora(lora.lora_int_id))
+                    await server.engine.remove_lora(lora.lora_int_id)
                 except ValueError as exc:
                     raise APIError(400, str(exc), "BadRequestError", "lora_name") from exc
                 del server.loras[body.lora_name]

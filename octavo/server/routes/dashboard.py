@@ -14,7 +14,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse, StreamingResponse
 
-from octavo.dashboard.snapshot import block_tokens, build_snapshot
 from octavo.server.core import APIError, OpenAIServer
 
 _STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
@@ -22,7 +21,7 @@ _STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 
 class SnapshotHub:
     """One snapshot per interval (--dashboard-interval, 0.25 s: at most 4 a second), shared by
-    every viewer: built on the engine thread between steps (AsyncEngine.call), serialised once."""
+    every viewer: built on the engine thread between steps (AsyncEngine.dashboard_snapshot), serialised once."""
 
     def __init__(self, server: OpenAIServer) -> None:
         self.server = server
@@ -34,9 +33,7 @@ class SnapshotHub:
     async def latest(self) -> str:
         async with self._lock:
             if time.monotonic() - self._time >= self.interval_s:
-                metrics = self.server.engine.metrics
-                snap = await self.server.engine.call(
-                    lambda e: {**build_snapshot(e.scheduler, e.step_log), "latency": metrics.recent_latencies()})
+                snap = await self.server.engine.dashboard_snapshot()
                 snap["model"] = self.server.model_name
                 self._json, self._time = json.dumps(snap, separators=(",", ":")), time.monotonic()
             return self._json
@@ -74,7 +71,7 @@ def build_router(server: OpenAIServer) -> APIRouter:
 
     @router.get("/dashboard/blocks/{block_id}")
     async def block(block_id: int) -> dict[str, Any]:
-        found = await server.engine.call(lambda e: block_tokens(e.scheduler, block_id))
+        found = await server.engine.block_holders(block_id)
         if found is None:
             return {"block_id": block_id, "holders": [], "text": None}
         holders, tokens = found
