@@ -58,7 +58,7 @@ class DraftModel:
     def _entry(self, request_id: str, token_ids: list[int], start: int) -> ScheduledRequest:
         slot = self._slots[request_id]
         blocks = list(range(slot * self.blocks_per_slot, (slot + 1) * self.blocks_per_slot))
-        return ScheduledRequest(request_id, token_ids, start, blocks, _GREEDY, [SampleRow(request_id)], [])
+        return ScheduledRequest(request_id, token_ids, start, [blocks], _GREEDY, [SampleRow(request_id)], [])
 
     def propose(self, candidates: list[tuple[Request, int]]) -> dict[str, tuple[int, list[int]]]:
         """request id -> (its token count, up to n greedy drafts after its last token) for each

@@ -80,7 +80,7 @@ class LLMEngine:
                             tuple(g.window for g in config.model_config.kv_groups()),
                             tier=None if opened is None else opened[0])
         if opened is not None:
-            kv.swap_preempted = opened[1]
+            kv.connector.swap_preempted = opened[1]
         kv.max_pinned_blocks = int(config.cache.pinned_prefix_share * sizing.num_blocks)
         self.scheduler = Scheduler(config.scheduler, kv)
         self.scheduler.draft_filter = self._grammar_draft_prefix
@@ -262,7 +262,7 @@ class LLMEngine:
             return
         self._closed = True
         if self.tier is not None:
-            flush = self.scheduler.kv_cache.tier_flush_plan() if self.tier.durable else []
+            flush = self.scheduler.kv_cache.connector.flush_plan() if self.tier.durable else []
             if flush:
                 self.runner.store_to_tier(flush)
             self.tier.close()

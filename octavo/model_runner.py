@@ -113,7 +113,6 @@ class ModelRunner:
         collectives inside the sharded layers keep them together) but does not sample."""
         self.model = model
         self.model_config = model_config
-        self._global_groups = [g.window is None for g in model_config.kv_groups()]  # which tables tier loads may write
         self.block_size = cache_config.block_size
         self.device = torch.device(device)
         self.eos_token_ids = eos_token_ids
@@ -179,7 +178,7 @@ class ModelRunner:
         slots: list[int] = []
         tables: list[list[int]] = []
         for e in entries:
-            block_ids = e.block_ids if group == 0 else e.group_block_ids[group - 1]
+            block_ids = e.block_tables[group]
             slots.extend(self._slots(block_ids, e.start_pos, e.start_pos + e.num_tokens))
             table = block_ids[:max_blocks]
             tables.append(table + [0] * (max_blocks - len(table)))
@@ -264,27 +263,29 @@ class ModelRunner:
         sequences sample only tokens their structured-output grammar allows.
 
         With a second KV tier, the blocks the step evicts are copied out first (the step may
-        overwrite them). Loads into blocks this step's forward reads (a running request's next
-        blocks) are read, checked and copied in before it; a request that reads a block whose
-        checksum failed is left out of the step (the scheduler rolls it back). Other loads are
-        read meanwhile and copied in before it returns. The copies are handed to the tier after
+        overwrite them). Loads of the requests this step computes (each load names the one
+        request whose table the block joins) are read, checked and copied in before the forward;
+        a request whose load failed its checksum is left out of the step and named in
+        `left_out` (the scheduler rolls it back). Other loads (of requests that take more from
+        the cache next step, or were preempted) are read meanwhile and copied in before it returns. The copies are handed to the tier after
         the forward (its checksums then cost no forward thread a wait), and finished writes are
         reported."""
         if self.tier is None:
             return self._execute(sched, grammar)
         copied = self._copy_out(sched.tier_stores) if sched.tier_stores else None
-        read_now = {b for e in sched.scheduled for b in _global_block_ids(e, self._global_groups)} if sched.tier_loads else set()
-        now = [t for t in sched.tier_loads if t.block_id in read_now]
-        later = [t for t in sched.tier_loads if t.block_id not in read_now]
+        computing = {e.request_id for e in sched.scheduled}
+        now = [t for t in sched.tier_loads if t.request_id in computing]
+        later = [t for t in sched.tier_loads if t.request_id not in computing]
         waited = time.perf_counter()
         loading_now = self._start_loads(now) if now else None  # first in the reader's queue
         loading = self._start_loads(later) if later else None
         loaded = self._finish_loads(now, *loading_now) if now else {}
         waited = time.perf_counter() - waited if now else 0.0
-        bad = {block_id for block_id, ok in loaded.items() if not ok}
-        if bad:
-            sched, grammar = _without_readers_of(bad, sched, grammar, self._global_groups)
+        left_out = sorted({t.request_id for t in now if not loaded[t.block_id]})
+        if left_out:
+            sched, grammar = _without(set(left_out), sched, grammar)
         out = self._execute(sched, grammar)
+        out.left_out = left_out
         if copied is not None:
             self.tier.submit_writes([t.slot for t in sched.tier_stores], [t.key for t in sched.tier_stores], copied[1])
         if loading is not None:
@@ -452,8 +453,8 @@ class ModelRunner:
             nb = -(-n // bs)
             tokens = torch.randint(0, self.model_config.vocab_size, (n,)).tolist()
             block_ids = list(range(next_block, next_block + nb))  # every group on the same scratch blocks
-            entries.append(ScheduledRequest(f"profile-{i}", tokens, 0, block_ids, SamplingParams(), [], tokens,
-                                            group_block_ids=[block_ids] * (len(self.model_config.kv_groups()) - 1)))
+            tables = [block_ids] * len(self.model_config.kv_groups())
+            entries.append(ScheduledRequest(f"profile-{i}", tokens, 0, tables, SamplingParams(), [], tokens))
             next_block += nb
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
@@ -499,17 +500,9 @@ def _grammar_rows(seq_ids: list[str], grammar_ids: list[str]) -> list[int]:
     return out
 
 
-def _global_block_ids(entry: ScheduledRequest, global_groups: list[bool]) -> list[int]:
-    """The ids in a request's tables of global KV groups: the only tables a tier load of this step
-    can write into (a running request loading ahead; with sliding-window groups, requests load
-    while waiting, not scheduled in that step). A window group's table shows block 0 in place of
-    the blocks its window gave back, which is a real block id too: it must not count as a read."""
-    return [b for table, is_global in zip(entry.block_tables, global_groups) if is_global for b in table]
-
-
-def _without_readers_of(bad: set[int], sched: SchedulerOutput, grammar, global_groups: list[bool]):
-    """The step without the requests whose tables hold a block in `bad` (and their grammar rows)."""
-    keep = [e for e in sched.scheduled if bad.isdisjoint(_global_block_ids(e, global_groups))]
+def _without(left_out: set[str], sched: SchedulerOutput, grammar):
+    """The step without the requests `left_out` (and their grammar rows)."""
+    keep = [e for e in sched.scheduled if e.request_id not in left_out]
     sched = dataclasses.replace(sched, scheduled=keep)
     if grammar is not None:
         kept_ids = {sid for e in keep for sid in e.sample_ids}

@@ -39,22 +39,15 @@ class ScheduledRequest:
     request_id: str
     token_ids: list[int]
     start_pos: int
-    block_ids: list[int]
+    block_tables: list[list[int]]  # one per KV group (NULL_BLOCK_ID where a window holds none)
     sampling_params: SamplingParams
     samples: list[SampleRow]
     prompt_token_ids: list[int]
     lora_id: int | None = None  # the LoRA adapter its tokens run with
-    # block tables of KV groups 1.. (block_ids is group 0's); empty without sliding-window layers
-    group_block_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def block_tables(self) -> list[list[int]]:
-        """Every KV group's block table, group 0 first."""
-        return [self.block_ids, *self.group_block_ids]
 
     @property
     def sample_ids(self) -> list[str]:
@@ -64,11 +57,13 @@ class ScheduledRequest:
 @dataclass(slots=True)
 class TierTransfer:
     """One block moving between the pool and the second KV tier: pool block `block_id`, tier
-    slot `slot`, content `key` = (KV group, chained block hash), which the tier stores with it."""
+    slot `slot`, content `key` = (KV group, chained block hash), which the tier stores with it.
+    A load names the request whose table the block joins (the only one that reads it this step)."""
 
     block_id: int
     slot: int
     key: tuple[int, bytes]
+    request_id: str | None = None
 
 
 @dataclass(slots=True)
@@ -113,6 +108,8 @@ class ModelRunnerOutput:
     tier_loaded: dict[int, bool] = field(default_factory=dict)
     tier_stored: list[tuple[int, bool]] = field(default_factory=list)
     tier_read_seconds: float = 0.0  # how long the forward waited for the loads it reads
+    # requests left out of the step because a block they read failed its load (their chunk is void)
+    left_out: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -47,15 +47,12 @@ class Scheduler:
         self.num_resumed = 0  # admissions of a preempted request
         self.num_recomputed_tokens = 0
         self._num_steps = 0
-        self.num_tier_loads = 0
         self.num_swaps = 0  # preemptions whose blocks go to the second tier (the rest recompute)
-        self._loading: dict[str, Request] = {}  # waiting requests whose blocks load this step
         self._run_loading: set[str] = set()  # running requests whose next blocks load this step
-        self._rolled_back: set[str] = set()  # requests whose load failed: their chunk of the step is void
-        # running requests load blocks ahead of their computed tokens (one global KV group only)
-        self._loads_ahead = kv_cache.tier is not None and kv_cache.group_windows == (None,)
+        self._rolled_back: set[str] = set()  # requests the runner left out (a load failed): their chunk is void
+        # with a second tier, running requests take blocks ahead of their computed tokens from it
+        self.connector = kv_cache.connector
         self._step_start = 0.0  # when the last step was scheduled: loads wait for its end
-        self._returned: list[Request] = []  # back from loading: admitted next step, or released
         self._admit_counter = itertools.count(1)
         self._finished_ids: list[str] = []
         self._blocks_needed: dict[str, int] = {}  # live request -> the most blocks it can hold (check_fits)
@@ -204,7 +201,6 @@ class Scheduler:
 
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
-        self._release_returned()  # back from the tier but not admitted: let their blocks go
         if not scheduled and not self._run_loading and len(self.waiting) and self.running:
             # Only beams waiting for siblings that cannot get in hold blocks: requeue them all, so
             # the queue's front search can be admitted whole (no step may leave everyone stuck).
@@ -216,7 +212,7 @@ class Scheduler:
         entries = [entry for entry, _ in scheduled.values()]
         self._last_num_scheduled_tokens = sum(e.num_tokens for e in entries)
         self._last_num_scheduled_requests = len(entries)
-        stores, loads = self.kv_cache.take_tier_work()
+        stores, loads = self.connector.take_work() if self.connector is not None else ([], [])
         return SchedulerOutput(
             scheduled=entries,
             copies=[copy for _, copies in scheduled.values() for copy in copies],
@@ -292,8 +288,6 @@ class Scheduler:
         result (None when `request` itself became the victim) and the budget victims gave back."""
         refund = 0
         result = attempt()
-        if result is None and self._release_returned():  # running requests come first
-            result = attempt()
         while result is None:
             for victim in self._victims():
                 refund += self._preempt(victim, scheduled)
@@ -305,28 +299,29 @@ class Scheduler:
 
     def _load_ahead(self, request: Request, scheduled, preempted: list[str], make_room: bool = True) -> tuple[int, bool]:
         """Let a running request take its next blocks from the cache rather than compute them
-        (KVCacheManager.extend_from_tier): pool blocks at once, second-tier blocks read before
-        this step's forward, making room as for a chunk (unless not `make_room`). Either way they
+        (KVCacheManager.extend_cached): pool blocks at once, second-tier blocks read before this
+        step's forward, making room as for a chunk (unless not `make_room`). Either way they
         count as computed now (if a load fails, `_finish_tier_work` rolls the request back).
         Returns the budget victims gave back and whether the request computes on this step: not
         when its next block is cached too (more is taken next step) or it could take nothing."""
-        if not self._loads_ahead:
+        if self.connector is None:
             return 0, True
-        kv = self.kv_cache
+        kv, connector = self.kv_cache, self.connector
         max_blocks = max(1, self.config.max_num_batched_tokens // kv.block_size)
         def attempt():
-            return kv.extend_from_tier(request, max_blocks)
+            return kv.extend_cached(request, max_blocks, connector.can_load)
         result, refund = self._with_room(request, attempt, scheduled, preempted) if make_room else (attempt(), 0)
         if result is None:
             return refund, False
-        num_taken, num_loading = result
+        num_taken, loads = result
+        start = request.num_computed_tokens // kv.block_size
         request.num_computed_tokens += num_taken * kv.block_size
-        if num_loading:
+        if loads:
+            connector.start_loads(request.request_id, start, num_taken, loads)
             self._run_loading.add(request.request_id)
-            self.num_tier_loads += 1
         else:
             self._count_cached(request, num_taken)
-        return refund, not (num_taken and kv.next_block_cached(request))
+        return refund, not (num_taken and kv.num_cached_ahead(request, 1, connector.can_supply))
 
     def _count_cached(self, request: Request, num_blocks: int) -> None:
         """Blocks a request took from the cache before its first token count in its cached tokens."""
@@ -342,7 +337,6 @@ class Scheduler:
         loras = {r.lora_id for r in self.running if r.lora_id is not None}
         num_seqs = sum(r.num_samples_pending for r in self.running if r.beam is None)
         num_seqs += sum(g.width for g in groups.values())
-        reserved = 0  # free blocks the requests that started loading this step compute into next step
         ranked = self._rank_waiting(budget, num_seqs)
         latest = None  # the latest arrival admitted this step
         headroom = self._growth_blocks(self.config.admission_headroom_steps) if len(self.waiting) and budget > 0 else 0
@@ -361,25 +355,14 @@ class Scheduler:
             computed = self.kv_cache.get_computed_blocks(request)
             if self.kv_cache.is_prefix_in_flight(request, computed):
                 break  # its next block is being computed now: admitted next step, it will hit it
-            plan = self.kv_cache.plan_tier_load(request, computed)
-            if plan is not None and self.kv_cache.is_tier_load_in_flight(plan):
-                break  # another request loads its blocks now: next step they are pool hits
             loads_ahead = False
-            if plan is not None:
-                if not self._loads_ahead:  # several KV groups: it loads while waiting, computes next step
-                    first_chunk = min(request.num_tokens - plan.num_blocks * self.kv_cache.block_size, budget,
-                                      request.max_chunk_tokens or budget)
-                    chunk_blocks = self.kv_cache.num_blocks_to_hold(first_chunk + self.kv_cache.block_size)
-                    if self.kv_cache.start_tier_load(request, plan, chunk_blocks + reserved):
-                        self.waiting.pop()  # loads this step, comes back to the queue's front after it
-                        self._loading[request.request_id] = request
-                        self.num_tier_loads += 1
-                        reserved += chunk_blocks  # what it computes next step: later requests leave it
-                        continue
-                # one KV group: admit it with the pool's hit; it loads the rest as it runs (in this
-                # step, computing after its loads, when the pool has room), growing as a chunked
-                # prompt would
-                loads_ahead = self._loads_ahead and self._room_to_load(computed)
+            if self.connector is not None and self.kv_cache.num_hit_blocks_with_tier(request, self.connector.can_supply) > computed.num_blocks:
+                if self.kv_cache.num_hit_blocks_with_tier(request, self.connector.can_load) < \
+                        self.kv_cache.num_hit_blocks_with_tier(request, self.connector.can_supply):
+                    break  # another request loads its blocks now: next step they are pool hits
+                # admitted with the pool's hit, it loads the rest as it runs (in this step,
+                # computing after its loads, when the pool has room), growing as a chunked prompt
+                loads_ahead = computed.num_free() < self.kv_cache.num_free_blocks
                 if not loads_ahead and self.running:
                     break  # no room to load and run it now: wait for running requests to free some
                 # nothing runs and the pool cannot take the loads: go on with the pool's hit alone
@@ -388,10 +371,8 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget, request.max_chunk_tokens or budget)
-            if (headroom or reserved) and self.kv_cache.num_free_blocks - self.kv_cache.num_blocks_to_admit(request, num_new, computed) < headroom + reserved:
-                # it would take blocks the running requests grow into soon (a preemption to come),
-                # or that a request loading ahead of it in the queue computes into next step
-                break
+            if headroom and self.kv_cache.num_free_blocks - self.kv_cache.num_blocks_to_admit(request, num_new, computed) < headroom:
+                break  # it would take blocks the running requests grow into soon (a preemption to come)
             allocation = self.kv_cache.allocate_slots(request, num_new, computed)
             if allocation is None:
                 break
@@ -469,22 +450,6 @@ class Scheduler:
             return (request.priority, 1, -(reusable(request) + aging * waited), request.arrival_time)
         return key
 
-    def _room_to_load(self, computed) -> bool:
-        """Whether the pool can hold a hit's blocks and load at least one more."""
-        return self.kv_cache.num_free_blocks > sum(1 for b in computed.blocks if b is not None and b.ref_cnt == 0)
-
-    def _release_returned(self) -> bool:
-        """Let go of the blocks held for requests back from the tier and not admitted (they stay
-        cached: a later lookup finds them in the pool, or in the tier once evicted). Returns
-        whether any were held."""
-        released = False
-        for request in self._returned:
-            if request.status is not RequestStatus.RUNNING and request.request_id not in self._loading:
-                released |= self.kv_cache.num_blocks_held_for(request) > 0
-                self.kv_cache.release_prefetched(request)
-        self._returned = []
-        return released
-
     def _group_fits(self, request: Request) -> bool:
         """A beam search is admitted only when all its waiting beams fit in the free blocks, so
         admitted beams never sit idle, holding blocks, waiting for siblings that cannot get in."""
@@ -494,8 +459,7 @@ class Scheduler:
         ]
         budget = self.config.max_num_batched_tokens
         needed = sum(self.kv_cache.num_blocks_to_hold(r.num_tokens, r.max_chunk_tokens or budget) for r in waiting)
-        held = sum(self.kv_cache.num_blocks_held_for(r) for r in waiting)  # back from the tier: their hits
-        return len(waiting) <= 1 or needed <= self.kv_cache.num_free_blocks + held
+        return len(waiting) <= 1 or needed <= self.kv_cache.num_free_blocks
 
     def _schedule_one(
         self, request: Request, num_new: int, allocation: Allocation, drafts: list[int] | None = None
@@ -520,12 +484,11 @@ class Scheduler:
             request_id=request.request_id,
             token_ids=token_ids,
             start_pos=start,
-            block_ids=allocation.block_ids,
+            block_tables=allocation.block_tables,
             sampling_params=request.sampling_params,
             samples=samples,
             prompt_token_ids=request.prompt_token_ids,
             lora_id=request.lora_id,
-            group_block_ids=allocation.group_block_ids,
         )
         return entry, allocation.copies
 
@@ -575,8 +538,8 @@ class Scheduler:
         self.running.remove(victim)
         self._run_loading.discard(victim.request_id)
         self.kv_cache.free(victim, preempted=True)
-        if self.kv_cache.tier is not None:
-            self.num_swaps += self.kv_cache.swap_preempted
+        if self.connector is not None:
+            self.num_swaps += self.connector.swap_preempted
         if victim.beam is not None:
             victim.beam.forget(victim.request_id)
         victim.status = RequestStatus.PREEMPTED
@@ -674,35 +637,28 @@ class Scheduler:
             self._finish(request, reason)
 
     def _finish_tier_work(self, output: SchedulerOutput, result: ModelRunnerOutput) -> None:
-        """Apply the runner's tier reports: finished writes become findable; a running request
-        whose load failed rolls back to the blocks before the bad one (its chunk of the step is
-        void: the runner skipped it); requests whose loads ended while waiting go back to the
-        front of the queue (in their order), their blocks cached."""
-        if result.tier_stored:
-            self.kv_cache.finish_tier_stores(result.tier_stored)
-        waited = time.time() - self._step_start
-        for rid in self._loading:
-            self._loading[rid].tier_load_wait += waited
-        self._rolled_back.clear()
-        if self._loads_ahead:
-            ended = self.kv_cache.finish_run_loads(result.tier_loaded)
-            computing = {e.request_id for e in output.scheduled} if ended else set()
-            for rid, (first, kept, planned) in ended.items():
-                request = self.requests[rid]
-                # computing beside its loads, it waited for the reads; otherwise for the whole step
-                request.tier_load_wait += result.tier_read_seconds if rid in computing else waited
-                self._count_cached(request, kept)
-                if kept < planned:
-                    request.num_computed_tokens = (first + kept) * self.kv_cache.block_size
-                    self._rolled_back.add(rid)
-            self._run_loading.clear()
-        if not self._loading:
+        """Apply the runner's tier reports: finished writes become findable; a request whose load
+        failed stands at the blocks before the bad one, and if the runner left it out of the step
+        (`result.left_out`) its chunk is void."""
+        if self.connector is None:
             return
-        ended = self.kv_cache.finish_tier_loads(result.tier_loaded)
-        for rid in reversed(ended):
-            request = self._loading.pop(rid)
-            self.waiting.add_preempted(request)
-            self._returned.append(request)
+        if result.tier_stored:
+            self.connector.finish_stores(result.tier_stored)
+        self._rolled_back = set(result.left_out)
+        waited = time.time() - self._step_start
+        computing = {e.request_id for e in output.scheduled}
+        for rid, outcome in self.connector.finish_loads(result.tier_loaded).items():
+            request = self.requests.get(rid)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # preempted or ended meanwhile: its loads only filled the prefix cache
+            # computing beside its loads, it waited for the reads; otherwise for the whole step
+            request.tier_load_wait += result.tier_read_seconds if rid in computing else waited
+            self.kv_cache.note_extended(request, outcome.start, outcome.num_kept, outcome.num_loaded)
+            self._count_cached(request, outcome.num_kept)
+            if outcome.num_kept < outcome.num_planned:
+                num_blocks = self.kv_cache.roll_back(request, outcome.start + outcome.num_kept)
+                request.num_computed_tokens = num_blocks * self.kv_cache.block_size
+        self._run_loading.clear()
 
     def _advance_search(self, search: BeamGroup, now: float) -> list[Request]:
         """Apply one beam-search round: fork the beams chosen more than once (they share every
@@ -860,7 +816,7 @@ class Scheduler:
         tier = kv.tier
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting) + len(self._loading),
+            num_waiting=len(self.waiting),
             kv_cache_usage=kv.usage(),
             num_free_blocks=kv.num_free_blocks,
             prefix_cache_queries=kv.stats.num_queries_tokens,
@@ -877,7 +833,7 @@ class Scheduler:
             tier_blocks_corrupt=tier.stats.num_corrupt if tier else 0,
             tier_usage=tier.usage() if tier else 0.0,
             tier_num_blocks=tier.num_slots if tier else 0,
-            num_tier_loads=self.num_tier_loads,
+            num_tier_loads=self.connector.num_load_rounds if self.connector else 0,
             num_swaps=self.num_swaps,
             spec_num_drafts=self.spec_num_drafts,
             spec_num_draft_tokens=self.spec_num_draft_tokens,

@@ -23,7 +23,7 @@ def measure(llm: LLM, prompt: list[int], params) -> tuple[float, int, int]:
     while engine.has_unfinished_requests():
         engine.step()
         seqs = [s.requests[r] for r in s.sequences_of("m")]
-        tables = [s.kv_cache.block_ids(r.request_id) for r in seqs]
+        tables = [s.kv_cache.block_tables(r.request_id)[0] for r in seqs]
         if len(seqs) < 2:
             continue  # before the fork (the prompt) nothing is shared yet
         shared = len({b for t in tables for b in t})

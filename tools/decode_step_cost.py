@@ -52,12 +52,12 @@ def main() -> None:
     per_group = num_blocks // groups
     tables = [list(range(g * per_group, (g + 1) * per_group)) for g in range(groups)]
     prompt = [(7 * i + 3) % cfg.vocab_size for i in range(args.context)]
-    entry = ScheduledRequest("a", prompt, 0, tables[0], SamplingParams(temperature=0), [], prompt, group_block_ids=tables[1:])
+    entry = ScheduledRequest("a", prompt, 0, tables, SamplingParams(temperature=0), [], prompt)
     with torch.inference_mode():
         ids, pos, meta = runner.prepare([entry])
         model(ids, pos, runner.kv_caches, meta)  # the context, once
-        step = ScheduledRequest("a", [11], args.context, tables[0], SamplingParams(temperature=0), [SampleRow("a")],
-                                prompt, group_block_ids=tables[1:])
+        step = ScheduledRequest("a", [11], args.context, tables, SamplingParams(temperature=0), [SampleRow("a")],
+                                prompt)
         ids, pos, meta = runner.prepare([step])
         hidden = model(ids, pos, runner.kv_caches, meta)
         whole = median_ms(lambda: model.compute_logits(model(ids, pos, runner.kv_caches, meta)), args.repeats)

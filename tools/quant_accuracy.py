@@ -31,7 +31,7 @@ def perplexity(model, cfg, token_ids: list[int]) -> float:
     """exp(mean negative log-likelihood) of each token given the ones before it, in one prefill."""
     blocks = (len(token_ids) + 15) // 16
     runner = ModelRunner(model, cfg, CacheConfig(block_size=16, num_blocks=blocks + 1), eos_token_ids=())
-    req = ScheduledRequest("t", token_ids, 0, list(range(blocks)), SamplingParams(temperature=0), [SampleRow("t")], [])
+    req = ScheduledRequest("t", token_ids, 0, [list(range(blocks))], SamplingParams(temperature=0), [SampleRow("t")], [])
     ids, pos, meta = runner.prepare([req])
     with torch.inference_mode():
         logits = model.compute_logits(model(ids, pos, runner.kv_caches, meta))  # [n, vocab]

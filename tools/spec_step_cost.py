@@ -31,7 +31,7 @@ def step(batch: int, num_drafts: int, context: int, block_size: int) -> Schedule
         tokens = [100 + (7 * b + i) % 5000 for i in range(num_drafts + 1)]
         blocks = list(range(b * blocks_each, (b + 1) * blocks_each))
         row = SampleRow(f"r{b}", 0, [], tokens[1:])
-        entries.append(ScheduledRequest(f"r{b}", tokens, context, blocks, greedy, [row], tokens))
+        entries.append(ScheduledRequest(f"r{b}", tokens, context, [blocks], greedy, [row], tokens))
     return SchedulerOutput(entries)
 
 

@@ -13,6 +13,7 @@ Eviction order. The free queue holds every block with ref_cnt 0, front evicted f
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 
@@ -20,13 +21,17 @@ from dataclasses import dataclass
 class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
-    block_hash: bytes | None = None
+    block_hash: Hashable | None = None  # its key in the hash map: (KV group, chained hash) from the manager
     # Links of the doubly linked free queue; None when the block is not in the queue.
     prev_free: KVCacheBlock | None = None
     next_free: KVCacheBlock | None = None
 
     def __repr__(self) -> str:
-        h = self.block_hash.hex()[:8] if self.block_hash is not None else None
+        h = self.block_hash
+        if isinstance(h, tuple):
+            h = f"{h[0]}:{h[1].hex()[:8]}"
+        elif isinstance(h, bytes):
+            h = h.hex()[:8]
         return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
 
 
@@ -98,7 +103,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached: dict[bytes, KVCacheBlock] = {}
+        self.cached: dict[Hashable, KVCacheBlock] = {}
         # (block id, hash-map key) of each cached content evicted by `allocate`, oldest first,
         # when someone (a second KV tier) wants to keep it: None records nothing.
         self.evicted: list[tuple[int, object]] | None = None
@@ -139,7 +144,7 @@ class BlockPool:
             block.block_hash = None
         self.skip_offload.discard(block.block_id)
 
-    def lookup(self, block_hash: bytes) -> KVCacheBlock | None:
+    def lookup(self, block_hash: Hashable) -> KVCacheBlock | None:
         return self.cached.get(block_hash)
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
@@ -150,7 +155,7 @@ class BlockPool:
             block.ref_cnt += 1
             self.skip_offload.discard(block.block_id)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: Hashable) -> None:
         """Record that `block` holds the full block whose chained hash is `block_hash`.
 
         If another block already holds that content, the map keeps the first one: later lookups

@@ -46,6 +46,7 @@ class BlockTable:
         """Cut the table to its first `keep` entries; returns the blocks cut (None entries left out)."""
         gone = [b for b in self.blocks[keep:] if b is not None]
         del self.blocks[keep:], self.ids[keep:]
+        self.num_dropped = min(self.num_dropped, keep)
         return gone
 
     def held(self) -> list[KVCacheBlock]:
@@ -83,9 +84,10 @@ class GroupManager:
         most `max_chunk` tokens."""
         raise NotImplementedError
 
-    def hit_length(self, hashes: list[bytes], num_hit: int, available: Callable[[BlockKey], bool]) -> int:
-        """The longest cached prefix, at most `num_hit` blocks, this group can serve: the blocks a
-        query right after it reads must all be `available`."""
+    def hit_length(self, hashes: list[bytes], start: int, end: int, available: Callable[[BlockKey], bool]) -> int:
+        """The furthest n in [start, end] such that this group can take table entries [start, n)
+        from the cache: of those, every one a query at block n reads must be `available` (the
+        entries before `start` are held already). From start 0: the longest prefix hit."""
         raise NotImplementedError
 
     # ---- reads -------------------------------------------------------------------------------
@@ -96,11 +98,15 @@ class GroupManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def hit_blocks(self, hashes: list[bytes], num_hit: int) -> list[KVCacheBlock | None]:
-        """The table entries of a hit of `num_hit` blocks (all `available` in the pool): None for
-        those a query after it never reads."""
-        first = self.first_needed_block(num_hit * self.block_size)
-        return [None] * first + [self.pool.lookup(self.key(h)) for h in hashes[first:num_hit]]
+    def hit_blocks(self, hashes: list[bytes], start: int, end: int) -> list[KVCacheBlock | None]:
+        """Table entries [start, end) as the pool holds them: None for those a query at block
+        `end` never reads, and for those the pool lacks (see `is_read_after`)."""
+        first = max(start, self.first_needed_block(end * self.block_size))
+        return [None] * (first - start) + [self.pool.lookup(self.key(h)) for h in hashes[first:end]]
+
+    def is_read_after(self, idx: int, end: int) -> bool:
+        """Whether table entry `idx` is read by a query at block `end` or later."""
+        return idx >= self.first_needed_block(end * self.block_size)
 
     def num_blocks_needed(self, rid: str, start: int, end: int, hit: list[KVCacheBlock | None]) -> int:
         """Free blocks `grow(rid, start, end)` after `take_hit(rid, hit)` takes: new blocks up to
@@ -206,8 +212,8 @@ class FullAttention(GroupManager):
     def num_blocks_to_hold(self, num_tokens: int, max_chunk: int | None = None) -> int:
         return blocks_to_hold((None,), num_tokens, self.block_size, max_chunk)
 
-    def hit_length(self, hashes: list[bytes], num_hit: int, available: Callable[[BlockKey], bool]) -> int:
-        return next((i for i, h in enumerate(hashes[:num_hit]) if not available(self.key(h))), num_hit)
+    def hit_length(self, hashes: list[bytes], start: int, end: int, available: Callable[[BlockKey], bool]) -> int:
+        return next((start + i for i, h in enumerate(hashes[start:end]) if not available(self.key(h))), end)
 
 
 class SlidingWindow(GroupManager):
@@ -223,12 +229,12 @@ class SlidingWindow(GroupManager):
     def num_blocks_to_hold(self, num_tokens: int, max_chunk: int | None = None) -> int:
         return blocks_to_hold((self.window,), num_tokens, self.block_size, max_chunk)
 
-    def hit_length(self, hashes: list[bytes], num_hit: int, available: Callable[[BlockKey], bool]) -> int:
-        while num_hit > 0 and not all(
-            available(self.key(h)) for h in hashes[self.first_needed_block(num_hit * self.block_size) : num_hit]
+    def hit_length(self, hashes: list[bytes], start: int, end: int, available: Callable[[BlockKey], bool]) -> int:
+        while end > start and not all(
+            available(self.key(h)) for h in hashes[max(start, self.first_needed_block(end * self.block_size)) : end]
         ):
-            num_hit -= 1
-        return num_hit
+            end -= 1
+        return end
 
 
 # Every attention kind a KV group can have: a new kind is a GroupManager subclass and its entry here.

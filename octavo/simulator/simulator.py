@@ -165,7 +165,7 @@ def used_slots(s: Scheduler) -> int:
     kv, fill = s.kv_cache, {}
     bs = kv.block_size
     for req in s.running:
-        for idx, block_id in enumerate(kv.block_ids(req.request_id)):
+        for idx, block_id in enumerate(kv.block_tables(req.request_id)[0]):
             filled = min(bs, max(0, req.num_computed_tokens - idx * bs))
             fill[block_id] = max(fill.get(block_id, 0), filled)
     return sum(fill.values())

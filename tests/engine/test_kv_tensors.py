@@ -39,34 +39,17 @@ def test_bfloat16_pool_has_the_asked_dtype_and_distinct_tensors():
     assert len(ptrs) == 60 and all(t.dtype == torch.bfloat16 and t.is_contiguous() for kv in caches for t in kv)
 
 
-def test_a_step_leaves_out_the_requests_that_read_a_block_whose_load_failed_with_their_grammar_rows():
-    from octavo.model_runner import _without_readers_of
+def test_a_step_leaves_out_the_requests_whose_load_failed_with_their_grammar_rows():
+    from octavo.model_runner import _without
     from octavo.outputs import SampleRow, ScheduledRequest, SchedulerOutput
     from octavo.sampling.params import SamplingParams
 
     def entry(rid, blocks):
-        return ScheduledRequest(rid, [1], 0, blocks, SamplingParams(), [SampleRow(rid, 0)], [1])
+        return ScheduledRequest(rid, [1], 0, [blocks], SamplingParams(), [SampleRow(rid, 0)], [1])
 
     sched = SchedulerOutput(scheduled=[entry("a", [0, 1]), entry("b", [2, 3]), entry("c", [4])], copies=[(5, 6)])
     mask = torch.tensor([[1], [2], [3]], dtype=torch.int32)
-    kept, grammar = _without_readers_of({3}, sched, (["a", "b", "c"], mask), [True])
+    kept, grammar = _without({"b"}, sched, (["a", "b", "c"], mask))
     assert [e.request_id for e in kept.scheduled] == ["a", "c"] and kept.copies == [(5, 6)]
     assert grammar[0] == ["a", "c"] and grammar[1].tolist() == [[1], [3]]
     assert [e.request_id for e in sched.scheduled] == ["a", "b", "c"]  # the scheduler's copy is untouched
-
-
-def test_a_window_groups_given_back_entries_are_not_reads_of_block_0():
-    """A sliding-window group's table shows block 0 where its window gave blocks back; a failed
-    load into the real block 0 must not leave those requests out (the scheduler does not roll
-    them back: their token would never be computed). Found by the scheduler's property test."""
-    from octavo.model_runner import _without_readers_of
-    from octavo.outputs import SampleRow, ScheduledRequest, SchedulerOutput
-    from octavo.sampling.params import SamplingParams
-
-    def entry(rid, global_blocks, window_blocks):
-        return ScheduledRequest(rid, [1], 0, global_blocks, SamplingParams(), [SampleRow(rid, 0)], [1],
-                                group_block_ids=[window_blocks])
-
-    sched = SchedulerOutput(scheduled=[entry("a", [0, 1], [9, 10]), entry("b", [2, 3], [0, 0, 11])], copies=[])
-    kept, _ = _without_readers_of({0}, sched, None, [True, False])  # group 0 global, group 1 a window
-    assert [e.request_id for e in kept.scheduled] == ["b"]  # a holds block 0 in its global table

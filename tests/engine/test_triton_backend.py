@@ -97,7 +97,7 @@ def test_padded_decode_buffers_equal_the_plain_forward():
         layer[0].normal_()
         layer[1].normal_()
     entries = [
-        ScheduledRequest(f"r{i}", [7 + i], start, blocks, SamplingParams(temperature=0), [SampleRow(f"r{i}")], [])
+        ScheduledRequest(f"r{i}", [7 + i], start, [blocks], SamplingParams(temperature=0), [SampleRow(f"r{i}")], [])
         for i, (start, blocks) in enumerate([(5, [3]), (17, [4, 9, 2]), (0, [11])])
     ]
     ids, pos, meta = runner.prepare(entries)

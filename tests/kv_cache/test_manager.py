@@ -24,23 +24,23 @@ def test_blocks_are_shareable_only_once_computed():
     a = make_request("a", list(range(12)))
     assert kv.allocate_slots(a, 12, kv.get_computed_blocks(a)) is not None
     b = make_request("b", list(range(12)))
-    assert kv.get_computed_blocks(b).blocks == []  # allocated, not yet written: no hit
+    assert kv.get_computed_blocks(b).num_blocks == 0  # allocated, not yet written: no hit
     kv.cache_blocks(a, 8)  # the forward wrote the first two blocks
-    assert len(kv.get_computed_blocks(b).blocks) == 2
+    assert kv.get_computed_blocks(b).num_blocks == 2
     kv.free(a)  # e.g. preempted: the unwritten third block never became shareable
-    assert len(kv.get_computed_blocks(b).blocks) == 2 and kv.check_invariants() == []
+    assert kv.get_computed_blocks(b).num_blocks == 2 and kv.check_invariants() == []
 
 
 def test_blocks_allocated_one_at_a_time_as_sequence_grows():
     kv = KVCacheManager(num_blocks=6, block_size=BS)
     req = make_request("a", 6)
     alloc, hit = admit(kv, req)
-    assert hit == 0 and alloc.block_ids == [0, 1] and alloc.copies == []
+    assert hit == 0 and alloc.block_tables[0] == [0, 1] and alloc.copies == []
     for tok, expected in [(1, [0, 1]), (2, [0, 1]), (3, [0, 1, 2])]:
         req.all_token_ids.append(tok)
         alloc = kv.allocate_slots(req, 1)
         req.num_computed_tokens += 1
-        assert alloc.block_ids == expected
+        assert alloc.block_tables[0] == expected
     assert kv.num_free_blocks == 3
 
 
@@ -52,9 +52,9 @@ def test_prefix_hit_shares_full_blocks_and_never_covers_last_token():
     alloc, hit = admit(kv, b)
     # the last token must be computed, so only 2 of the 3 full blocks are hit
     assert hit == 8
-    assert alloc.block_ids[:2] == kv.block_ids("a")[:2]
-    assert alloc.block_ids[2] not in kv.block_ids("a")
-    shared = kv.pool.blocks[kv.block_ids("a")[0]]
+    assert alloc.block_tables[0][:2] == kv.block_tables("a")[0][:2]
+    assert alloc.block_tables[0][2] not in kv.block_tables("a")[0]
+    shared = kv.pool.blocks[kv.block_tables("a")[0][0]]
     assert shared.ref_cnt == 2
     assert kv.stats.num_hits_tokens == 8 and kv.stats.num_queries_tokens == 24
 
@@ -77,7 +77,7 @@ def test_freed_request_leaves_cached_blocks_for_later_hits_lru_tail_first():
     assert kv.pool.free_queue.block_ids() == [2, 3, 1, 0]
     b = make_request("b", list(range(9)))
     _, hit = admit(kv, b)
-    assert hit == 8 and kv.block_ids("b") == [0, 1, 2]
+    assert hit == 8 and kv.block_tables("b")[0] == [0, 1, 2]
 
 
 def test_allocation_failure_changes_nothing():
@@ -86,7 +86,7 @@ def test_allocation_failure_changes_nothing():
     big = make_request("b", list(range(500, 509)))
     alloc, _ = admit(kv, big)
     assert alloc is None
-    assert kv.num_free_blocks == 1 and kv.block_ids("b") == []
+    assert kv.num_free_blocks == 1 and kv.block_tables("b") == []
 
 
 def test_hit_on_free_cached_blocks_counts_them_against_free_space():
@@ -108,20 +108,20 @@ def test_fork_shares_blocks_and_copy_on_write_of_partial_block():
     child.request_id = "p#1"
     child.num_computed_tokens = 6
     kv.fork(parent, child)
-    b0, b1 = kv.block_ids("p#0")
-    assert kv.block_ids("p#1") == [b0, b1]
+    b0, b1 = kv.block_tables("p#0")[0]
+    assert kv.block_tables("p#1")[0] == [b0, b1]
     assert kv.pool.blocks[b0].ref_cnt == 2 and kv.pool.blocks[b1].ref_cnt == 2
     # parent writes its first output token into the shared partial block: it gets a private copy
     parent.all_token_ids.append(7)
     alloc = kv.allocate_slots(parent, 1)
-    new_b1 = alloc.block_ids[1]
+    new_b1 = alloc.block_tables[0][1]
     assert alloc.copies == [(b1, new_b1)] and new_b1 != b1
-    assert alloc.block_ids[0] == b0  # the full shared block is never duplicated
+    assert alloc.block_tables[0][0] == b0  # the full shared block is never duplicated
     assert kv.pool.blocks[b1].ref_cnt == 1
     # the child is now the only holder of the old partial block: it writes in place, no copy
     child.all_token_ids.append(8)
     alloc_c = kv.allocate_slots(child, 1)
-    assert alloc_c.copies == [] and alloc_c.block_ids == [b0, b1]
+    assert alloc_c.copies == [] and alloc_c.block_tables[0] == [b0, b1]
     assert kv.pool.blocks[b0].ref_cnt == 2
 
 

@@ -50,7 +50,7 @@ def test_a_prefix_hit_needs_global_blocks_and_only_the_window_before_it():
     # gave those back while it ran; they are in the cache anyway, unneeded)
     assert local[:4] == [None] * 4 and None not in local[4:]
     alloc = kv.allocate_slots(b, 4, hit)
-    assert alloc.group_block_ids[0][:4] == [NULL_BLOCK_ID] * 4
+    assert alloc.block_tables[1][:4] == [NULL_BLOCK_ID] * 4
     assert kv.check_invariants() == []
 
 

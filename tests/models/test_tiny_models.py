@@ -68,9 +68,8 @@ def pair(request, tmp_path_factory):
 def entry(rid, tokens, start, block_ids, num_groups=1, stride=16):
     """A scheduled request; a model with several KV groups gets a table per group, group g's on
     block ids shifted by g x stride (above every id used), so groups never share a block."""
-    groups = [[b + g * stride for b in block_ids] for g in range(1, num_groups)]
-    return ScheduledRequest(rid, tokens, start, block_ids, SamplingParams(temperature=0), [SampleRow(rid)], [],
-                            group_block_ids=groups)
+    tables = [[b + g * stride for b in block_ids] for g in range(num_groups)]
+    return ScheduledRequest(rid, tokens, start, tables, SamplingParams(temperature=0), [SampleRow(rid)], [])
 
 
 def run(runner, entries):

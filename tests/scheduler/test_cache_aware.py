@@ -220,8 +220,8 @@ def test_the_counter_for_many_requests_equals_one_walk_each(chains, cached, tier
     count = kv.reusable_tokens_counter()
     got = [count(q) for q in requests]
     available = kv._in_either_tier if tier else kv._in_pool
-    want = [next((i for i, h in enumerate(hashes) if not available(0, h)), len(hashes)) * BS
-            for hashes in map(kv._lookup_hashes, requests)]
+    want = [next((i for i, h in enumerate(hashes) if not available((0, h))), len(hashes)) * BS
+            for hashes in (kv.block_hashes(q)[: kv.num_lookup_blocks(q)] for q in requests)]
     assert got == want
 
 

@@ -77,17 +77,16 @@ class ShadowKV:
         loaded = {}
         for t in out.tier_loads:
             # only the loading request's own table may hold it (a running request loading ahead)
-            assert held[t.block_id] <= 1, "a tier load writes a block another request holds"
+            holders = [rid for rid in s.requests if t.block_id in s.kv_cache.held_blocks(rid)]
+            assert held[t.block_id] <= 1 and set(holders) <= {t.request_id}, "a tier load writes a block another request holds"
             self.num_loads += 1
             loaded[t.block_id] = self.num_loads % 3 != 0  # every third load fails its checksum
             for o in range(BS):
                 self.slots[(t.block_id, o)] = self.disk[t.slot][o] if loaded[t.block_id] else -1  # -1: garbage
-        bad = {b for b, ok in loaded.items() if not ok}
-        # as the runner does: the requests holding a bad block in a global group's table (a window
-        # group's table shows block 0 for blocks given back: not a read of the real block 0)
-        global_groups = [w is None for w in self.windows]
-        reads = {e.request_id: {b for t, g in zip(e.block_tables, global_groups) if g for b in t} for e in out.scheduled}
-        self.skipped = [(e.request_id, e.start_pos) for e in out.scheduled if bad & reads[e.request_id]]
+        # as the runner does: a load names the one request whose table the block joins; those of
+        # this step's requests whose load failed are left out (and a bad block is in no other table)
+        left_out = {t.request_id for t in out.tier_loads if not loaded[t.block_id]} & {e.request_id for e in out.scheduled}
+        self.skipped = [(e.request_id, e.start_pos) for e in out.scheduled if e.request_id in left_out]
         for src, dst in out.copies:
             for offset in range(BS):
                 if (src, offset) in self.slots:
@@ -95,7 +94,7 @@ class ShadowKV:
                 else:
                     self.slots.pop((dst, offset), None)
         for e in out.scheduled:
-            if bad & reads[e.request_id]:
+            if e.request_id in left_out:
                 continue
             tokens = s.requests[e.request_id].all_token_ids
             assert len(e.block_tables) == len(self.windows)
@@ -106,7 +105,7 @@ class ShadowKV:
                     assert self.slots.get(slot) == tokens[pos], f"{e.request_id} reads unwritten or foreign KV at {pos}"
                 for pos, token in zip(range(e.start_pos, e.start_pos + e.num_tokens), e.token_ids):
                     self.slots[(table[pos // BS], pos % BS)] = token
-        return {"tier_stored": stored, "tier_loaded": loaded}
+        return {"tier_stored": stored, "tier_loaded": loaded, "left_out": sorted(left_out)}
 
     def check_rolled_back(self, s: Scheduler) -> None:
         """A request left out of the step has not advanced past the chunk it did not compute."""
@@ -142,7 +141,7 @@ def fake_model(s: Scheduler, out, seed: int, tier_reports: dict | None = None) -
 def check_invariants(s: Scheduler) -> None:
     kv = s.kv_cache
     assert kv.check_invariants() == []
-    holders = Counter(kv.blocks_held_for_loads() + kv.pinned_block_ids())
+    holders = Counter(kv.held_by_others())
     for rid in s.requests:
         holders.update(kv.held_blocks(rid))
     if kv.tier is not None:
@@ -151,9 +150,9 @@ def check_invariants(s: Scheduler) -> None:
         assert block.ref_cnt == holders[block.block_id], block
     for req in s.running:
         assert req.status is RequestStatus.RUNNING
-        assert len(kv.block_ids(req.request_id)) * BS >= req.num_computed_tokens
+        assert len(kv.block_tables(req.request_id)[0]) * BS >= req.num_computed_tokens
     for req in s.waiting:
-        assert kv.block_ids(req.request_id) == []
+        assert kv.block_tables(req.request_id) == []
 
 
 # a single sliding-window group once took the loads-ahead path meant for one global group (tables
@@ -272,4 +271,4 @@ def test_a_pool_too_small_for_the_shared_prefixes_serves_them_from_the_tier_and_
     stats = s.stats()
     assert stats.tier_blocks_loaded >= 20 and stats.tier_blocks_corrupt >= 5, stats
     assert stats.tier_hits > 0 and stats.prefix_cache_hits >= stats.tier_hits
-    assert s.kv_cache.num_free_blocks == 16 and not s.kv_cache.blocks_held_for_loads()
+    assert s.kv_cache.num_free_blocks == 16 and not s.kv_cache.held_by_others()

@@ -183,7 +183,7 @@ def test_n_greater_than_one_forks_after_prompt_sharing_blocks():
     changed = s.update(out, ModelRunnerOutput(sampled={"p#0": 1, "p#1": 2, "p#2": 3}))
     assert [r.request_id for r in changed] == ["p#0", "p#1", "p#2"]
     assert [r.output_token_ids for r in changed] == [[1], [2], [3]]
-    tables = [s.kv_cache.block_ids(r.request_id) for r in changed]
+    tables = [s.kv_cache.block_tables(r.request_id)[0] for r in changed]
     assert tables[0] == tables[1] == tables[2]
     assert s.kv_cache.pool.blocks[tables[0][0]].ref_cnt == 3
     out = s.schedule()
@@ -202,9 +202,9 @@ def test_blocks_become_shareable_only_after_the_step_that_computes_them():
     assert plan(out) == {"a": 8}
     assert s.kv_cache.pool.cached == {}
     twin = make_request("twin", list(range(100, 112)), max_tokens=4)
-    assert s.kv_cache.get_computed_blocks(twin).blocks == []
+    assert s.kv_cache.get_computed_blocks(twin).num_blocks == 0
     s.update(out, fake_run(out))  # the forward ran: now both blocks may be shared
-    assert len(s.kv_cache.get_computed_blocks(twin).blocks) == 2
+    assert s.kv_cache.get_computed_blocks(twin).num_blocks == 2
 
 
 
@@ -261,22 +261,26 @@ def scheduler_with_history_in_the_tier(history: list[int], windows: tuple = (Non
     return s
 
 
-def test_a_history_in_the_tier_loads_and_its_new_tokens_compute_in_the_same_step():
+@pytest.mark.parametrize("windows", [(None,), (None, 8, 8, 8, 8, 8)], ids=["one-group", "gemma-layout"])
+def test_a_history_in_the_tier_loads_and_its_new_tokens_compute_in_the_same_step(windows):
     """The loads are read before the forward, which computes the request's new tokens after them:
-    a returning conversation pays no step for its history."""
+    a returning conversation pays no step for its history. Sliding-window groups (Gemma 3's
+    layout) load ahead alike, only the blocks their windows read."""
     history = list(range(1000, 1032))  # eight blocks
-    s = scheduler_with_history_in_the_tier(history)
+    s = scheduler_with_history_in_the_tier(history, windows)
     turn = make_request("turn", history + list(range(5, 13)), max_tokens=2)
     s.add_request(turn)
     out = s.schedule()
-    num_loads = len(out.tier_loads)
-    assert num_loads >= 7 and plan(out) == {"turn": 8}  # (the fill left its first block)
-    assert {t.block_id for t in out.tier_loads} <= set(out.scheduled[0].block_ids)
+    loaded_entries = {t.key[1] for t in out.tier_loads}
+    assert len(loaded_entries) >= 7 and plan(out) == {"turn": 8}  # (the fill left its first block)
+    assert {t.block_id for t in out.tier_loads} <= {b for table in out.scheduled[0].block_tables for b in table}
+    assert len(out.tier_loads) == len(loaded_entries) + 2 * (len(windows) - 1)  # each window: its last 2 blocks
     s.update(out, tier_run(out))
     assert turn.output_token_ids == [7] and turn.num_cached_tokens == 32 and turn.tier_load_wait > 0
     while s.has_unfinished_requests():
         s.update(out := s.schedule(), tier_run(out))
-    assert s.stats().tier_hits == BS * num_loads and s.kv_cache.check_invariants() == [] and s.kv_cache.num_free_blocks == 16
+    assert s.stats().tier_hits == BS * len(loaded_entries) and s.kv_cache.check_invariants() == []
+    assert s.kv_cache.num_free_blocks == 16 * len(windows)
 
 
 def test_a_bad_load_voids_the_chunk_computed_after_it_and_the_request_computes_from_the_bad_block():
@@ -287,10 +291,11 @@ def test_a_bad_load_voids_the_chunk_computed_after_it_and_the_request_computes_f
     out = s.schedule()
     assert plan(out) == {"turn": 8}
     bad = out.tier_loads[-3].block_id
-    idx = out.scheduled[0].block_ids.index(bad)
+    idx = out.scheduled[0].block_tables[0].index(bad)
     result = tier_run(out)
     result.tier_loaded[bad] = False
-    del result.sampled["turn"]  # the runner leaves out a request that reads a bad block
+    del result.sampled["turn"]  # the runner leaves out a request whose load failed, and says so
+    result.left_out = ["turn"]
     s.update(out, result)
     assert turn.num_computed_tokens == idx * BS and not turn.output_token_ids  # rolled back to the bad block
     out = s.schedule()
@@ -324,29 +329,6 @@ def test_a_history_in_the_tier_too_big_to_load_at_once_starts_beside_running_req
     assert computed == 1 and turn.num_cached_tokens == 40  # its history came from the tier
     assert turn.tier_load_wait > 0
     assert s.stats().tier_hits == 40 and s.kv_cache.check_invariants() == []
-
-
-def test_requests_behind_one_loading_from_the_tier_leave_it_the_blocks_it_computes_into_next_step():
-    """With sliding-window groups the queue's front loads its history while waiting and computes
-    its new tokens next step: a request behind it admitted meanwhile must not take those blocks
-    (it would wait again, behind the newcomer, for as long as that runs: a multi-turn bench's
-    worst TTFTs)."""
-    history = list(range(1000, 1032))  # eight blocks
-    s = scheduler_with_history_in_the_tier(history, windows=(None, 8))
-    turn = make_request("turn", history + list(range(5, 13)), max_tokens=2)  # loads 10 blocks, computes 8 tokens
-    newcomer = make_request("newcomer", list(range(3000, 3036)), max_tokens=2)  # 9 blocks a group
-    s.add_request(turn)
-    s.add_request(newcomer)
-    out = s.schedule()
-    assert len(out.tier_loads) == 10 and plan(out) == {}
-    assert s.kv_cache.num_free_blocks >= 18  # the newcomer fitted, but not beside the turn's next chunk
-    s.update(out, tier_run(out))
-    out = s.schedule()
-    assert plan(out)["turn"] == 8  # back from the tier: computes its new tokens at once
-    s.update(out, tier_run(out))
-    while s.has_unfinished_requests():
-        s.update(out := s.schedule(), tier_run(out))
-    assert s.kv_cache.check_invariants() == [] and s.kv_cache.num_free_blocks == 32
 
 
 def test_a_long_prompt_that_fits_a_window_pool_in_smaller_chunks_is_admitted_and_chunked_so():

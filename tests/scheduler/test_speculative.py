@@ -61,7 +61,7 @@ def test_rejected_drafts_give_back_their_blocks_and_are_never_cached():
     assert out.scheduled[0].num_tokens == 5  # last token + 4 drafts: positions 12..16, blocks 3 and 4
     r = s.requests["a"]
     assert r.output_token_ids == [2, 7] and r.num_computed_tokens == 13
-    assert len(s.kv_cache.block_ids("a")) == 4  # positions 0..13 need four blocks: the fifth went back
+    assert len(s.kv_cache.block_tables("a")[0]) == 4  # positions 0..13 need four blocks: the fifth went back
     # block 3 (positions 12..15) was filled, with drafts at 13..15: it must not be cached
     assert set(s.kv_cache.pool.cached) == before
     assert s.kv_cache.check_invariants() == []
