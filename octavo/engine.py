@@ -4,7 +4,6 @@ requests and hands the changed ones to the output processor."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 import json
 import logging
@@ -21,10 +20,9 @@ from octavo.config import EngineConfig
 from octavo.draft_model import DraftModel
 from octavo.distributed.executor import TensorParallelExecutor, TensorParallelGroup, WorkerSpec, start_tensor_parallel
 from octavo.engine_args import EngineArgs, resolve_device
-from octavo.cache import cache_dir
 from octavo.kv_cache.manager import KVCacheManager
-from octavo.kv_cache.tier import TierIndex
-from octavo.kv_tier import TierInUse, TierStore, TierUnavailable, open_disk_tier, open_host_tier, tier_fingerprint
+from octavo.kv_tier import TierStore
+from octavo.kv_tier.setup import OpenedTier, open_tier
 from octavo.lora.request import LoRARequest
 from octavo.memory import CUDA_GRAPH_RESERVE_BYTES, KVSizing, size_kv_cache
 from octavo.model_runner import ModelRunner, RunnerOptions
@@ -78,10 +76,10 @@ class LLMEngine:
         opened = self._open_tier(self.config) if config.cache.kv_offload_bytes else None
         kv = KVCacheManager(sizing.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                             tuple(g.window for g in config.model_config.kv_groups()),
-                            tier=None if opened is None else opened[0])
+                            tier=None if opened is None else opened.index)
         if opened is not None:
-            kv.connector.swap_preempted = opened[1]
-        kv.max_pinned_blocks = int(config.cache.pinned_prefix_share * sizing.num_blocks)
+            kv.connector.swap_preempted = opened.swap_preempted
+        kv.pins.max_blocks = int(config.cache.pinned_prefix_share * sizing.num_blocks)
         self.scheduler = Scheduler(config.scheduler, kv)
         self.scheduler.draft_filter = self._grammar_draft_prefix
         spec = config.scheduler.speculative
@@ -136,55 +134,18 @@ class LLMEngine:
             max_model_len_explicit=config.max_model_len_explicit,
         )
 
-    def _open_tier(self, config: EngineConfig) -> tuple[TierIndex, bool] | None:
-        """The second KV tier (its store attached to the runner), its index and whether preempted
-        requests swap through it: host memory on CUDA (pinned) or when asked, else files on disk.
-        A tier that cannot be used (a full disk, a read-only or foreign folder, one held by another
-        server) is logged once and the engine runs without it (None); with kv_offload_required,
-        or when an engine of this same process still holds its folder, it is a ValueError."""
-        medium = config.cache.kv_offload_medium
-        try:
-            if medium == "host" or (medium == "auto" and self.runner.device.type == "cuda"):
-                if config.cache.kv_offload_path is not None:
-                    logger.warning("KV tier in host memory: --kv-offload-path %s is not used", config.cache.kv_offload_path)
-                self.tier, index = open_host_tier(config.cache.kv_offload_bytes, self.runner.tier_block_bytes(),
-                                                  self.runner.host_buffer)
-            else:
-                fingerprint = tier_fingerprint(config.model_path or str(config.model), config.model_config, config.dtype,
-                                               config.cache.block_size, config.quantization,
-                                               self.runner.attention_backend)
-                self.tier, index = open_disk_tier(_tier_path(config, fingerprint), config.cache.kv_offload_bytes,
-                                                  self.runner.tier_block_bytes(), fingerprint)
-            swap = self._swap_is_cheaper(config)  # its probe writes and reads: a full disk fails it
-        except TierUnavailable as exc:
-            if self.tier is not None:
-                self.tier.close()
-                self.tier = None
-            same_process = isinstance(exc, TierInUse) and exc.holder == os.getpid()
-            if config.cache.kv_offload_required or same_process:
-                raise ValueError(f"the second KV tier cannot be used: {exc}") from None
-            logger.warning("KV tier off: %s; running without it (--kv-offload-required refuses to start instead)", exc)
-            return None
-        self.runner.attach_tier(self.tier)
-        return index, swap
-
-    def _swap_is_cheaper(self, config: EngineConfig) -> bool:
-        """Measure what one block of a preempted request costs to move through the tier (out and
-        back, cold) against recomputing it (a prefill step's time per token, best of two, times
-        the block size); log both. Both grow with the request's length alike, so the choice
-        holds for every victim of this engine. TierUnavailable if the tier's probe fails."""
-        num_tokens = min(128, config.scheduler.max_num_batched_tokens, config.scheduler.max_model_len)
-        move = self.tier.measure_round_trip()
-        timings = []
-        for _ in range(2):
+    def _open_tier(self, config: EngineConfig) -> OpenedTier | None:
+        """The second KV tier (kv_tier.setup.open_tier), its store attached to the runner."""
+        def prefill_seconds(num_tokens: int) -> float:
             start = time.perf_counter()
             self.runner.profile_activation_peak(num_tokens, 1)
-            timings.append(time.perf_counter() - start)
-        recompute = min(timings) / num_tokens * config.cache.block_size
-        swap = move < recompute
-        logger.info("KV tier: a block costs %.2f ms to move out and back, %.2f ms to recompute: preempted requests %s",
-                    move * 1e3, recompute * 1e3, "swap through the tier" if swap else "recompute")
-        return swap
+            return time.perf_counter() - start
+        opened = open_tier(config, self.runner.tier_block_bytes(), self.runner.host_buffer,
+                           self.runner.device.type == "cuda", self.runner.attention_backend, prefill_seconds)
+        if opened is not None:
+            self.tier = opened.store
+            self.runner.attach_tier(opened.store)
+        return opened
 
     @classmethod
     def from_args(cls, args: EngineArgs | None = None, **kwargs: Any) -> LLMEngine:
@@ -233,11 +194,11 @@ class LLMEngine:
             prompt = apply_chat_template(self.tokenizer, prompt["messages"], add_generation_prompt=False)
         rid = f"pin-{next(self._pin_counter)}"
         kv = self.scheduler.kv_cache
-        before = kv.num_pinned_blocks
+        before = kv.pins.num_blocks
         self.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), pin=True)
         while rid in self.outputs:
             self.step()
-        num_blocks = kv.num_pinned_blocks - before
+        num_blocks = kv.pins.num_blocks - before
         return num_blocks * kv.block_size, num_blocks
 
     def pin_prefix_files(self, paths: tuple[str, ...]) -> None:
@@ -251,7 +212,7 @@ class LLMEngine:
             names.append(f"{Path(path).name} ({num_tokens} tokens)")
         kv = self.scheduler.kv_cache
         logger.info("pinned prefixes: %s; %d of the pool's %d blocks (at most %d: --pinned-prefix-share %.2f)",
-                    ", ".join(names), kv.num_pinned_blocks, kv.num_blocks, kv.max_pinned_blocks,
+                    ", ".join(names), kv.pins.num_blocks, kv.num_blocks, kv.pins.max_blocks,
                     self.config.cache.pinned_prefix_share)
 
     def close(self) -> None:
@@ -449,10 +410,3 @@ class LLMEngine:
             num_steps=self._num_steps,
         )
 
-
-def _tier_path(config: EngineConfig, fingerprint: dict) -> str:
-    """--kv-offload-path, or one folder per fingerprint: switching models never wipes another's tier."""
-    if config.cache.kv_offload_path is not None:
-        return config.cache.kv_offload_path
-    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
-    return str(cache_dir() / "kv-tier" / digest)

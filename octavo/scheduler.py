@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from octavo.beam_search import BeamGroup, Continuation
 from octavo.config import SchedulerConfig
+from octavo.kv_cache.costs import preemption_cost, reusable_tokens_counter
 from octavo.kv_cache.manager import Allocation, KVCacheManager
 from octavo.outputs import ModelRunnerOutput, SampleRow, ScheduledRequest, SchedulerOutput, SchedulerStats
 from octavo.request import FinishReason, Request, RequestStatus, child_request_id
@@ -78,7 +79,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self._blocks_needed[request.request_id] = num_blocks
         if request.pin:
-            self._pending_pins[request.request_id] = self.kv_cache.num_blocks_to_pin(request)
+            self._pending_pins[request.request_id] = self.kv_cache.pins.num_to_pin(request)
         self._sequences.setdefault(request.user_request_id, set()).add(request.request_id)
         if request.beam is not None:
             request.beam.start(request.request_id)
@@ -122,8 +123,8 @@ class Scheduler:
             self._check_pin_fits(request)
         # pinned blocks, and those pins not yet computed will hold, are not for it (but those its
         # prompt starts with)
-        num_pinned = self.kv_cache.num_pinned_blocks + sum(self._pending_pins.values())
-        room = self.kv_cache.num_blocks - num_pinned + self.kv_cache.num_pinned_hits(request)
+        num_pinned = self.kv_cache.pins.num_blocks + sum(self._pending_pins.values())
+        room = self.kv_cache.num_blocks - num_pinned + self.kv_cache.pins.num_hits(request)
         budget = self.config.max_num_batched_tokens
         max_chunk = None
         num_blocks = width * self.kv_cache.num_blocks_to_hold(total, budget)
@@ -154,12 +155,12 @@ class Scheduler:
         """Raise RequestRefused if pinning the request's prompt would pass the pinned share, or
         leave a live request more blocks than the rest of the pool."""
         kv = self.kv_cache
-        num_new = kv.num_blocks_to_pin(request)
-        num_pinned = kv.num_pinned_blocks + sum(self._pending_pins.values()) + num_new
-        if num_pinned > kv.max_pinned_blocks:
+        num_new = kv.pins.num_to_pin(request)
+        num_pinned = kv.pins.num_blocks + sum(self._pending_pins.values()) + num_new
+        if num_pinned > kv.pins.max_blocks:
             raise RequestRefused(
                 f"pinning this prefix would hold {num_pinned} KV blocks, over the pinned share of the pool "
-                f"({kv.max_pinned_blocks} of {kv.num_blocks} blocks); pin less, or raise --pinned-prefix-share"
+                f"({kv.pins.max_blocks} of {kv.num_blocks} blocks); pin less, or raise --pinned-prefix-share"
             )
         largest = max(self._blocks_needed.values(), default=0)
         if largest > kv.num_blocks - num_pinned:
@@ -441,7 +442,7 @@ class Scheduler:
         that arrived later goes ahead of them); then the most tokens reused from the cache, plus
         `aging_tokens_per_step` per step waited (so a cold request rises steadily)."""
         step, bound, aging = self._num_steps, self.config.max_wait_steps, self.config.aging_tokens_per_step
-        reusable = self.kv_cache.reusable_tokens_counter()  # used by one sort: the cache does not change meanwhile
+        reusable = reusable_tokens_counter(self.kv_cache)  # used by one sort: the cache does not change meanwhile
 
         def key(request: Request) -> tuple:
             if request.num_preemptions or request.num_passed_over >= bound:
@@ -494,7 +495,7 @@ class Scheduler:
 
     def _choose_victim(self) -> Request:
         """`cheapest`: among the running requests of the lowest priority but the oldest, the one
-        whose loss costs least (KVCacheManager.preemption_cost) among those that free a block,
+        whose loss costs least (kv_cache.costs.preemption_cost) among those that free a block,
         sparing requests that resumed lately; ties go to the newest. `newest`: the most recently admitted (under
         priorities: the latest arrival of the lowest priority)."""
         if self.config.preemption_victim == "newest":
@@ -508,7 +509,7 @@ class Scheduler:
         candidates = [r for r in candidates if not self._is_resuming(r)] or candidates
 
         def cost(request: Request) -> tuple:
-            num_tokens, num_freed = self.kv_cache.preemption_cost(request)
+            num_tokens, num_freed = preemption_cost(self.kv_cache, request)
             return (num_freed == 0, num_tokens, -request.admit_seq)
         return min(candidates, key=cost)
 
@@ -783,7 +784,7 @@ class Scheduler:
         if self.drafter is not None:
             self.drafter.finish(request.request_id, request.all_token_ids)
         if request.pin and reason is not FinishReason.ABORT:
-            self.kv_cache.pin(request)
+            self.kv_cache.pins.pin(request)
         self.kv_cache.remove(request)
         del self.requests[request.request_id]
         self._blocks_needed.pop(request.request_id, None)

@@ -29,7 +29,7 @@ def main() -> None:
     most = last = 0
     while engine.has_unfinished_requests():
         engine.step()
-        held = len(kv.held_blocks("long"))
+        held = len(kv.view().held_blocks("long"))
         if held:
             last = held
         most = max(most, held)

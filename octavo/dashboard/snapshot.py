@@ -22,9 +22,10 @@ The second KV tier's slots, one character each (aggregated the same way):
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
+
+from octavo.kv_cache.view import KVCacheView
 
 MAX_CELLS = 4096  # block cells a snapshot carries at most (past that, cells aggregate blocks)
 MAX_REQUESTS = 64  # running and waiting requests listed at most (the rest counted)
@@ -32,13 +33,12 @@ MAX_TABLE = 128  # block-table entries listed per request and group at most (the
 RECENT_FREED = 64  # window-freed block ids a snapshot lists at most
 
 
-def block_states(kv: Any, tables: dict[str, list[list[int | None]]]) -> tuple[str, dict[int, list[str]], dict[int, int]]:
-    """(one state character per pool block, block id -> the live sequence ids holding it, block id
-    -> the KV group holding it: filled only where the model has several groups). `tables`: every
-    live sequence's `table_entries`."""
+def block_holders(view: KVCacheView, tables: dict[str, list[list[int | None]]]) -> tuple[dict[int, list[str]], dict[int, int]]:
+    """(block id -> the live sequence ids holding it, block id -> the KV group holding it: filled
+    only where the model has several groups). `tables`: every live sequence's `table_entries`."""
     holders: dict[int, list[str]] = {}
     groups: dict[int, int] = {}
-    multi_group = len(kv.group_windows) > 1
+    multi_group = len(view.group_windows) > 1
     for rid, entries in tables.items():
         for g, table in enumerate(entries):
             for block_id in table:
@@ -46,11 +46,7 @@ def block_states(kv: Any, tables: dict[str, list[list[int | None]]]) -> tuple[st
                     holders.setdefault(block_id, []).append(rid)
                     if multi_group:
                         groups[block_id] = g
-    states = ["u" if b.ref_cnt == 1 else "s" if b.ref_cnt else "f" if b.block_hash is None else "c"
-              for b in kv.pool.blocks]
-    for block_id in kv.pinned_block_ids():
-        states[block_id] = "p"
-    return "".join(states), holders, groups
+    return holders, groups
 
 
 _PRECEDENCE = "supcf"  # an aggregated cell shows the liveliest state among its blocks
@@ -101,7 +97,7 @@ def _request_row(request: Any, tables: list[list[int | None]], index: dict[str, 
     }
 
 
-def _pool_view(kv: Any, states: str, holders: dict[int, list[str]], groups: dict[int, int], index: dict[str, int],
+def _pool_view(kv: KVCacheView, states: str, holders: dict[int, list[str]], groups: dict[int, int], index: dict[str, int],
                max_cells: int) -> dict[str, Any]:
     """The pool grid: cells, per-cell owner (colour index of the first holder listed) and KV
     group (-1 where none; both None once cells aggregate blocks), holders of shared blocks,
@@ -129,11 +125,10 @@ def _pool_view(kv: Any, states: str, holders: dict[int, list[str]], groups: dict
     }
 
 
-def _tier_view(tier: Any, stats: Any, max_cells: int) -> dict[str, Any] | None:
+def _tier_view(states: str | None, stats: Any, max_cells: int) -> dict[str, Any] | None:
     """The second tier's slots (states as in the module docstring) and its counters."""
-    if tier is None:
+    if states is None:
         return None
-    states = tier.slot_states()
     cells, per_cell = aggregate(states, max_cells, _TIER_PRECEDENCE)
     return {
         "num_slots": stats.tier_num_blocks, "usage": stats.tier_usage, "blocks_stored": stats.tier_blocks_stored,
@@ -147,9 +142,10 @@ def _tier_view(tier: Any, stats: Any, max_cells: int) -> dict[str, Any] | None:
 def build_snapshot(scheduler: Any, steps: StepLog, max_cells: int = MAX_CELLS) -> dict[str, Any]:
     """The dashboard's view of the engine now. Reads the scheduler and its KV-cache manager (call
     it between steps, on the thread that steps them); O(pool blocks + tier slots + live requests)."""
-    kv = scheduler.kv_cache
+    kv = scheduler.kv_cache.view()
     tables = {rid: kv.table_entries(rid) for rid in kv.live_request_ids()}  # read once, used twice
-    states, holders, groups = block_states(kv, tables)
+    states = kv.block_states()
+    holders, groups = block_holders(kv, tables)
     index: dict[str, int] = {}
     running = [_request_row(r, tables.get(r.request_id, []), index) for r in scheduler.running[:MAX_REQUESTS]]
     waiting = [_request_row(r, tables.get(r.request_id, []), index) for r in list(scheduler.waiting)[:MAX_REQUESTS]]
@@ -172,14 +168,14 @@ def build_snapshot(scheduler: Any, steps: StepLog, max_cells: int = MAX_CELLS) -
             "spec_num_draft_tokens": stats.spec_num_draft_tokens,
             "spec_num_accepted_tokens": stats.spec_num_accepted_tokens,
         },
-        "tier": _tier_view(kv.tier, stats, max_cells),
+        "tier": _tier_view(kv.tier_slot_states(), stats, max_cells),
     }
 
 
 def block_tokens(scheduler: Any, block_id: int) -> tuple[list[str], list[int]] | None:
     """(the sequences holding a block, the token ids it holds for the first of them), or None
     when no live sequence holds it (a free or cached block's tokens belong to nobody live)."""
-    kv = scheduler.kv_cache
+    kv = scheduler.kv_cache.view()
     holders = [rid for rid in kv.live_request_ids() if kv.block_position(rid, block_id) is not None]
     if not holders or holders[0] not in scheduler.requests:
         return None

@@ -108,6 +108,14 @@ class GroupManager:
         """Whether table entry `idx` is read by a query at block `end` or later."""
         return idx >= self.first_needed_block(end * self.block_size)
 
+    def ahead(self, hashes: list[bytes], start: int, end: int) -> tuple[list[KVCacheBlock | None], int]:
+        """Entries [start, end) of a run taken from the cache (`hit_blocks`), and the free blocks
+        taking them costs: one per entry to load, and the pool's that sit in the free queue."""
+        entries = self.hit_blocks(hashes, start, end)
+        cost = sum(1 for i, b in enumerate(entries)
+                   if (b is None and self.is_read_after(start + i, end)) or (b is not None and b.ref_cnt == 0))
+        return entries, cost
+
     def num_blocks_needed(self, rid: str, start: int, end: int, hit: list[KVCacheBlock | None]) -> int:
         """Free blocks `grow(rid, start, end)` after `take_hit(rid, hit)` takes: new blocks up to
         token `end`, a private copy of a shared partial block written at `start`, and the hit's
@@ -166,6 +174,19 @@ class GroupManager:
         if num_new:
             table.extend(self.pool.allocate(num_new))
         return copy
+
+    def load_targets(self, rid: str, hashes: list[bytes], start: int, end: int) -> list[tuple[int, KVCacheBlock, BlockKey]]:
+        """After `take_hit(rid, entries)` of a run [start, end): a free block for each entry still
+        empty that a query at `end` reads (its content comes from the tier), as (table index,
+        block, key). The pool must have room (`ahead`'s cost)."""
+        table = self.tables[rid]
+        loads = []
+        for idx in range(start, end):
+            if table.blocks[idx] is None and self.is_read_after(idx, end):
+                (target,) = self.pool.allocate(1)
+                table.set(idx, target)
+                loads.append((idx, target, self.key(hashes[idx])))
+        return loads
 
     def cache(self, rid: str, hashes: list[bytes], first: int, num_full: int) -> None:
         """Enter the request's table entries [first, num_full) that still hold a block into the

@@ -5,10 +5,12 @@ config.kv_groups), so one pool block holds block_size tokens of any one group. E
 are kept by its own manager (kv_cache/groups.py: full attention, sliding window); this class adds
 up their needs before anything is taken, so a step's allocation happens in every group or in none,
 and owns what spans groups: the request's chained block hashes, the prefix-cache statistics,
-blocks being computed this step, pinned prefixes, and the second tier's connector.
+blocks being computed this step, and two rooms of its own: the pinned prefixes (pins.py) and the
+second tier's connector (connector.py).
 
-Invariants: every block is either in the free queue (ref_cnt 0) or held; a block's ref_cnt equals
-the number of table entries that hold it, plus pins and the connector's loads in flight.
+Invariants (KVCacheView.check_invariants): every block is either in the free queue (ref_cnt 0) or
+held; a block's ref_cnt equals the number of table entries that hold it, plus pins and the
+connector's loads in flight.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from dataclasses import dataclass, field
 from octavo.kv_cache.block_pool import BlockPool, KVCacheBlock
 from octavo.kv_cache.connector import TierConnector
 from octavo.kv_cache.groups import NULL_BLOCK_ID, BlockKey, GroupManager, kind_of, make_group
-from octavo.kv_cache.prefix_cache import extend_block_hashes
+from octavo.kv_cache.pins import PinnedPrefixes
+from octavo.kv_cache.prefix_cache import InFlightHashes, extend_block_hashes
 from octavo.kv_cache.tier import TierIndex
+from octavo.kv_cache.view import KVCacheView
 from octavo.request import Request
 
 __all__ = ["NULL_BLOCK_ID", "Allocation", "ComputedBlocks", "KVCacheManager", "PrefixCacheStats"]
@@ -89,16 +93,9 @@ class KVCacheManager:
         self.connector = TierConnector(tier, self.pool) if tier is not None else None
         self._hashes: dict[str, list[bytes]] = {}
         self._num_cached_blocks: dict[str, int] = {}
-        # Full blocks scheduled in this step but not yet computed: rid -> their hashes, and how
-        # many requests are computing each hash. A waiting request whose next block is among
-        # them waits one step and then hits it, rather than computing the same KV twice.
-        self._in_flight: dict[str, list[bytes]] = {}
-        self._num_in_flight: dict[bytes, int] = {}
+        self._in_flight = InFlightHashes()
         self.stats = PrefixCacheStats()
-        # Pinned prefixes: blocks held by no request, never evicted (each with its hash-map key,
-        # kept through a reset of the prefix cache); at most `max_pinned_blocks` of them.
-        self._pinned: list[tuple[KVCacheBlock, BlockKey]] = []
-        self.max_pinned_blocks = 0
+        self.pins = PinnedPrefixes(self.pool, self.groups, self.block_hashes)
         # Blocks windows gave back (a count since start, and the last few ids, bounded): what the
         # dashboard draws as a local layer's blocks freed while its request runs on.
         self.num_window_freed = 0
@@ -130,29 +127,6 @@ class KVCacheManager:
         """The request's block ids per group (NULL_BLOCK_ID where a group holds none); [] if none."""
         tables = [g.tables.get(request_id) for g in self.groups]
         return [] if tables[0] is None else [t.ids for t in tables]
-
-    def table_entries(self, request_id: str) -> list[list[int | None]]:
-        """The request's block ids per group, None where its group gave the block back (unlike
-        `block_tables`, whose placeholder id is a real block's too). A fresh list: O(table)."""
-        return [[None if b is None else b.block_id for b in g.tables[request_id].blocks]
-                for g in self.groups if request_id in g.tables]
-
-    def held_blocks(self, request_id: str) -> list[int]:
-        """Every block the request holds, over all groups (NULL entries left out)."""
-        return [b.block_id for g in self.groups if request_id in g.tables for b in g.tables[request_id].held()]
-
-    def live_request_ids(self) -> list[str]:
-        """The requests that hold block tables now (running, or preempted mid-step until freed)."""
-        return list(self.groups[0].tables)
-
-    def block_position(self, request_id: str, block_id: int) -> int | None:
-        """Where the request's tables hold block `block_id` (its index in its group's table), or None."""
-        for g in self.groups:
-            table = g.tables.get(request_id)
-            for idx, block in enumerate(table.blocks if table else ()):
-                if block is not None and block.block_id == block_id:
-                    return idx
-        return None
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -186,13 +160,14 @@ class KVCacheManager:
             return 0
         return (request.num_tokens - 1) // self.block_size
 
-    def _in_pool(self, key: BlockKey) -> bool:
+    def is_in_pool(self, key: BlockKey) -> bool:
         return self.pool.lookup(key) is not None
 
-    def _in_either_tier(self, key: BlockKey) -> bool:
-        return self._in_pool(key) or self.connector.can_supply(key)
+    def is_cached(self, key: BlockKey) -> bool:
+        """In the pool or, ready to load, in the second tier."""
+        return self.is_in_pool(key) or (self.connector is not None and self.connector.can_supply(key))
 
-    def _reach(self, hashes: list[bytes], start: int, end: int, available: Callable[[BlockKey], bool]) -> int:
+    def reach(self, hashes: list[bytes], start: int, end: int, available: Callable[[BlockKey], bool]) -> int:
         """The longest run of table entries [start, n), n <= end, every group can take from the
         cache (`available`): each group shortens it until it holds (a fixed point: a window's
         answer is not monotone in n, a global group's is)."""
@@ -210,7 +185,7 @@ class KVCacheManager:
         hit never covers the last token: its logits must be computed, so a request whose whole
         prompt is cached still recomputes its last block."""
         hashes = self.block_hashes(request)[: self.num_lookup_blocks(request)]
-        num_hit = self._reach(hashes, 0, len(hashes), self._in_pool)
+        num_hit = self.reach(hashes, 0, len(hashes), self.is_in_pool)
         if num_hit == 0:
             return ComputedBlocks()
         return ComputedBlocks([g.hit_blocks(hashes, 0, num_hit) for g in self.groups])
@@ -219,73 +194,16 @@ class KVCacheManager:
         """The prefix hit (blocks) the pool and `supply` (the second tier) serve together.
         Changes nothing."""
         hashes = self.block_hashes(request)[: self.num_lookup_blocks(request)]
-        return self._reach(hashes, 0, len(hashes), lambda key: self._in_pool(key) or supply(key))
-
-    def num_reusable_tokens(self, request: Request) -> int:
-        """Tokens of the request's prefix its admission would take from the cache now: the pool,
-        and the second tier where there is one. Changes nothing but the request's hashes."""
-        return self.reusable_tokens_counter()(request)
-
-    def reusable_tokens_counter(self) -> Callable[[Request], int]:
-        """`num_reusable_tokens` for many requests at one moment (the cache must not change while
-        it is used): a walk of each request's block hashes up to its first miss, except that a
-        request whose chain matches one counted before through that one's last hit starts there
-        (requests of one system prompt cost one walk between them, then a comparison each)."""
-        bs, num_lookup, block_hashes = self.block_size, self.num_lookup_blocks, self.block_hashes
-        available = self._in_pool if self.connector is None else self._in_either_tier
-        if len(self.groups) > 1 or not self.groups[0].holds_every_block:
-            return lambda r: self._reach(block_hashes(r)[: num_lookup(r)], 0, num_lookup(r), available) * bs
-        last: dict[bytes, tuple[list[bytes], int, int]] = {}  # first hash -> (hashes, hit, lookup size) counted last
-
-        def count(request: Request) -> int:
-            num = num_lookup(request)
-            if num == 0:
-                return 0
-            hashes = block_hashes(request)
-            num_hit = 0
-            seen = last.get(hashes[0])
-            if seen is not None:
-                other, other_hit, other_num = seen
-                if other_hit == 0 or (other_hit <= num and hashes[other_hit - 1] == other[other_hit - 1]):
-                    num_hit = min(other_hit, num)  # the same chain through the other's hits
-                    if other_hit < other_num and other_hit < num and hashes[other_hit] == other[other_hit]:
-                        return num_hit * bs  # and the same first miss
-            while num_hit < num and available((0, hashes[num_hit])):
-                num_hit += 1
-            last[hashes[0]] = (hashes, num_hit, num)
-            return num_hit * bs
-        return count
-
-    def preemption_cost(self, request: Request) -> tuple[int, int]:
-        """What preempting a running request would cost and give back: (tokens it would compute
-        again, or with a second tier that takes preempted blocks the blocks it would write there;
-        blocks freed). Only blocks it alone holds count: shared ones stay held; a full block the
-        tier already has costs nothing; a partial block is always recomputed. Changes nothing."""
-        bs = self.block_size
-        swaps = self.connector is not None and self.connector.swap_preempted
-        cost = num_freed = 0
-        for g in self.groups:
-            table = g.tables.get(request.request_id)
-            for idx in range(table.num_dropped, len(table.blocks)) if table else ():
-                block = table.blocks[idx]
-                if block is None or block.ref_cnt != 1:
-                    continue
-                num_freed += 1
-                num_tokens = min(bs, max(0, request.num_computed_tokens - idx * bs))
-                if block.block_hash is None or not swaps:
-                    cost += num_tokens
-                elif not self.connector.can_supply(block.block_hash):
-                    cost += 1  # one block to write (and read back): far cheaper than recomputing it
-        return cost, num_freed
+        return self.reach(hashes, 0, len(hashes), lambda key: self.is_in_pool(key) or supply(key))
 
     def is_prefix_in_flight(self, request: Request, computed: ComputedBlocks) -> bool:
         """Whether the block right after the hit is being computed by another request this step
         (so waiting one step turns it into a hit)."""
-        if not self._num_in_flight:
+        if not self._in_flight:
             return False
         hashes = self.block_hashes(request)
         idx = computed.num_blocks
-        return idx < min(len(hashes), (request.num_tokens - 1) // self.block_size) and hashes[idx] in self._num_in_flight
+        return idx < min(len(hashes), (request.num_tokens - 1) // self.block_size) and hashes[idx] in self._in_flight
 
     # ---- writes ------------------------------------------------------------------------------
 
@@ -333,25 +251,10 @@ class KVCacheManager:
         self.recent_window_freed.extend(b.block_id for b in gone if b.ref_cnt == 0)
 
     def _mark_in_flight(self, request: Request, end: int) -> None:
-        if not self.enable_prefix_caching:
-            return
-        rid = request.request_id
-        first = max(self._num_cached_blocks.get(rid, 0), len(self._in_flight.get(rid, ())))
-        num_full = end // self.block_size
-        if num_full <= first:
-            return
-        hashes = self.block_hashes(request)[first:num_full]
-        self._in_flight.setdefault(rid, []).extend(hashes)
-        for h in hashes:
-            self._num_in_flight[h] = self._num_in_flight.get(h, 0) + 1
-
-    def _clear_in_flight(self, rid: str) -> None:
-        for h in self._in_flight.pop(rid, ()):
-            left = self._num_in_flight[h] - 1
-            if left:
-                self._num_in_flight[h] = left
-            else:
-                del self._num_in_flight[h]
+        if self.enable_prefix_caching:
+            rid = request.request_id
+            first = max(self._num_cached_blocks.get(rid, 0), self._in_flight.num_marked(rid))
+            self._in_flight.mark(rid, self.block_hashes(request)[first : end // self.block_size])
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Enter the request's blocks that are full within its first `num_computed_tokens` tokens
@@ -360,7 +263,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
-        self._clear_in_flight(rid)
+        self._in_flight.clear(rid)
         if rid not in self.groups[0].tables:
             return
         num_full = min(num_computed_tokens // self.block_size, len(self.groups[0].tables[rid].blocks))
@@ -396,7 +299,7 @@ class KVCacheManager:
         request's blocks go to the second tier when evicted only if its connector swaps them.
         """
         rid = request.request_id
-        self._clear_in_flight(rid)
+        self._in_flight.clear(rid)
         self._num_cached_blocks.pop(rid, None)
         for g in self.groups:
             held = g.free(rid)
@@ -412,9 +315,8 @@ class KVCacheManager:
         """Forget every cached block of the pool and of the second tier, but the pinned prefixes'.
         Returns how many."""
         num_forgotten = self.pool.reset_prefix_cache() + (self.tier.clear() if self.tier is not None else 0)
-        for block, key in self._pinned:
-            self.pool.cache_block(block, key)
-        return num_forgotten - len(self._pinned)
+        self.pins.restore_hashes()
+        return num_forgotten - self.pins.num_blocks
 
     # ---- running requests taking their next blocks from the cache (with a second tier) --------
 
@@ -432,7 +334,7 @@ class KVCacheManager:
         if end <= start:  # decoding, or nothing left before the last token: compute on
             return 0
         hashes = self.block_hashes(request)
-        return self._reach(hashes, start, end, lambda key: self._in_pool(key) or supply(key)) - start
+        return self.reach(hashes, start, end, lambda key: self.is_in_pool(key) or supply(key)) - start
 
     def extend_cached(self, request: Request, max_blocks: int, supply: Callable[[BlockKey], bool]
                       ) -> tuple[int, list[tuple[int, KVCacheBlock, BlockKey]]] | None:
@@ -448,26 +350,17 @@ class KVCacheManager:
             return 0, []
         start = request.num_computed_tokens // bs
         hashes = self.block_hashes(request)
-        available = lambda key: self._in_pool(key) or supply(key)  # noqa: E731
+        available = lambda key: self.is_in_pool(key) or supply(key)  # noqa: E731
         while num > 0:
-            plan = [g.hit_blocks(hashes, start, start + num) for g in self.groups]
-            cost = sum(1 for g, entries in zip(self.groups, plan) for i, b in enumerate(entries)
-                       if (b is None and g.is_read_after(start + i, start + num)) or (b is not None and b.ref_cnt == 0))
-            if cost <= self.pool.num_free_blocks:
+            plans = [g.ahead(hashes, start, start + num) for g in self.groups]
+            if sum(cost for _, cost in plans) <= self.pool.num_free_blocks:
                 break
-            num = self._reach(hashes, start, start + num - 1, available) - start
+            num = self.reach(hashes, start, start + num - 1, available) - start
         if num == 0:
             return None
-        for g, entries in zip(self.groups, plan):  # shared blocks leave the free queue before any allocation
+        for g, (entries, _) in zip(self.groups, plans):  # shared blocks leave the free queue before any allocation
             g.take_hit(rid, entries)
-        loads = []
-        for g, entries in zip(self.groups, plan):
-            table = g.tables[rid]
-            for i, block in enumerate(entries):
-                if block is None and g.is_read_after(start + i, start + num):
-                    (target,) = self.pool.allocate(1)
-                    table.set(start + i, target)
-                    loads.append((start + i, target, g.key(hashes[start + i])))
+        loads = [load for g in self.groups for load in g.load_targets(rid, hashes, start, start + num)]
         if not loads:
             self.note_extended(request, start, num, 0)
         return num, loads
@@ -491,95 +384,10 @@ class KVCacheManager:
             num_blocks -= 1
         for g in self.groups:
             g.trim(rid, num_blocks)
-        self._clear_in_flight(rid)
+        self._in_flight.clear(rid)
         return num_blocks
 
-    # ---- pinned prefixes ---------------------------------------------------------------------
-
-    @property
-    def num_pinned_blocks(self) -> int:
-        return len(self._pinned)
-
-    def pinned_block_ids(self) -> list[int]:
-        return [block.block_id for block, _ in self._pinned]
-
-    def held_by_others(self) -> list[int]:
-        """Blocks held by no request's table: pins and the connector's loads in flight (one entry
-        per reference)."""
-        loads = self.connector.held_blocks() if self.connector is not None else []
-        return [b.block_id for b, _ in self._pinned] + [b.block_id for b in loads]
-
-    def num_pinned_hits(self, request: Request) -> int:
-        """Blocks of a request's table that would be pinned blocks (its prompt starts with a
-        pinned prefix): they take nothing from the rest of the pool. Changes nothing."""
-        if not self._pinned:
-            return 0
-        keys = {key for _, key in self._pinned}
-        hashes = self.block_hashes(request)[: request.num_prompt_tokens // self.block_size]
-        return sum(next((i for i, h in enumerate(hashes) if g.key(h) not in keys), len(hashes))
-                   for g in self.groups if g.holds_every_block)
-
-    def num_blocks_to_pin(self, request: Request) -> int:
-        """Blocks `pin` would add for a request that computes its whole prompt: its prompt's full
-        blocks (per KV group) not pinned already."""
-        pinned = {key for _, key in self._pinned}
-        hashes = self.block_hashes(request)[: request.num_prompt_tokens // self.block_size]
-        return sum(g.key(h) not in pinned for g in self.groups for h in hashes)
-
-    def pin(self, request: Request) -> int:
-        """Keep the full blocks of the request's prompt (it is ending) in the pool for good: held by
-        no request, never evicted, found by every later prefix lookup; at most up to
-        `max_pinned_blocks` in all (check `num_blocks_to_pin` first). Blocks already pinned are not
-        counted twice. Returns how many blocks were pinned."""
-        pinned = {key for _, key in self._pinned}
-        new = []
-        num_prompt_blocks = request.num_prompt_tokens // self.block_size  # its output is not part of the prefix
-        for g in self.groups:
-            table = g.tables.get(request.request_id)
-            for block in table.blocks[table.num_dropped : num_prompt_blocks] if table else ():
-                key = None if block is None else block.block_hash
-                if key is not None and key not in pinned and self.pool.lookup(key) is block:
-                    new.append((block, key))
-                    pinned.add(key)
-        new = new[: max(0, self.max_pinned_blocks - len(self._pinned))]
-        self.pool.touch([block for block, _ in new])
-        self._pinned.extend(new)
-        return len(new)
-
-    def unpin_all(self) -> int:
-        """Let every pinned block go (they stay cached, evictable as any other). Returns how many."""
-        blocks = [block for block, _ in self._pinned]
-        self._pinned = []
-        self.pool.free(blocks[::-1])
-        return len(blocks)
-
-    # ---- checks ------------------------------------------------------------------------------
-
-    def check_invariants(self) -> list[str]:
-        """Problems found in the pool and tables (empty when sound); O(num_blocks), for tests and
-        the server's debug endpoint. Checks that every block is free (in the queue once, ref 0)
-        or held with ref_cnt equal to the number of holders, and that the hash map points only at
-        blocks carrying that hash."""
-        problems: list[str] = []
-        free_ids = self.pool.free_queue.block_ids()
-        if len(free_ids) != len(set(free_ids)):
-            problems.append("a block is in the free queue twice")
-        if len(free_ids) != self.pool.num_free_blocks:
-            problems.append(f"free queue holds {len(free_ids)} blocks but counts {self.pool.num_free_blocks}")
-        holders: dict[int, int] = {}
-        held = [b.block_id for g in self.groups for table in g.tables.values() for b in table.held()]
-        for block_id in held + self.held_by_others():
-            holders[block_id] = holders.get(block_id, 0) + 1
-        free_set = set(free_ids)
-        for block in self.pool.blocks:
-            num = holders.get(block.block_id, 0)
-            if block.ref_cnt != num:
-                problems.append(f"block {block.block_id}: ref_cnt {block.ref_cnt} but held by {num} tables")
-            if (block.ref_cnt == 0) != (block.block_id in free_set):
-                problems.append(f"block {block.block_id}: ref_cnt {block.ref_cnt} but in free queue: {block.block_id in free_set}")
-        for key, block in self.pool.cached.items():
-            if block.block_hash != key:
-                problems.append(f"hash map entry points at {block} with another hash")
-        if self.connector is not None:
-            problems += self.connector.check_invariants()
-        return problems
+    def view(self) -> KVCacheView:
+        """A read-only view of the pool, the tables and the tier now (read it before the next step)."""
+        return KVCacheView(self.pool, self.groups, self.pins, self.connector, self.num_window_freed,
+                           list(self.recent_window_freed))

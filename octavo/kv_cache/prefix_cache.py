@@ -59,3 +59,36 @@ def extend_block_hashes(
                 block_extra_keys(block_idx, cache_salt, lora_id),
             )
         )
+
+
+class InFlightHashes:
+    """Full blocks scheduled this step whose KV is not computed yet: per request its hashes, and
+    how many requests compute each hash. A waiting request whose next block is among them waits
+    one step and then hits it, rather than computing the same KV twice."""
+
+    def __init__(self) -> None:
+        self._by_request: dict[str, list[bytes]] = {}
+        self._count: dict[bytes, int] = {}
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._count
+
+    def __bool__(self) -> bool:
+        return bool(self._count)
+
+    def num_marked(self, rid: str) -> int:
+        return len(self._by_request.get(rid, ()))
+
+    def mark(self, rid: str, hashes: list[bytes]) -> None:
+        self._by_request.setdefault(rid, []).extend(hashes)
+        for h in hashes:
+            self._count[h] = self._count.get(h, 0) + 1
+
+    def clear(self, rid: str) -> None:
+        """The request's blocks were computed (or will never be)."""
+        for h in self._by_request.pop(rid, ()):
+            left = self._count[h] - 1
+            if left:
+                self._count[h] = left
+            else:
+                del self._count[h]

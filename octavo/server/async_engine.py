@@ -446,11 +446,11 @@ class AsyncEngine:
 
 
 def _kv_cache_report(engine: LLMEngine) -> dict:
-    kv = engine.scheduler.kv_cache
+    kv = engine.scheduler.kv_cache.view()
     return {
         "num_blocks": kv.num_blocks,
         "num_free_blocks": kv.num_free_blocks,
-        "num_cached_blocks": len(kv.pool.cached),
+        "num_cached_blocks": kv.num_cached_blocks,
         "num_running": len(engine.scheduler.running),
         "num_waiting": engine.scheduler.num_waiting,
         "problems": kv.check_invariants(),

@@ -69,7 +69,7 @@ def test_preemption_and_pins_show():
     counts = snap["pool"]["counts"]
     assert sum(counts.values()) == 6 and counts["used"] == sum(r["num_blocks"] for r in snap["running"])
     s.finish_requests(list(s.requests), FinishReason.ABORT)
-    s.kv_cache.max_pinned_blocks = 2
+    s.kv_cache.pins.max_blocks = 2
     pin = make_request("p", list(range(200, 208)), max_tokens=1)
     pin.pin = True
     s.add_request(pin)

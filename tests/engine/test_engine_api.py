@@ -218,10 +218,10 @@ def test_pinned_prefix_files_text_and_chat_messages(make_llm, tmp_path, caplog):
         llm.engine.pin_prefix_files((str(tmp_path / "doc.txt"), str(tmp_path / "chat.json")))
     kv = llm.engine.scheduler.kv_cache
     assert "pinned prefixes: doc.txt (" in caplog.text and "chat.json (" in caplog.text
-    assert f"{kv.num_pinned_blocks} of the pool's 64 blocks (at most 16" in caplog.text and kv.num_pinned_blocks > 4
+    assert f"{kv.pins.num_blocks} of the pool's 64 blocks (at most 16" in caplog.text and kv.pins.num_blocks > 4
     out = llm.chat([{"role": "system", "content": system}, {"role": "user", "content": "Where is the clock?"}],
                    SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
     assert out.num_cached_tokens >= 64
     with pytest.raises(ValueError, match="pinned share of the pool"):
         llm.pin_prefix(list(range(1000, 1000 + 16 * 20)))
-    assert kv.num_pinned_blocks <= 16 and kv.check_invariants() == []
+    assert kv.pins.num_blocks <= 16 and kv.view().check_invariants() == []

@@ -28,7 +28,7 @@ def test_blocks_are_shareable_only_once_computed():
     kv.cache_blocks(a, 8)  # the forward wrote the first two blocks
     assert kv.get_computed_blocks(b).num_blocks == 2
     kv.free(a)  # e.g. preempted: the unwritten third block never became shareable
-    assert kv.get_computed_blocks(b).num_blocks == 2 and kv.check_invariants() == []
+    assert kv.get_computed_blocks(b).num_blocks == 2 and kv.view().check_invariants() == []
 
 
 def test_blocks_allocated_one_at_a_time_as_sequence_grows():

@@ -53,7 +53,7 @@ def test_a_preempted_requests_blocks_go_to_the_tier_only_when_swapping(swap):
     stores, _ = kv.connector.take_work()
     offered = {t.block_id for t in stores}
     assert len(stores) == (4 if swap else 2)  # the finished request's two always; the victim's when swapping
-    assert kv.check_invariants() == []
+    assert kv.view().check_invariants() == []
     assert not kv.pool.skip_offload and offered
 
 
@@ -101,7 +101,7 @@ def test_a_running_request_loads_its_next_blocks_and_keeps_those_before_the_firs
     assert kv.block_tables("r")[0] == [loads[0].block_id, loads[1].block_id] and request.num_computed_tokens == 8
     assert kv.num_free_blocks == 6  # the chunk's two blocks are back too
     assert kv.pool.lookup(kv.pool.blocks[loads[3].block_id].block_hash) is kv.pool.blocks[loads[3].block_id]
-    assert kv.check_invariants() == []
+    assert kv.view().check_invariants() == []
     assert extend(kv, request, max_blocks=8) == (0, 0)  # block 3 left the tier (bad): compute it
     assert kv.stats.num_tier_hits_tokens == 2 * BS
 
@@ -120,7 +120,7 @@ def test_a_running_request_shares_pool_blocks_ahead_at_once_and_waits_for_room_f
     kv.remove(hog)
     assert extend(kv, request, max_blocks=8) == (2, 2)
     kv.remove(sharer)
-    assert kv.check_invariants() == []
+    assert kv.view().check_invariants() == []
 
 
 def test_a_running_request_takes_pool_and_tier_blocks_in_one_go_and_is_told_when_more_are_cached():
@@ -140,7 +140,7 @@ def test_a_running_request_takes_pool_and_tier_blocks_in_one_go_and_is_told_when
     request.num_computed_tokens = 6 * BS
     assert kv.num_cached_ahead(request, 1, kv.connector.can_supply) == 0  # the last token's block is always computed
     kv.remove(sharer)
-    assert kv.check_invariants() == []
+    assert kv.view().check_invariants() == []
 
 
 def test_a_request_freed_while_its_loads_are_in_flight_leaves_their_blocks_to_the_connector_until_they_end():
@@ -152,10 +152,10 @@ def test_a_request_freed_while_its_loads_are_in_flight_leaves_their_blocks_to_th
     assert extend(kv, request, max_blocks=8) == (4, 4)
     _, loads = kv.connector.take_work()
     kv.free(request, preempted=True)  # preempted in the same step: the runner still writes those blocks
-    assert sorted(kv.held_by_others()) == sorted(t.block_id for t in loads)
-    assert kv.num_free_blocks == 4 and kv.check_invariants() == []
+    assert sorted(kv.view().held_by_others()) == sorted(t.block_id for t in loads)
+    assert kv.num_free_blocks == 4 and kv.view().check_invariants() == []
     kv.connector.finish_loads({t.block_id: True for t in loads})
-    assert kv.num_free_blocks == 8 and kv.check_invariants() == []
+    assert kv.num_free_blocks == 8 and kv.view().check_invariants() == []
     again = make_request("again", history + [77])
     assert kv.get_computed_blocks(again).num_blocks == 4  # what arrived stays cached in the pool
 
@@ -170,18 +170,18 @@ def test_sliding_window_groups_load_ahead_only_the_blocks_their_window_reads():
     kv.allocate_slots(request, 0, kv.get_computed_blocks(request))
     assert extend(kv, request, max_blocks=6) == (6, 6 + 5 * 2)
     _, loads = kv.connector.take_work()
-    entries = kv.table_entries("r")
+    entries = kv.view().table_entries("r")
     assert all(b is not None for b in entries[0]) and all(t[:4] == [None] * 4 and None not in t[4:] for t in entries[1:])
     request.num_computed_tokens = 6 * BS
     assert kv.allocate_slots(request, 5) is not None  # the rest of the prompt, computed after the loads
-    bad = next(t.block_id for t in loads if t.key[0] == 3 and kv.block_position("r", t.block_id) == 5)
+    bad = next(t.block_id for t in loads if t.key[0] == 3 and kv.view().block_position("r", t.block_id) == 5)
     # a window group's entry 5 fails: entry 4 of every window group was read from the tier, but
     # a query at block 5 reads entries 3 and 4, and entry 3 was never loaded: back to entry 0
     assert finish(kv, request, {t.block_id: t.block_id != bad for t in loads}) == (0, 5, 6)
     assert request.num_computed_tokens == 0 and kv.block_tables("r") == [[]] * len(GEMMA_LIKE)
-    assert kv.check_invariants() == []
+    assert kv.view().check_invariants() == []
     # the good blocks stayed cached in the pool: only each window's entry 3 loads now (its entry 5
     # left the tier with the bad block, so group 3 stops the run at 5 entries)
     assert extend(kv, request, max_blocks=6) == (5, 5)
     kv.connector.finish_loads({t.block_id: True for t in kv.connector.take_work()[1]})
-    assert kv.check_invariants() == []
+    assert kv.view().check_invariants() == []

@@ -26,12 +26,12 @@ def test_a_window_group_gives_back_blocks_the_window_has_passed():
     # tokens 10-13: the first query (10) reads keys 5.. : the window group gives back block 0
     first_local = kv.block_tables("a")[1][0]
     _, local = advance(kv, req, 4)
-    assert local[0] == NULL_BLOCK_ID and first_local not in kv.held_blocks("a")
+    assert local[0] == NULL_BLOCK_ID and first_local not in kv.view().held_blocks("a")
     assert kv.num_free_blocks == 40 - 4 - 3
     for _ in range(16):  # to 30 tokens a token at a time: the window group keeps 2 or 3 blocks
         advance(kv, req, 1)
-        assert len(kv.held_blocks("a")) - -(-req.num_computed_tokens // BS) in (2, 3)
-    assert len(kv.block_tables("a")[0]) == 8 and kv.check_invariants() == []
+        assert len(kv.view().held_blocks("a")) - -(-req.num_computed_tokens // BS) in (2, 3)
+    assert len(kv.block_tables("a")[0]) == 8 and kv.view().check_invariants() == []
     kv.remove(req)
     assert kv.num_free_blocks == 40
 
@@ -51,7 +51,7 @@ def test_a_prefix_hit_needs_global_blocks_and_only_the_window_before_it():
     assert local[:4] == [None] * 4 and None not in local[4:]
     alloc = kv.allocate_slots(b, 4, hit)
     assert alloc.block_tables[1][:4] == [NULL_BLOCK_ID] * 4
-    assert kv.check_invariants() == []
+    assert kv.view().check_invariants() == []
 
 
 def test_a_hit_shortens_to_where_the_window_blocks_are_still_cached():
@@ -89,7 +89,7 @@ def test_one_8k_gemma3_sequence_holds_under_a_quarter_of_a_window_blind_cache():
         req.output_token_ids.append(7)  # the token sampled last step, computed now
         req.all_token_ids.append(7)
         advance(kv, req, 1)
-    held = len(kv.held_blocks("long"))
+    held = len(kv.view().held_blocks("long"))
     blind = 6 * 8192 // 16
     # every global block; per window group the 32 blocks of the last 512 tokens (33 mid-block)
     assert 512 + 5 * 32 <= held <= 512 + 5 * 33

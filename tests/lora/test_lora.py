@@ -73,7 +73,7 @@ def test_mixed_batch_equals_transformers_with_peft(lora_model, smol_dir, smol_to
         assert llm.engine.runner.lora.num_loads > 3  # 3 adapters through 2 slots: swapped back in
     if setting == "speculative":
         assert stats.spec_num_accepted_tokens > 0
-    assert llm.engine.scheduler.kv_cache.check_invariants() == []
+    assert llm.engine.scheduler.kv_cache.view().check_invariants() == []
 
 
 def test_the_adapter_is_part_of_every_block_hash(lora_model, smol_dir, smol_tokenizer, adapters):

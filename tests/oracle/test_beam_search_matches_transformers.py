@@ -95,4 +95,4 @@ def test_beams_batched_with_other_requests_chunked_and_preempted(make_llm, promp
     assert preemptions > 0
     for i, (seqs, _) in enumerate(expected[params]):
         assert [c.token_ids for c in done[f"beam{i}"].outputs] == seqs
-    assert engine.scheduler.kv_cache.check_invariants() == []
+    assert engine.scheduler.kv_cache.view().check_invariants() == []

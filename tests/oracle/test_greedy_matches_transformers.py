@@ -116,7 +116,7 @@ def test_priority_policy_preempting_scheduled_requests_with_caching(make_llm, pr
     outs = llm.generate(prompts, GREEDY, use_tqdm=False, priority=[len(prompts) - i for i in range(len(prompts))])
     stats = llm.engine.get_stats().scheduler
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
-    assert llm.engine.scheduler.kv_cache.check_invariants() == []
+    assert llm.engine.scheduler.kv_cache.view().check_invariants() == []
     check_all(outs, refs, "priority preemption+cache")
 
 
@@ -130,7 +130,7 @@ def test_cache_aware_policy_on_a_tiny_pool(make_llm, prompts, refs, shared_promp
     outs = llm.generate(shared_prompts + prompts, GREEDY, use_tqdm=False)
     stats = llm.engine.get_stats().scheduler
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits >= 7 * 304, stats
-    assert llm.engine.scheduler.kv_cache.check_invariants() == []
+    assert llm.engine.scheduler.kv_cache.view().check_invariants() == []
     check_all(outs[: len(shared_prompts)], shared_refs, f"cache-aware, {victim} victim, shared prefixes")
     check_all(outs[len(shared_prompts) :], refs, f"cache-aware, {victim} victim")
 
@@ -144,7 +144,7 @@ def test_a_pinned_prefix_survives_a_flood_and_keeps_tokens(make_llm, shared_prom
     flood = [[(7919 * i + 31 * j) % 40000 + 100 for j in range(160)] for i in range(32)]  # 32 x 10 blocks
     llm.generate(flood, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False)
     kv = llm.engine.scheduler.kv_cache
-    assert kv.num_pinned_blocks == 18 and kv.check_invariants() == []
+    assert kv.pins.num_blocks == 18 and kv.view().check_invariants() == []
     outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in shared_prompts]
     assert all(o.num_cached_tokens >= 288 for o in outs), [o.num_cached_tokens for o in outs]
     check_all(outs, shared_refs, "pinned prefix after a flood")
@@ -201,7 +201,7 @@ def test_second_kv_tier_serves_evicted_prefixes_and_swapped_requests(make_llm, s
     check_all(outs, refs, "tier, preemption")
     after = llm.engine.get_stats().scheduler
     assert after.num_preemptions > 0 and after.tier_blocks_loaded > stats.tier_blocks_loaded, after
-    assert after.tier_blocks_corrupt == 0 and llm.engine.scheduler.kv_cache.check_invariants() == []
+    assert after.tier_blocks_corrupt == 0 and llm.engine.scheduler.kv_cache.view().check_invariants() == []
     llm.close()
 
 
@@ -243,7 +243,7 @@ def test_speculative_decoding_in_one_batch(make_llm, prompts, refs, method, smol
         assert drafts > 0 and accepted == drafted, (drafts, drafted, accepted)
     else:
         assert drafts > 0 and 0 < accepted < drafted, (drafts, drafted, accepted)  # some kept, some rejected
-    assert llm.engine.scheduler.kv_cache.check_invariants() == []
+    assert llm.engine.scheduler.kv_cache.view().check_invariants() == []
     check_all(outs, refs, f"speculative {method}, one batch")
 
 
@@ -255,7 +255,7 @@ def test_speculative_decoding_with_chunks_preemption_and_prefix_caching(make_llm
     outs = llm.generate(shared_prompts + prompts, GREEDY, use_tqdm=False)
     stats = llm.engine.get_stats().scheduler
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0 and stats.spec_num_accepted_tokens > 0, stats
-    assert llm.engine.scheduler.kv_cache.check_invariants() == []
+    assert llm.engine.scheduler.kv_cache.view().check_invariants() == []
     check_all(outs[: len(shared_prompts)], shared_refs, "speculative, shared prefixes, tiny pool")
     check_all(outs[len(shared_prompts) :], refs, "speculative, preemption")
 
@@ -270,7 +270,7 @@ def test_speculative_decoding_with_parallel_samples_and_block_8(make_llm, prompt
         ok, note = compare(completion.token_ids, refs[3])
         assert ok, note
     kv = llm.engine.scheduler.kv_cache
-    assert kv.num_free_blocks == kv.num_blocks and kv.check_invariants() == []
+    assert kv.num_free_blocks == kv.num_blocks and kv.view().check_invariants() == []
 
 
 def test_speculative_decoding_with_the_second_kv_tier(make_llm, prompts, refs, tmp_path):
@@ -281,6 +281,6 @@ def test_speculative_decoding_with_the_second_kv_tier(make_llm, prompts, refs, t
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     stats = llm.engine.get_stats().scheduler
     assert stats.num_preemptions > 0 and stats.tier_blocks_stored > 0 and stats.spec_num_accepted_tokens > 0, stats
-    assert stats.tier_blocks_corrupt == 0 and llm.engine.scheduler.kv_cache.check_invariants() == []
+    assert stats.tier_blocks_corrupt == 0 and llm.engine.scheduler.kv_cache.view().check_invariants() == []
     check_all(outs, refs, "speculative, second tier")
     llm.close()

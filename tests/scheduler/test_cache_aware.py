@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from octavo.config import SchedulerConfig
+from octavo.kv_cache.costs import num_reusable_tokens, preemption_cost, reusable_tokens_counter
 from octavo.kv_cache.manager import KVCacheManager
 from octavo.kv_cache.tier import TierIndex
 from octavo.outputs import ModelRunnerOutput, SchedulerOutput
@@ -71,14 +72,14 @@ def test_reusable_tokens_count_the_pool_and_the_second_tier():
     kv = s.kv_cache
     warm(s)
     probe = make_request("probe", PREFIX + [3])
-    assert kv.num_reusable_tokens(probe) == 12
-    assert kv.num_reusable_tokens(make_request("other", 13)) == 0
+    assert num_reusable_tokens(kv, probe) == 12
+    assert num_reusable_tokens(kv, make_request("other", 13)) == 0
     # push the prefix out of the pool (unique prompts fill it): the tier holds it, still reusable
     for i in range(4):
         s.add_request(make_request(f"flood{i}", 15, max_tokens=1))
         run_until_done(s)
     assert kv.get_computed_blocks(probe).num_tokens(BS) < 12  # no longer all in the pool
-    assert kv.num_reusable_tokens(probe) == 12
+    assert num_reusable_tokens(kv, probe) == 12
 
 
 def hostile_flood(max_wait_steps: int, aging: int, num_steps: int = 80) -> tuple[int, int] | None:
@@ -156,10 +157,10 @@ def test_preemption_cost_counts_only_blocks_the_request_alone_holds():
     step(s)  # a hits them; c has 12 tokens computed, a 11
     kv = s.kv_cache
     assert (c.num_computed_tokens, a.num_computed_tokens) == (12, 11)
-    assert kv.preemption_cost(c) == (4, 1)  # its third block; blocks 0-1 stay held by a
-    assert kv.preemption_cost(a) == (3, 1)
+    assert preemption_cost(kv, c) == (4, 1)  # its third block; blocks 0-1 stay held by a
+    assert preemption_cost(kv, a) == (3, 1)
     s.finish_requests(["a"], FinishReason.ABORT)
-    assert kv.preemption_cost(c) == (12, 3)  # alone now: all of it is lost
+    assert preemption_cost(kv, c) == (12, 3)  # alone now: all of it is lost
 
 
 def test_with_a_tier_a_block_already_stored_costs_nothing():
@@ -173,7 +174,7 @@ def test_with_a_tier_a_block_already_stored_costs_nothing():
     s.add_request(r)
     while r.num_computed_tokens < 15:
         step(s)
-    cost, num_freed = kv.preemption_cost(r)
+    cost, num_freed = preemption_cost(kv, r)
     assert num_freed == 4
     assert cost == 3  # the partial block's 3 tokens; the 3 full blocks are in the tier already
 
@@ -217,9 +218,9 @@ def test_the_counter_for_many_requests_equals_one_walk_each(chains, cached, tier
         run_until_done(s)
     requests = [make_request(f"q{i}", root[r][: shared * BS] + [5000 + i] * (extra * BS))
                 for i, (r, shared, extra) in enumerate(chains)]
-    count = kv.reusable_tokens_counter()
+    count = reusable_tokens_counter(kv)
     got = [count(q) for q in requests]
-    available = kv._in_either_tier if tier else kv._in_pool
+    available = kv.is_cached if tier else kv.is_in_pool
     want = [next((i for i, h in enumerate(hashes) if not available((0, h))), len(hashes)) * BS
             for hashes in (kv.block_hashes(q)[: kv.num_lookup_blocks(q)] for q in requests)]
     assert got == want
@@ -240,7 +241,7 @@ def test_admission_keeps_room_for_the_running_requests_to_grow():
 
 def pinned_scheduler(share_blocks: int = 4) -> Scheduler:
     s = make_scheduler(num_blocks=12)
-    s.kv_cache.max_pinned_blocks = share_blocks
+    s.kv_cache.pins.max_blocks = share_blocks
     pin = make_request("pin", PREFIX + [9], max_tokens=1)  # 3 full blocks
     pin.pin = True
     s.add_request(pin)
@@ -251,15 +252,15 @@ def pinned_scheduler(share_blocks: int = 4) -> Scheduler:
 def test_a_pinned_prefix_hits_fully_after_a_flood_ten_times_the_pool():
     s = pinned_scheduler()
     kv = s.kv_cache
-    assert kv.num_pinned_blocks == 3 and kv.num_free_blocks == 12 - 3
+    assert kv.pins.num_blocks == 3 and kv.num_free_blocks == 12 - 3
     for i in range(40):  # 40 unique prompts of 3 blocks + 1: 10x the pool's 12 blocks
         s.add_request(make_request(f"flood{i}", 13, max_tokens=2))
     run_until_done(s, max_steps=2000)
     probe = make_request("probe", PREFIX + [4, 5])
     assert kv.get_computed_blocks(probe).num_tokens(BS) == 12  # the whole prefix, from the pool
     assert kv.reset_prefix_cache() >= 0 and kv.get_computed_blocks(probe).num_tokens(BS) == 12  # a reset keeps it
-    assert kv.check_invariants() == []
-    assert kv.unpin_all() == 3 and kv.num_free_blocks == 12
+    assert kv.view().check_invariants() == []
+    assert kv.pins.unpin_all() == 3 and kv.num_free_blocks == 12
 
 
 def test_without_pinning_the_flood_evicts_the_prefix():
@@ -277,7 +278,7 @@ def test_pinning_past_the_share_is_refused_and_pinning_twice_holds_no_more():
     again.pin = True
     s.add_request(again)  # the same 3 blocks: nothing new to hold
     run_until_done(s)
-    assert s.kv_cache.num_pinned_blocks == 3
+    assert s.kv_cache.pins.num_blocks == 3
     other = make_request("other", list(range(700, 708)) + [1], max_tokens=1)  # 2 new blocks: 5 > 4
     other.pin = True
     with pytest.raises(RequestRefused, match="pinned share of the pool"):

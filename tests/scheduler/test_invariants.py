@@ -70,14 +70,14 @@ class ShadowKV:
         that read a block whose load failed, check every other scheduled request's context in
         every group (the keys its window reads), then write its new tokens. Returns the tier's
         reports; `self.skipped` holds (request id, chunk start) of the requests left out."""
-        held = Counter(b for rid in s.requests for b in s.kv_cache.held_blocks(rid))
+        held = Counter(b for rid in s.requests for b in s.kv_cache.view().held_blocks(rid))
         for t in out.tier_stores:  # copied out before anything writes the pool (it may be reused at once)
             self.disk[t.slot] = {o: self.slots[(t.block_id, o)] for o in range(BS) if (t.block_id, o) in self.slots}
         stored, self.pending_stores = [(slot, True) for slot in self.pending_stores], [t.slot for t in out.tier_stores]
         loaded = {}
         for t in out.tier_loads:
             # only the loading request's own table may hold it (a running request loading ahead)
-            holders = [rid for rid in s.requests if t.block_id in s.kv_cache.held_blocks(rid)]
+            holders = [rid for rid in s.requests if t.block_id in s.kv_cache.view().held_blocks(rid)]
             assert held[t.block_id] <= 1 and set(holders) <= {t.request_id}, "a tier load writes a block another request holds"
             self.num_loads += 1
             loaded[t.block_id] = self.num_loads % 3 != 0  # every third load fails its checksum
@@ -140,10 +140,10 @@ def fake_model(s: Scheduler, out, seed: int, tier_reports: dict | None = None) -
 
 def check_invariants(s: Scheduler) -> None:
     kv = s.kv_cache
-    assert kv.check_invariants() == []
-    holders = Counter(kv.held_by_others())
+    assert kv.view().check_invariants() == []
+    holders = Counter(kv.view().held_by_others())
     for rid in s.requests:
-        holders.update(kv.held_blocks(rid))
+        holders.update(kv.view().held_blocks(rid))
     if kv.tier is not None:
         assert len(kv.tier) <= kv.tier.num_slots
     for block in kv.pool.blocks:
@@ -197,7 +197,7 @@ def test_random_operations_keep_invariants(ops, num_blocks, budget, caching, pol
     s = Scheduler(cfg, KVCacheManager(num_blocks * len(windows), BS, enable_prefix_caching=caching, group_windows=windows,
                                       tier=tier))
     num_blocks *= len(windows)
-    s.kv_cache.max_pinned_blocks = num_blocks // 4
+    s.kv_cache.pins.max_blocks = num_blocks // 4
     prefixes = [[7] * 8, [8] * 8, list(range(8)), [9] * 3]
     shadow = ShadowKV(windows)
     ids = []
@@ -236,8 +236,8 @@ def test_random_operations_keep_invariants(ops, num_blocks, budget, caching, pol
         shadow.check_rolled_back(s)
         check_invariants(s)
     assert not s.has_unfinished_requests()
-    assert s.kv_cache.num_pinned_blocks <= s.kv_cache.max_pinned_blocks
-    s.kv_cache.unpin_all()
+    assert s.kv_cache.pins.num_blocks <= s.kv_cache.pins.max_blocks
+    s.kv_cache.pins.unpin_all()
     assert s.kv_cache.num_free_blocks == num_blocks
     assert all(b.ref_cnt == 0 for b in s.kv_cache.pool.blocks)
 
@@ -271,4 +271,4 @@ def test_a_pool_too_small_for_the_shared_prefixes_serves_them_from_the_tier_and_
     stats = s.stats()
     assert stats.tier_blocks_loaded >= 20 and stats.tier_blocks_corrupt >= 5, stats
     assert stats.tier_hits > 0 and stats.prefix_cache_hits >= stats.tier_hits
-    assert s.kv_cache.num_free_blocks == 16 and not s.kv_cache.held_by_others()
+    assert s.kv_cache.num_free_blocks == 16 and not s.kv_cache.view().held_by_others()

@@ -279,7 +279,7 @@ def test_a_history_in_the_tier_loads_and_its_new_tokens_compute_in_the_same_step
     assert turn.output_token_ids == [7] and turn.num_cached_tokens == 32 and turn.tier_load_wait > 0
     while s.has_unfinished_requests():
         s.update(out := s.schedule(), tier_run(out))
-    assert s.stats().tier_hits == BS * len(loaded_entries) and s.kv_cache.check_invariants() == []
+    assert s.stats().tier_hits == BS * len(loaded_entries) and s.kv_cache.view().check_invariants() == []
     assert s.kv_cache.num_free_blocks == 16 * len(windows)
 
 
@@ -305,7 +305,7 @@ def test_a_bad_load_voids_the_chunk_computed_after_it_and_the_request_computes_f
     assert turn.output_token_ids == [7] and turn.num_cached_tokens == idx * BS
     while s.has_unfinished_requests():
         s.update(out := s.schedule(), tier_run(out))
-    assert s.kv_cache.check_invariants() == [] and s.kv_cache.num_free_blocks == 16
+    assert s.kv_cache.view().check_invariants() == [] and s.kv_cache.num_free_blocks == 16
 
 
 def test_a_history_in_the_tier_too_big_to_load_at_once_starts_beside_running_requests_and_loads_as_it_runs():
@@ -328,7 +328,7 @@ def test_a_history_in_the_tier_too_big_to_load_at_once_starts_beside_running_req
     assert runner.status is RequestStatus.RUNNING  # it did not wait for the runner to end
     assert computed == 1 and turn.num_cached_tokens == 40  # its history came from the tier
     assert turn.tier_load_wait > 0
-    assert s.stats().tier_hits == 40 and s.kv_cache.check_invariants() == []
+    assert s.stats().tier_hits == 40 and s.kv_cache.view().check_invariants() == []
 
 
 def test_a_long_prompt_that_fits_a_window_pool_in_smaller_chunks_is_admitted_and_chunked_so():

@@ -64,7 +64,7 @@ def test_rejected_drafts_give_back_their_blocks_and_are_never_cached():
     assert len(s.kv_cache.block_tables("a")[0]) == 4  # positions 0..13 need four blocks: the fifth went back
     # block 3 (positions 12..15) was filled, with drafts at 13..15: it must not be cached
     assert set(s.kv_cache.pool.cached) == before
-    assert s.kv_cache.check_invariants() == []
+    assert s.kv_cache.view().check_invariants() == []
 
 
 def test_drafts_fit_the_budget_max_tokens_and_max_batch():

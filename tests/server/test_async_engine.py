@@ -77,7 +77,7 @@ def test_a_refused_prompt_keeps_none_of_the_batch_and_the_waiting_limit_holds(ma
         assert await first.next_batch() is not None
         while await first.next_batch():
             pass
-        return await ae._call(lambda e: (e.has_unfinished_requests(), e.scheduler.kv_cache.check_invariants()))
+        return await ae._call(lambda e: (e.has_unfinished_requests(), e.scheduler.kv_cache.view().check_invariants()))
 
     busy, problems = asyncio.run(asyncio.wait_for(main(), 60))
     ae.shutdown()
