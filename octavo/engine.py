@@ -17,7 +17,6 @@ import torch
 
 from octavo.beam_search import BeamGroup
 from octavo.config import EngineConfig
-from octavo.draft_model import DraftModel
 from octavo.distributed.executor import TensorParallelExecutor, TensorParallelGroup, WorkerSpec, start_tensor_parallel
 from octavo.engine_args import EngineArgs, resolve_device
 from octavo.kv_cache.manager import KVCacheManager
@@ -28,10 +27,12 @@ from octavo.memory import CUDA_GRAPH_RESERVE_BYTES, KVSizing, size_kv_cache
 from octavo.model_runner import ModelRunner, RunnerOptions
 from octavo.models.loader import auto_dtype, describe_weights, load_model, resolve_model, stored_dtype, weight_bytes
 from octavo.output_processor import OutputProcessor
-from octavo.request import FinishReason, Request, RequestOutput, check_inputs, child_request_id
+from octavo.request import FinishReason, Request, RequestOutput, RequestStatus, check_inputs, child_request_id
 from octavo.sampling.params import BeamSearchParams, SamplingParams
 from octavo.outputs import EngineStats, StepLog, StepRecord
 from octavo.scheduler import Scheduler
+from octavo.spec_decode import SpecDecodeController, make_proposer
+from octavo.spec_decode.draft_model import DraftModel
 from octavo.structured.manager import StructuredOutputManager
 from octavo.threads import ThreadGovernor
 from octavo.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
@@ -81,12 +82,12 @@ class LLMEngine:
             kv.connector.swap_preempted = opened.swap_preempted
         kv.pins.max_blocks = int(config.cache.pinned_prefix_share * sizing.num_blocks)
         self.scheduler = Scheduler(config.scheduler, kv)
-        self.scheduler.draft_filter = self._grammar_draft_prefix
         spec = config.scheduler.speculative
-        self.draft_model: DraftModel | None = None
-        if spec is not None and spec.method == "draft":
-            self.draft_model = self._load_draft_model(config)
+        self.spec: SpecDecodeController | None = None
         if spec is not None:
+            proposer = self._load_draft_model(config) if spec.method == "draft" else make_proposer(spec)
+            self.spec = SpecDecodeController(spec, config.scheduler.max_model_len, config.scheduler.max_num_batched_tokens,
+                                             proposer, self._grammar_draft_prefix)
             logger.info("speculative decoding: %s drafts, up to %d tokens per request per step, while at most %d "
                         "requests decode", spec.method, spec.num_speculative_tokens, spec.max_batch)
         self._pin_counter = itertools.count()
@@ -321,7 +322,9 @@ class LLMEngine:
         """End requests now, wherever they are; their blocks are freed at once."""
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             sequences = self.scheduler.sequences_of(rid)
-            self.scheduler.finish_requests(sequences, FinishReason.ABORT)
+            ended = self.scheduler.finish_requests(sequences, FinishReason.ABORT)
+            if self.spec is not None:
+                self.spec.finish(ended)
             self.structured.forget(sequences)
             self.structured.release(rid)
             self.outputs.abort_request(rid)
@@ -354,11 +357,12 @@ class LLMEngine:
         if self._threads is not None:
             self._threads.tick()
         start = time.perf_counter()
-        if self.draft_model is not None:  # drafts for the coming step, from the draft model
-            self.scheduler.drafter.provide(self.draft_model.propose(self.scheduler.draft_candidates()))
-        sched_out = self.scheduler.schedule()
+        drafts = self.spec.propose(self.scheduler.running) if self.spec is not None else None
+        sched_out = self.scheduler.schedule(drafts)
         result = self.executor.execute(sched_out, self._grammar_masks(sched_out))
         changed = self.scheduler.update(sched_out, result)
+        if self.spec is not None:
+            self.spec.observe(sched_out, result)
         self._num_steps += 1
         self._num_generation_tokens += len(result.sampled) + sum(len(t) for t in result.spec_tokens.values())
         num_prompt = sum(
@@ -366,11 +370,11 @@ class LLMEngine:
         )
         self._num_prompt_tokens += num_prompt
         processed = self.outputs.process(changed)
-        if processed.stopped_seq_ids:
-            self.scheduler.finish_requests(processed.stopped_seq_ids, FinishReason.STOP)
+        ended = [r for r in changed if r.status is RequestStatus.FINISHED]
+        ended += self.scheduler.finish_requests(processed.stopped_seq_ids, FinishReason.STOP)
         self.structured.forget(processed.ended_seq_ids)
-        if self.draft_model is not None:
-            self.draft_model.forget(processed.ended_seq_ids)
+        if self.spec is not None:
+            self.spec.finish(ended)
         for rid in processed.finished_request_ids:
             self.structured.release(rid)
         if sched_out.scheduled:  # the dashboard's timeline
@@ -396,7 +400,7 @@ class LLMEngine:
 
     def _grammar_draft_prefix(self, request, drafts: list[int]) -> list[int]:
         """The drafts a request may verify: all of them, or under a structured-output grammar
-        the prefix its grammar accepts (the scheduler calls this as it drafts)."""
+        the prefix its grammar accepts (the SpecDecodeController calls this as it drafts)."""
         params = request.sampling_params.structured_outputs
         if params is None:
             return drafts
@@ -408,5 +412,7 @@ class LLMEngine:
             num_prompt_tokens_total=self._num_prompt_tokens,
             num_generation_tokens_total=self._num_generation_tokens,
             num_steps=self._num_steps,
+            spec=None if self.spec is None else dataclasses.replace(
+                self.spec.stats, acceptance_counts=list(self.spec.stats.acceptance_counts)),
         )
 

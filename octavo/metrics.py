@@ -8,7 +8,7 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from octavo.memory import KVSizing
-from octavo.outputs import EngineStats
+from octavo.outputs import EngineStats, SpecDecodeStats
 from octavo.request import RequestOutput
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
@@ -95,19 +95,19 @@ class EngineMetrics:
         self.tier_corrupt.inc(s.tier_blocks_corrupt - (prev.tier_blocks_corrupt if prev else 0))
         self.tier_usage.set(s.tier_usage)
         self.swaps.inc(s.num_swaps - (prev.num_swaps if prev else 0))
-        self._observe_spec(s, prev)
+        self._observe_spec(stats.spec, last.spec if last else None)
         self.prompt_tokens.inc(stats.num_prompt_tokens_total - (last.num_prompt_tokens_total if last else 0))
         self.generation_tokens.inc(stats.num_generation_tokens_total - (last.num_generation_tokens_total if last else 0))
         self._last = stats
 
-    def _observe_spec(self, s, prev) -> None:
-        if not s.spec_num_drafts or (prev is not None and s.spec_num_drafts == prev.spec_num_drafts):
+    def _observe_spec(self, s: SpecDecodeStats | None, prev: SpecDecodeStats | None) -> None:
+        if s is None or not s.num_drafts or (prev is not None and s.num_drafts == prev.num_drafts):
             return
-        self.spec_drafts.inc(s.spec_num_drafts - (prev.spec_num_drafts if prev else 0))
-        self.spec_draft_tokens.inc(s.spec_num_draft_tokens - (prev.spec_num_draft_tokens if prev else 0))
-        self.spec_accepted.inc(s.spec_num_accepted_tokens - (prev.spec_num_accepted_tokens if prev else 0))
-        before = prev.spec_acceptance_counts if prev else ()
-        for m, count in enumerate(s.spec_acceptance_counts):
+        self.spec_drafts.inc(s.num_drafts - (prev.num_drafts if prev else 0))
+        self.spec_draft_tokens.inc(s.num_draft_tokens - (prev.num_draft_tokens if prev else 0))
+        self.spec_accepted.inc(s.num_accepted_tokens - (prev.num_accepted_tokens if prev else 0))
+        before = prev.acceptance_counts if prev else ()
+        for m, count in enumerate(s.acceptance_counts):
             for _ in range(count - (before[m] if m < len(before) else 0)):
                 self.spec_length.observe(m)
 

@@ -136,10 +136,16 @@ class SchedulerStats:
     tier_num_blocks: int = 0
     num_tier_loads: int = 0  # rounds of tier loads (a waiting request's hit, or a running one's next blocks)
     num_swaps: int = 0  # preemptions that swap through the second tier (num_preemptions - this recompute)
-    spec_num_drafts: int = 0  # verifications of drafted tokens (one per request per step that drafted)
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_acceptance_counts: tuple[int, ...] = ()  # [m]: verifications that accepted m drafts
+
+
+@dataclass(slots=True)
+class SpecDecodeStats:
+    """Speculative decoding's counters since start (spec_decode.controller)."""
+
+    num_drafts: int = 0  # verifications of drafted tokens (one per request per step that drafted)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    acceptance_counts: list[int] = field(default_factory=list)  # [m]: verifications that accepted m drafts
 
 
 @dataclass(slots=True)
@@ -150,6 +156,7 @@ class EngineStats:
     num_prompt_tokens_total: int  # prompt tokens computed (prefix hits excluded, recomputes included)
     num_generation_tokens_total: int
     num_steps: int
+    spec: SpecDecodeStats | None = None  # a copy; None without speculative decoding
 
 
 @dataclass(slots=True)

@@ -56,13 +56,9 @@ class Request:
     admit_step: int = 0  # the scheduler step of its last admission (a resumed request is not a victim soon)
     queued_step: int = 0  # the scheduler step it last entered the waiting queue (cache-aware aging)
     num_passed_over: int = 0  # steps in which a later arrival was admitted while it waited (cache-aware)
-    # speculative decoding: the drafts its scheduled step verifies (set when it is scheduled), and
-    # the back-off after a verification that accepted nothing (no drafts before spec_resume_step)
+    # speculative decoding: the drafts its scheduled step verifies (set when it is scheduled; its
+    # drafting record is the SpecDecodeController's)
     spec_token_ids: list[int] = field(default_factory=list)
-    spec_backoff: int = 0
-    spec_resume_step: int = 0
-    spec_kept: float = 0.0  # drafts kept and verifications that rejected one, decayed (its acceptance rate)
-    spec_rejected: float = 0.0
     pin: bool = False  # its prompt's blocks stay in the pool for good once it ends (a pinned prefix)
     # the largest prompt chunk one step computes for it (None: the step's budget): set at admission
     # when its sliding-window groups fit the pool only in smaller chunks (Scheduler.check_fits)

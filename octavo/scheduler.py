@@ -26,7 +26,6 @@ from octavo.kv_cache.manager import Allocation, KVCacheManager
 from octavo.outputs import ModelRunnerOutput, SampleRow, ScheduledRequest, SchedulerOutput, SchedulerStats
 from octavo.request import FinishReason, Request, RequestStatus, child_request_id
 from octavo.request_queue import make_waiting_queue
-from octavo.spec_decode import best_num_drafts, make_drafter
 
 
 class RequestRefused(ValueError):
@@ -60,13 +59,7 @@ class Scheduler:
         self._pending_pins: dict[str, int] = {}  # live pin request -> the blocks it pins when it ends
         self._last_num_scheduled_tokens = 0
         self._last_num_scheduled_requests = 0
-        spec = config.speculative
-        self.drafter = make_drafter(spec.method, spec.prompt_lookup_min, spec.prompt_lookup_max) if spec else None
-        # drafts -> the prefix of them a request may take (the engine's structured-output check)
-        self.draft_filter = None
-        self._num_decoding = 0  # running requests that decode, at the start of this step
-        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
-        self.spec_acceptance_counts = [0] * ((spec.num_speculative_tokens if spec else 0) + 1)
+        self._drafts: dict[str, list[int]] = {}  # this step's drafts (speculative decoding), by request
 
     # ---- admission ---------------------------------------------------------------------------
 
@@ -171,8 +164,10 @@ class Scheduler:
 
     # ---- one step ----------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: dict[str, list[int]] | None = None) -> SchedulerOutput:
         """Choose this step's work. Mutates queues, block tables and `num_computed_tokens`.
+        `drafts`: tokens speculative decoding drafted after running requests' last tokens (the
+        SpecDecodeController's): a decoding request verifies those the step's budget leaves room for.
 
         Running requests are served in admission order; if one cannot get blocks, victims
         (`_choose_victim`) are preempted until it can (or until it is itself the victim). Waiting
@@ -186,8 +181,7 @@ class Scheduler:
         preempted: list[str] = []
 
         self._run_loading.clear()
-        if self.drafter is not None:
-            self._num_decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        self._drafts = drafts or {}
         done: set[str] = set()  # running requests dealt with this step: always a prefix of `running`
         idx = 0
         while idx < len(self.running) and budget > 0:
@@ -233,9 +227,9 @@ class Scheduler:
         num_new = min(request.num_tokens - request.num_computed_tokens, budget, request.max_chunk_tokens or budget)
         if num_new == 0:  # a beam waiting for the other beams of its search
             return budget
-        if self.drafter is not None:
-            request.spec_token_ids = self._propose(request, budget)
-            num_new += len(request.spec_token_ids)
+        # a decoding request verifies what the budget leaves of its drafts (set afresh every step)
+        request.spec_token_ids = self._drafts.get(request.request_id, [])[: budget - 1] if num_new == 1 else []
+        num_new += len(request.spec_token_ids)
         allocation, refund = self._with_room(request, lambda: self.kv_cache.allocate_slots(request, num_new),
                                              scheduled, preempted)
         budget += refund
@@ -243,45 +237,6 @@ class Scheduler:
             return budget  # `request` was a victim
         scheduled[request.request_id] = self._schedule_one(request, num_new, allocation, request.spec_token_ids)
         return budget - num_new
-
-    def _propose(self, request: Request, budget: int) -> list[int]:
-        """Speculative decoding: the drafts a decoding request verifies this step (its drafter's,
-        at most `_draft_limit`, cut where its grammar would refuse them)."""
-        limit = self._draft_limit(request, budget, self._num_decoding, self._num_steps)
-        drafts = self.drafter.propose(request.request_id, request.all_token_ids, limit) if limit > 0 else []
-        if drafts and self.draft_filter is not None:
-            drafts = self.draft_filter(request, drafts)
-        return drafts
-
-    def _draft_limit(self, request: Request, budget: int, num_decoding: int, step: int) -> int:
-        """The most drafts a request may verify in step `step`: as many as pay for their cost at
-        its acceptance rate so far (`best_num_drafts`); none for a prompt chunk, a beam, a request
-        about to fork, while it backs off, while more than `max_batch` requests decode, or past
-        max_tokens, max_model_len or the step's budget."""
-        spec = self.config.speculative
-        if (request.num_tokens - request.num_computed_tokens != 1 or not request.output_token_ids
-                or request.beam is not None or request.num_samples_pending > 1
-                or step < request.spec_resume_step or num_decoding > spec.max_batch):
-            return 0
-        acceptance = (request.spec_kept + 1.0) / (request.spec_kept + request.spec_rejected + 2.0)
-        draft_cost = num_decoding / (num_decoding + spec.draft_cost_batch)
-        limit = min(best_num_drafts(acceptance, draft_cost, spec.num_speculative_tokens), budget - 1,
-                    self.config.max_model_len - request.num_tokens - 1)
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None:
-            limit = min(limit, max_tokens - request.num_output_tokens - 1)
-        return max(0, limit)
-
-    def draft_candidates(self) -> list[tuple[Request, int]]:
-        """Before `schedule`: the running requests that may draft in the coming step, with the
-        most drafts each may take (a draft model computes them first and `provide`s them; the
-        step's budget may still cut them). Changes nothing."""
-        if self.config.speculative is None:
-            return []
-        num_decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
-        budget, step = self.config.max_num_batched_tokens, self._num_steps + 1
-        candidates = [(r, self._draft_limit(r, budget, num_decoding, step)) for r in self.running]
-        return [(r, n) for r, n in candidates if n > 0]
 
     def _with_room(self, request: Request, attempt, scheduled, preempted: list[str]):
         """attempt() until it returns something: first letting go of blocks held for waiting
@@ -609,20 +564,6 @@ class Scheduler:
         tokens = [result.sampled[rid], *result.spec_tokens.get(rid, ())]
         logprobs = [result.logprobs.get(rid), *result.spec_logprobs.get(rid, ())] if rid in result.logprobs else []
         logprobs += [None] * (len(tokens) - len(logprobs))
-        drafts = entry.samples[0].draft_token_ids
-        num_accepted = len(tokens) - 1
-        self.spec_num_drafts += 1
-        self.spec_num_draft_tokens += len(drafts)
-        self.spec_num_accepted_tokens += num_accepted
-        self.spec_acceptance_counts[num_accepted] += 1
-        spec = self.config.speculative
-        request.spec_kept = 0.8 * request.spec_kept + num_accepted
-        request.spec_rejected = 0.8 * request.spec_rejected + (num_accepted < len(drafts))
-        if num_accepted:
-            request.spec_backoff = 0
-        else:  # nothing agreed: draft again after 1, 2, 4, ... steps
-            request.spec_backoff = min(max(1, 2 * request.spec_backoff), spec.max_backoff_steps)
-            request.spec_resume_step = self._num_steps + 1 + request.spec_backoff
         reason, num_taken = None, 0
         for token, logprob in zip(tokens, logprobs):
             self._push_token(request, token, logprob, now)
@@ -781,8 +722,6 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finish_time = time.time()
-        if self.drafter is not None:
-            self.drafter.finish(request.request_id, request.all_token_ids)
         if request.pin and reason is not FinishReason.ABORT:
             self.kv_cache.pins.pin(request)
         self.kv_cache.remove(request)
@@ -836,8 +775,4 @@ class Scheduler:
             tier_num_blocks=tier.num_slots if tier else 0,
             num_tier_loads=self.connector.num_load_rounds if self.connector else 0,
             num_swaps=self.num_swaps,
-            spec_num_drafts=self.spec_num_drafts,
-            spec_num_draft_tokens=self.spec_num_draft_tokens,
-            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
-            spec_acceptance_counts=tuple(self.spec_acceptance_counts),
         )

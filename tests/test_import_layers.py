@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("models and what wraps them", [
         "octavo.models", "octavo.lora", "octavo.sampling.sampler", "octavo.cuda_graphs", "octavo.distributed.layers",
     ]),
-    ("the runner and its ranks", ["octavo.model_runner", "octavo.draft_model", "octavo.distributed"]),
+    ("the runner and its ranks", ["octavo.model_runner", "octavo.spec_decode.draft_model", "octavo.distributed"]),
     ("the user's arguments", ["octavo.engine_args"]),
     ("the engine and the tools over it", [
         "octavo.output_processor", "octavo.engine", "octavo.llm", "octavo.bench", "octavo.planner",

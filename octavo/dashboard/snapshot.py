@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from octavo.kv_cache.view import KVCacheView
+from octavo.outputs import SpecDecodeStats, StepLog
 
 MAX_CELLS = 4096  # block cells a snapshot carries at most (past that, cells aggregate blocks)
 MAX_REQUESTS = 64  # running and waiting requests listed at most (the rest counted)
@@ -139,9 +140,11 @@ def _tier_view(states: str | None, stats: Any, max_cells: int) -> dict[str, Any]
     }
 
 
-def build_snapshot(scheduler: Any, steps: StepLog, max_cells: int = MAX_CELLS) -> dict[str, Any]:
-    """The dashboard's view of the engine now. Reads the scheduler and its KV-cache manager (call
-    it between steps, on the thread that steps them); O(pool blocks + tier slots + live requests)."""
+def build_snapshot(scheduler: Any, steps: StepLog, max_cells: int = MAX_CELLS,
+                   spec: SpecDecodeStats | None = None) -> dict[str, Any]:
+    """The dashboard's view of the engine now. Reads the scheduler and its KV-cache view (call it
+    between steps, on the thread that steps them), and speculative decoding's counters `spec`;
+    O(pool blocks + tier slots + live requests)."""
     kv = scheduler.kv_cache.view()
     tables = {rid: kv.table_entries(rid) for rid in kv.live_request_ids()}  # read once, used twice
     states = kv.block_states()
@@ -165,8 +168,8 @@ def build_snapshot(scheduler: Any, steps: StepLog, max_cells: int = MAX_CELLS) -
             "prefix_cache_hits": stats.prefix_cache_hits,
             "num_preemptions": stats.num_preemptions,
             "num_recomputed_tokens": stats.num_recomputed_tokens,
-            "spec_num_draft_tokens": stats.spec_num_draft_tokens,
-            "spec_num_accepted_tokens": stats.spec_num_accepted_tokens,
+            "spec_num_draft_tokens": spec.num_draft_tokens if spec else 0,
+            "spec_num_accepted_tokens": spec.num_accepted_tokens if spec else 0,
         },
         "tier": _tier_view(kv.tier_slot_states(), stats, max_cells),
     }

@@ -258,7 +258,7 @@ class AsyncEngine:
         """The dashboard's view of the pool, the requests and the last steps, with the recent
         latencies, built between steps."""
         metrics = self.metrics
-        return await self._call(lambda e: {**build_snapshot(e.scheduler, e.step_log),
+        return await self._call(lambda e: {**build_snapshot(e.scheduler, e.step_log, spec=e.get_stats().spec),
                                            "latency": metrics.recent_latencies()})
 
     async def block_holders(self, block_id: int) -> tuple[list[str], list[int]] | None:

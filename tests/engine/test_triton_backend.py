@@ -133,4 +133,4 @@ def test_triton_backend_verifies_drafts_as_the_reference_does():
     engine = LLMEngine(args.to_config(model_config), model, tokenizer, 0)
     outs = LLM.from_engine(engine).generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
-    assert engine.get_stats().scheduler.spec_num_drafts > 0
+    assert engine.get_stats().spec.num_drafts > 0

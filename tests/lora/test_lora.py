@@ -72,7 +72,7 @@ def test_mixed_batch_equals_transformers_with_peft(lora_model, smol_dir, smol_to
         assert stats.num_preemptions > 0
         assert llm.engine.runner.lora.num_loads > 3  # 3 adapters through 2 slots: swapped back in
     if setting == "speculative":
-        assert stats.spec_num_accepted_tokens > 0
+        assert llm.engine.get_stats().spec.num_accepted_tokens > 0
     assert llm.engine.scheduler.kv_cache.view().check_invariants() == []
 
 

@@ -223,7 +223,7 @@ def test_speculative_decoding_past_the_window(make_gemma, prompts, refs):
     llm = make_gemma(num_kv_blocks=480, max_num_batched_tokens=512, speculative_method="ngram",
                      speculative_max_batch=8, admission_headroom_steps=0)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    stats = llm.engine.get_stats().scheduler
-    assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0, stats
+    stats = llm.engine.get_stats().spec
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0, stats
     assert llm.engine.scheduler.kv_cache.view().check_invariants() == []
     check_all(outs, refs, "speculative, tiny pool")

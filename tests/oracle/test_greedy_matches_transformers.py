@@ -226,8 +226,8 @@ def test_second_kv_tier_is_found_again_after_a_restart_and_refused_under_another
 
 
 def spec_stats(llm):
-    s = llm.engine.get_stats().scheduler
-    return s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens
+    s = llm.engine.get_stats().spec
+    return s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
@@ -254,7 +254,7 @@ def test_speculative_decoding_with_chunks_preemption_and_prefix_caching(make_llm
                    admission_headroom_steps=0)
     outs = llm.generate(shared_prompts + prompts, GREEDY, use_tqdm=False)
     stats = llm.engine.get_stats().scheduler
-    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0 and stats.spec_num_accepted_tokens > 0, stats
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0 and spec_stats(llm)[2] > 0, stats
     assert llm.engine.scheduler.kv_cache.view().check_invariants() == []
     check_all(outs[: len(shared_prompts)], shared_refs, "speculative, shared prefixes, tiny pool")
     check_all(outs[len(shared_prompts) :], refs, "speculative, preemption")
@@ -280,7 +280,7 @@ def test_speculative_decoding_with_the_second_kv_tier(make_llm, prompts, refs, t
                    speculative_method="ngram", speculative_max_batch=16, admission_headroom_steps=0)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     stats = llm.engine.get_stats().scheduler
-    assert stats.num_preemptions > 0 and stats.tier_blocks_stored > 0 and stats.spec_num_accepted_tokens > 0, stats
+    assert stats.num_preemptions > 0 and stats.tier_blocks_stored > 0 and spec_stats(llm)[2] > 0, stats
     assert stats.tier_blocks_corrupt == 0 and llm.engine.scheduler.kv_cache.view().check_invariants() == []
     check_all(outs, refs, "speculative, second tier")
     llm.close()

@@ -17,6 +17,8 @@ its slots, and no block is lost.
 import random
 from collections import Counter
 
+import pytest
+
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -26,6 +28,7 @@ from octavo.kv_cache.tier import TierIndex
 from octavo.outputs import ModelRunnerOutput
 from octavo.request import FinishReason, RequestStatus, TokenLogprob
 from octavo.scheduler import RequestRefused, Scheduler
+from octavo.spec_decode import SpecDecodeController, make_proposer
 from tests.helpers import make_request
 
 BS = 4
@@ -138,6 +141,19 @@ def fake_model(s: Scheduler, out, seed: int, tier_reports: dict | None = None) -
     return ModelRunnerOutput(sampled=sampled, logprobs=logprobs, spec_tokens=spec_tokens, **(tier_reports or {}))
 
 
+def spec_step(s: Scheduler, drafter: SpecDecodeController | None, seed: int, shadow: ShadowKV) -> None:
+    """One step as the engine runs it: drafts (speculative decoding), schedule, the fake model."""
+    out = s.schedule(drafter.propose(s.running) if drafter else None)
+    finish_step(s, drafter, out, fake_model(s, out, seed, shadow.run(s, out)))
+
+
+def finish_step(s: Scheduler, drafter: SpecDecodeController | None, out, result: ModelRunnerOutput) -> None:
+    changed = s.update(out, result)
+    if drafter is not None:
+        drafter.observe(out, result)
+        drafter.finish([r for r in changed if r.status is RequestStatus.FINISHED])
+
+
 def check_invariants(s: Scheduler) -> None:
     kv = s.kv_cache
     assert kv.view().check_invariants() == []
@@ -190,6 +206,7 @@ def check_invariants(s: Scheduler) -> None:
 def test_random_operations_keep_invariants(ops, num_blocks, budget, caching, policy, windows, tier_slots, victim, max_wait,
                                            headroom, spec):
     speculative = SpeculativeConfig(spec, num_speculative_tokens=3, prompt_lookup_min=1, max_batch=6) if spec else None
+    drafter = SpecDecodeController(speculative, 64, budget, make_proposer(speculative)) if spec else None
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=6, max_model_len=64, policy=policy,
                           preemption_victim=victim, max_wait_steps=max_wait, admission_headroom_steps=headroom,
                           speculative=speculative)
@@ -214,8 +231,7 @@ def test_random_operations_keep_invariants(ops, num_blocks, budget, caching, pol
             except RequestRefused:
                 pass
         elif op[0] == "step":
-            out = s.schedule()
-            s.update(out, fake_model(s, out, op[1], shadow.run(s, out)))
+            spec_step(s, drafter, op[1], shadow)
             shadow.check_rolled_back(s)
         else:
             live = sorted(s.requests)
@@ -227,12 +243,12 @@ def test_random_operations_keep_invariants(ops, num_blocks, budget, caching, pol
     for _ in range(2000):
         if not s.has_unfinished_requests():
             break
-        out = s.schedule()
-        # one step may be idle: requests back from the tier that did not all fit let their held
-        # blocks go at its end; two in a row would be a livelock
+        out = s.schedule(drafter.propose(s.running) if drafter else None)
+        # one step may be idle (a request whose next blocks load from the tier takes them before
+        # computing on); two in a row would be a livelock
         idle, was_idle = not (out.scheduled or out.tier_loads), idle
         assert not (idle and was_idle), f"nothing scheduled while requests wait: livelock; running {[(r.request_id, r.num_computed_tokens, r.num_tokens, r.beam and sorted(r.beam.running), r.beam and sorted(r.beam.candidates)) for r in s.running]}, waiting {[r.request_id for r in s.waiting]}, {ops}"
-        s.update(out, fake_model(s, out, 1, shadow.run(s, out)))
+        finish_step(s, drafter, out, fake_model(s, out, 1, shadow.run(s, out)))
         shadow.check_rolled_back(s)
         check_invariants(s)
     assert not s.has_unfinished_requests()
@@ -242,14 +258,16 @@ def test_random_operations_keep_invariants(ops, num_blocks, budget, caching, pol
     assert all(b.ref_cnt == 0 for b in s.kv_cache.pool.blocks)
 
 
-def test_a_pool_too_small_for_the_shared_prefixes_serves_them_from_the_tier_and_never_wrong_kv():
-    """Four 24-token prefixes in a pool of 16 blocks: requests keep evicting each other's prefixes,
-    which come back through the tier (a third of loads failing their checksum and recomputed).
-    Every context read is checked by the shadow; the tier must actually carry the load."""
+@pytest.mark.parametrize("windows", [(None,), (None, 8, 8)], ids=["one-group", "with-windows"])
+def test_a_pool_too_small_for_the_shared_prefixes_serves_them_from_the_tier_and_never_wrong_kv(windows):
+    """Four 24-token prefixes in a pool of 16 blocks (per KV group): requests keep evicting each
+    other's prefixes, which come back through the tier (a third of loads failing their checksum
+    and recomputed), in every group alike. Every context read is checked by the shadow (each
+    window's keys too); the tier must actually carry the load."""
     rng = random.Random(5)
     cfg = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=3, max_model_len=64)
-    s = Scheduler(cfg, KVCacheManager(16, BS, tier=TierIndex(40)))
-    shadow = ShadowKV()
+    s = Scheduler(cfg, KVCacheManager(16 * len(windows), BS, tier=TierIndex(40 * len(windows)), group_windows=windows))
+    shadow = ShadowKV(windows)
     prefixes = [[10 + p] * 3 + list(range(20 * p, 20 * p + 21)) for p in range(4)]
     for i in range(80):
         prompt = prefixes[rng.randrange(4)] + [200 + i, 300 + i]
@@ -271,4 +289,4 @@ def test_a_pool_too_small_for_the_shared_prefixes_serves_them_from_the_tier_and_
     stats = s.stats()
     assert stats.tier_blocks_loaded >= 20 and stats.tier_blocks_corrupt >= 5, stats
     assert stats.tier_hits > 0 and stats.prefix_cache_hits >= stats.tier_hits
-    assert s.kv_cache.num_free_blocks == 16 and not s.kv_cache.view().held_by_others()
+    assert s.kv_cache.num_free_blocks == 16 * len(windows) and not s.kv_cache.view().held_by_others()

@@ -1,11 +1,13 @@
-"""Speculative decoding in the scheduler (no model): what a step drafts, what it keeps, and that
-rejected drafts' slots are given back and never enter the prefix cache."""
+"""Speculative decoding without a model: the SpecDecodeController drafts (prompt lookup), the
+scheduler schedules and rolls back; what a step drafts, what it keeps, and that rejected drafts'
+slots are given back and never enter the prefix cache."""
 
 from octavo.config import SchedulerConfig, SpeculativeConfig
 from octavo.kv_cache.manager import KVCacheManager
 from octavo.outputs import ModelRunnerOutput
 from octavo.scheduler import Scheduler
-from octavo.spec_decode import best_num_drafts
+from octavo.request import RequestStatus
+from octavo.spec_decode import SpecDecodeController, best_num_drafts, make_proposer
 from tests.helpers import make_request
 
 BS = 4
@@ -18,46 +20,49 @@ def make(k=4, budget=64, max_batch=4, num_blocks=32, backoff=16, cost_batch=1e9)
     spec = SpeculativeConfig("ngram", num_speculative_tokens=k, prompt_lookup_min=2, max_batch=max_batch,
                              max_backoff_steps=backoff, draft_cost_batch=cost_batch)
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=64, speculative=spec)
-    return Scheduler(cfg, KVCacheManager(num_blocks, BS))
+    return Scheduler(cfg, KVCacheManager(num_blocks, BS)), SpecDecodeController(spec, 64, budget, make_proposer(spec))
 
 
-def run(s, keep: dict[str, int] | None = None, token: int = 9):
-    """One step; a request verifying drafts keeps keep[rid] of them (default all), then `token`
-    (or token(the last token kept))."""
-    out = s.schedule()
-    sampled, spec = {}, {}
+def run(s, spec, keep: dict[str, int] | None = None, token: int = 9):
+    """One step as the engine runs it; a request verifying drafts keeps keep[rid] of them (default
+    all), then `token` (or token(the last token kept))."""
+    out = s.schedule(spec.propose(s.running))
+    sampled, spec_tokens = {}, {}
     for e in out.scheduled:
         for row in e.samples:
             drafts = row.draft_token_ids
             n = min((keep or {}).get(row.seq_id, len(drafts)), len(drafts))
             last = token(drafts[n - 1] if n else s.requests[row.seq_id].all_token_ids[-1]) if callable(token) else token
             tokens = drafts[:n] + [last if n == len(drafts) or last != drafts[n] else last + 1]
-            sampled[row.seq_id], spec[row.seq_id] = tokens[0], tokens[1:]
-    s.update(out, ModelRunnerOutput(sampled=sampled, spec_tokens=spec))
+            sampled[row.seq_id], spec_tokens[row.seq_id] = tokens[0], tokens[1:]
+    result = ModelRunnerOutput(sampled=sampled, spec_tokens=spec_tokens)
+    changed = s.update(out, result)
+    spec.observe(out, result)
+    spec.finish([r for r in changed if r.status is RequestStatus.FINISHED])
     return out
 
 
 def test_a_decoding_request_verifies_its_drafts_and_keeps_those_agreed():
-    s = make()
+    s, spec = make()
     s.add_request(make_request("a", LOOP[:-1], max_tokens=20))
-    run(s, token=2)  # the prompt; it samples 2: now ... 1, 2
-    out = run(s)  # decodes with drafts 3, 4, 5, 1 after its last token 2
+    run(s, spec, token=2)  # the prompt; it samples 2: now ... 1, 2
+    out = run(s, spec)  # decodes with drafts 3, 4, 5, 1 after its last token 2
     (entry,) = out.scheduled
     assert entry.token_ids == [2, 3, 4, 5, 1] and entry.samples[0].draft_token_ids == [3, 4, 5, 1]
     r = s.requests["a"]
     assert r.output_token_ids == [2, 3, 4, 5, 1, 9] and r.num_computed_tokens == r.num_tokens - 1
-    st = s.stats()
-    assert (st.spec_num_drafts, st.spec_num_draft_tokens, st.spec_num_accepted_tokens) == (1, 4, 4)
-    assert st.spec_acceptance_counts == (0, 0, 0, 0, 1)
+    st = spec.stats
+    assert (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens) == (1, 4, 4)
+    assert st.acceptance_counts == [0, 0, 0, 0, 1]
 
 
 def test_rejected_drafts_give_back_their_blocks_and_are_never_cached():
-    s = make(k=4)
+    s, spec = make(k=4)
     s.add_request(make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1], max_tokens=20))  # three blocks
-    run(s, token=2)  # output 2 at position 12; the drafts will be 3, 4, 5, 6
+    run(s, spec, token=2)  # output 2 at position 12; the drafts will be 3, 4, 5, 6
     before = set(s.kv_cache.pool.cached)
     assert len(before) == 3
-    out = run(s, keep={"a": 0}, token=7)
+    out = run(s, spec, keep={"a": 0}, token=7)
     assert out.scheduled[0].num_tokens == 5  # last token + 4 drafts: positions 12..16, blocks 3 and 4
     r = s.requests["a"]
     assert r.output_token_ids == [2, 7] and r.num_computed_tokens == 13
@@ -68,29 +73,29 @@ def test_rejected_drafts_give_back_their_blocks_and_are_never_cached():
 
 
 def test_drafts_fit_the_budget_max_tokens_and_max_batch():
-    s = make(k=4, budget=3)
+    s, spec = make(k=4, budget=3)
     s.add_request(make_request("a", LOOP[:-1], max_tokens=20))
-    run(s, token=2)
-    assert run(s).scheduled[0].num_tokens == 3  # the budget: last token + 2 drafts
-    s = make(k=4)
+    run(s, spec, token=2)
+    assert run(s, spec).scheduled[0].num_tokens == 3  # the budget: last token + 2 drafts
+    s, spec = make(k=4)
     s.add_request(make_request("b", LOOP[:-1], max_tokens=3))
-    run(s, token=2)
-    assert run(s).scheduled[0].samples[0].draft_token_ids == [3]  # 1 output so far: at most 2 more after it
+    run(s, spec, token=2)
+    assert run(s, spec).scheduled[0].samples[0].draft_token_ids == [3]  # 1 output so far: at most 2 more after it
     assert s.requests == {}  # and it ended at max_tokens
-    s = make(k=4, max_batch=1)
+    s, spec = make(k=4, max_batch=1)
     s.add_request(make_request("c", LOOP[:-1], max_tokens=20))
     s.add_request(make_request("d", [10 + t for t in LOOP[:-1]], max_tokens=20))
-    run(s, token=2)
-    assert all(not e.samples[0].draft_token_ids for e in run(s).scheduled)  # two decode: over max_batch
+    run(s, spec, token=2)
+    assert all(not e.samples[0].draft_token_ids for e in run(s, spec).scheduled)  # two decode: over max_batch
 
 
 def test_backs_off_after_verifications_that_keep_nothing():
-    s = make(k=2, backoff=4)
+    s, spec = make(k=2, backoff=4)
     s.add_request(make_request("a", [5, 6, 5, 6, 5, 6, 5], max_tokens=40))
-    run(s, token=6)
+    run(s, spec, token=6)
     drafted = []
     for _ in range(16):
-        out = run(s, keep={"a": 0}, token=8)
+        out = run(s, spec, keep={"a": 0}, token=8)
         drafted.append(bool(out.scheduled[0].samples[0].draft_token_ids))
         s.requests["a"].output_token_ids[-1:] = [6]  # keep the loop going: the drafter keeps proposing 5, 6
         s.requests["a"].all_token_ids[-1:] = [6]
@@ -103,16 +108,16 @@ def test_the_draft_length_follows_the_acceptance_rate_and_the_cost():
     assert lengths == sorted(lengths) and lengths[0] == 1 and lengths[-1] == 8
     assert [best_num_drafts(0.9, c, 8) for c in (0.1, 0.5, 2.0)] == sorted([best_num_drafts(0.9, c, 8) for c in (0.1, 0.5, 2.0)], reverse=True)
     # a request whose drafts are all kept drafts longer; one whose drafts are refused drafts 1
-    s = make(k=6, cost_batch=4.0)  # one decoding request: a draft costs 1 / 5 of a step
+    s, spec = make(k=6, cost_batch=4.0)  # one decoding request: a draft costs 1 / 5 of a step
     s.add_request(make_request("a", [5, 6, 7, 5, 6, 7, 5, 6, 7, 5], max_tokens=50))
-    run(s, token=6)
+    run(s, spec, token=6)
     cycle = {5: 6, 6: 7, 7: 5}.get  # the model goes on with the loop: every draft is kept
-    sizes = [len(run(s, token=cycle).scheduled[0].samples[0].draft_token_ids) for _ in range(6)]
+    sizes = [len(run(s, spec, token=cycle).scheduled[0].samples[0].draft_token_ids) for _ in range(6)]
     # 1 at first (no history: acceptance 1/2), then longer up to the 3 tokens a period offers
     assert sizes[0] == 1 and sizes[-1] == 3 and sizes == sorted(sizes), sizes
-    s = make(k=6, cost_batch=4.0)
+    s, spec = make(k=6, cost_batch=4.0)
     s.add_request(make_request("b", [5, 6, 7, 5, 6, 7, 5, 6, 7, 5], max_tokens=50))
-    run(s, token=6)
-    assert [len(run(s, token=cycle).scheduled[0].samples[0].draft_token_ids) for _ in range(3)][-1] == 3
-    s.requests["b"].spec_rejected = 50.0  # a long record of refused drafts: one draft a step at most
-    assert len(run(s, token=cycle).scheduled[0].samples[0].draft_token_ids) == 1
+    run(s, spec, token=6)
+    assert [len(run(s, spec, token=cycle).scheduled[0].samples[0].draft_token_ids) for _ in range(3)][-1] == 3
+    spec.states["b"].rejected = 50.0  # a long record of refused drafts: one draft a step at most
+    assert len(run(s, spec, token=cycle).scheduled[0].samples[0].draft_token_ids) == 1

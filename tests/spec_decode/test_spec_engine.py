@@ -15,8 +15,8 @@ COPY_PROMPT = f"Here is some code:\n\n{CODE}\nRepeat the code above exactly:\n\n
 
 
 def spec_counts(llm):
-    s = llm.engine.get_stats().scheduler
-    return s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens
+    s = llm.engine.get_stats().spec
+    return s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens
 
 
 def tokens_of(outs):

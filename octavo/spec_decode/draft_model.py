@@ -1,6 +1,6 @@
 """DraftModel: a smaller model of the same tokenizer drafts each candidate request's next tokens
 greedily, on a KV cache of its own, before the step that verifies them (speculative decoding's
-`--speculative-method draft`).
+`--speculative-method draft`: the SpecDecodeController's proposer).
 
 Its cache holds one slot per request it drafts for (a fixed run of blocks covering
 max_model_len), least recently used slots reused. Per request it remembers the tokens whose KV the
@@ -60,9 +60,9 @@ class DraftModel:
         blocks = list(range(slot * self.blocks_per_slot, (slot + 1) * self.blocks_per_slot))
         return ScheduledRequest(request_id, token_ids, start, [blocks], _GREEDY, [SampleRow(request_id)], [])
 
-    def propose(self, candidates: list[tuple[Request, int]]) -> dict[str, tuple[int, list[int]]]:
-        """request id -> (its token count, up to n greedy drafts after its last token) for each
-        (request, n) of `candidates`. Writes only this model's own cache."""
+    def propose(self, candidates: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        """request id -> up to n greedy drafts after its last token, for each (request, n) of
+        `candidates` (the first `num_slots` of them). Writes only this model's own cache."""
         if not candidates:
             return {}
         entries = []
@@ -85,10 +85,9 @@ class DraftModel:
                 if len(drafts[rid]) < limits[rid]:  # its KV is computed next, with the one after it
                     entries.append(self._entry(rid, [token], len(self._cached[rid])))
                     self._cached[rid].append(token)
-        return {request.request_id: (request.num_tokens, drafts[request.request_id]) for request, _ in candidates[: self.num_slots]}
+        return drafts
 
-    def forget(self, request_ids: list[str]) -> None:
-        """Requests that ended: their slots become free for others."""
-        for rid in request_ids:
-            if rid in self._slots:
-                self._cached[rid] = []
+    def finish(self, request: Request) -> None:
+        """A request that ended: its slot becomes free for others."""
+        if request.request_id in self._slots:
+            self._cached[request.request_id] = []
