@@ -32,7 +32,7 @@ from octavo.sampling.params import BeamSearchParams, SamplingParams
 from octavo.outputs import EngineStats, StepLog, StepRecord
 from octavo.scheduler import Scheduler
 from octavo.spec_decode import SpecDecodeController, make_proposer
-from octavo.spec_decode.draft_model import DraftModel
+from octavo.spec_decode.draft_model import load_draft_model
 from octavo.structured.manager import StructuredOutputManager
 from octavo.threads import ThreadGovernor
 from octavo.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
@@ -85,9 +85,9 @@ class LLMEngine:
         spec = config.scheduler.speculative
         self.spec: SpecDecodeController | None = None
         if spec is not None:
-            proposer = self._load_draft_model(config) if spec.method == "draft" else make_proposer(spec)
+            proposer = load_draft_model(config, self.runner.attention_backend) if spec.method == "draft" else make_proposer(spec)
             self.spec = SpecDecodeController(spec, config.scheduler.max_model_len, config.scheduler.max_num_batched_tokens,
-                                             proposer, self._grammar_draft_prefix)
+                                             proposer, self.structured.request_draft_prefix)
             logger.info("speculative decoding: %s drafts, up to %d tokens per request per step, while at most %d "
                         "requests decode", spec.method, spec.num_speculative_tokens, spec.max_batch)
         self._pin_counter = itertools.count()
@@ -105,19 +105,6 @@ class LLMEngine:
                     and os.environ.get("OCTAVO_ADAPTIVE_THREADS", "1") != "0")
         self._threads = ThreadGovernor(torch.get_num_threads()) if adaptive else None
 
-
-    def _load_draft_model(self, config: EngineConfig) -> DraftModel:
-        """The speculative draft model: loaded as --model would be (quantized blocks kept on the
-        CPU), float32 or the engine's dtype, its own KV cache of max_batch + 1 request slots."""
-        spec = config.scheduler.speculative
-        draft_dir = resolve_model(spec.draft_model)
-        quantization = "none" if config.device.startswith("cuda") else "auto"
-        model, model_config = load_model(draft_dir, dtype=_DTYPES[config.dtype], device=config.device,
-                                         quantization=quantization)
-        logger.info("draft model %s: %s", draft_dir.name, describe_weights(model))
-        return DraftModel(model, model_config, config.model_config.vocab_size, config.scheduler.max_model_len,
-                          spec.max_batch + 1, config.cache.block_size, config.device, _DTYPES[config.dtype],
-                          self.runner.attention_backend)
 
     def _size_kv_cache(self, config: EngineConfig, weight_bytes: int) -> KVSizing:
         """Blocks for the KV cache; on CUDA, from a profiled worst-case step unless given."""
@@ -359,12 +346,12 @@ class LLMEngine:
         start = time.perf_counter()
         drafts = self.spec.propose(self.scheduler.running) if self.spec is not None else None
         sched_out = self.scheduler.schedule(drafts)
-        result = self.executor.execute(sched_out, self._grammar_masks(sched_out))
+        result = self.executor.execute(sched_out, self.structured.step_bitmask(sched_out.scheduled))
         changed = self.scheduler.update(sched_out, result)
         if self.spec is not None:
             self.spec.observe(sched_out, result)
         self._num_steps += 1
-        self._num_generation_tokens += len(result.sampled) + sum(len(t) for t in result.spec_tokens.values())
+        self._num_generation_tokens += sum(len(t) for t in result.tokens.values())
         num_prompt = sum(
             max(0, min(e.start_pos + e.num_tokens, len(e.prompt_token_ids)) - e.start_pos) for e in sched_out.scheduled
         )
@@ -382,29 +369,6 @@ class LLMEngine:
                                          sched_out.num_scheduled_tokens - num_prompt, len(sched_out.scheduled),
                                          len(sched_out.preempted_request_ids)))
         return processed.outputs
-
-    def _grammar_masks(self, sched_out) -> tuple[list[str], torch.Tensor] | None:
-        """The token bitmask of every sequence that samples this step under a structured-output
-        grammar (an n > 1 request's new sequences start from the prompt, with no output yet); a
-        sequence verifying k drafts has k + 1 rows, one per position."""
-        rows = [
-            (sample.seq_id, e.sampling_params.structured_outputs, sample.output_token_ids)
-            for e in sched_out.scheduled if e.sampling_params.structured_outputs is not None
-            for sample in e.samples for _ in range(len(sample.draft_token_ids) + 1)
-        ]
-        if not rows:
-            return None
-        drafts = {sample.seq_id: sample.draft_token_ids for e in sched_out.scheduled
-                  if e.sampling_params.structured_outputs is not None for sample in e.samples if sample.draft_token_ids}
-        return [sid for sid, _, _ in rows], self.structured.bitmask(rows, drafts)
-
-    def _grammar_draft_prefix(self, request, drafts: list[int]) -> list[int]:
-        """The drafts a request may verify: all of them, or under a structured-output grammar
-        the prefix its grammar accepts (the SpecDecodeController calls this as it drafts)."""
-        params = request.sampling_params.structured_outputs
-        if params is None:
-            return drafts
-        return self.structured.draft_prefix(request.request_id, params, request.output_token_ids, drafts)
 
     def get_stats(self) -> EngineStats:
         return EngineStats(

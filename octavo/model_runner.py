@@ -28,6 +28,7 @@ from octavo.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput,
 from octavo.sampling.params import SamplingParams
 from octavo.sampling.logprobs import TokenLogprob
 from octavo.sampling.sampler import SamplingRow, sample
+from octavo.sampling.verify import draft_outputs, verify
 
 logger = logging.getLogger("octavo")
 
@@ -357,7 +358,7 @@ class ModelRunner:
             self._generators.pop(rid, None)
         dispatch.copy_blocks(self.kv_caches, sched.copies)
         if not sched.scheduled:
-            return ModelRunnerOutput(sampled={})
+            return ModelRunnerOutput(tokens={})
         entries = sorted(sched.scheduled, key=lambda e: e.num_tokens != 1)  # stable: decodes first
         input_ids, positions, meta = self.prepare(entries)
 
@@ -370,10 +371,9 @@ class ModelRunner:
             for row in e.samples:
                 generator = self._generator(row.seq_id, e.sampling_params.seed, row.sample_index) if self.rank == 0 else None
                 num_drafts = len(row.draft_token_ids)
-                for j in range(num_drafts + 1):  # position j samples as if drafts[:j] were output
-                    last_rows.append(offset - 1 - num_drafts + j)
+                for j, output in enumerate(draft_outputs(row.output_token_ids, row.draft_token_ids)):
+                    last_rows.append(offset - 1 - num_drafts + j)  # row j: as if drafts[:j] were output
                     seq_ids.append(row.seq_id)
-                    output = row.output_token_ids + row.draft_token_ids[:j] if j else row.output_token_ids
                     rows.append(SamplingRow(params=e.sampling_params, prompt_token_ids=e.prompt_token_ids,
                                             output_token_ids=output, eos_token_ids=self.eos_token_ids,
                                             generator=generator))
@@ -384,32 +384,24 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
         prompt_logprobs = self._prompt_logprobs(entries, hidden)
         if not rows:
-            return ModelRunnerOutput(sampled={}, prompt_logprobs=prompt_logprobs)
+            return ModelRunnerOutput(tokens={}, prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[row_index])  # [num_rows, vocab] float32
         if self.rank != 0:  # the logits' gather is a collective every rank joins; rank 0 samples
-            return ModelRunnerOutput(sampled={})
+            return ModelRunnerOutput(tokens={})
         allowed = None
         if grammar is not None and grammar[0]:
             allowed = (torch.tensor(_grammar_rows(seq_ids, grammar[0]), dtype=torch.long, device=self.device), grammar[1])
         spec = {e.samples[0].seq_id: e.samples[0].draft_token_ids for e in entries if e.samples and e.samples[0].draft_token_ids}
         states: dict[int, object] | None = {i: None for i, sid in enumerate(seq_ids) if sid in spec} if spec else None
         tokens, logprobs = sample(logits, rows, allowed, states)
-        out = ModelRunnerOutput(sampled={}, prompt_logprobs=prompt_logprobs)
-        i = 0
-        while i < len(seq_ids):
-            sid, drafts = seq_ids[i], spec.get(seq_ids[i], ())
-            num_kept = _num_agreeing(tokens[i : i + len(drafts)], drafts) + 1  # the drafts agreed with, then one
-            out.sampled[sid] = tokens[i]
-            if logprobs[i] is not None:
-                out.logprobs[sid] = logprobs[i]
-            if drafts:
-                out.spec_tokens[sid] = tokens[i + 1 : i + num_kept]
-                if logprobs[i] is not None:
-                    out.spec_logprobs[sid] = logprobs[i + 1 : i + num_kept]
-                state = states.get(i + num_kept - 1)
-                if state is not None and num_kept <= len(drafts):  # its generator as if it had drawn only for the kept
-                    self._generators[sid].set_state(state)
-            i += len(drafts) + 1
+        out = ModelRunnerOutput(tokens={}, prompt_logprobs=prompt_logprobs)
+        for sid, kept in verify(seq_ids, tokens, logprobs, spec).items():
+            out.tokens[sid] = kept.tokens
+            if kept.logprobs is not None:
+                out.logprobs[sid] = kept.logprobs
+            state = states.get(kept.rewind_row) if states is not None and kept.rewind_row is not None else None
+            if state is not None:  # its generator as if it had drawn only for the rows kept
+                self._generators[sid].set_state(state)
         return out
 
     def _prompt_logprobs(self, entries: list[ScheduledRequest], hidden: torch.Tensor) -> dict[str, tuple[int, list[TokenLogprob]]]:
@@ -476,14 +468,6 @@ class ModelRunner:
         self._workspace = None
         torch.cuda.empty_cache()
         return max(0, peak)
-
-
-def _num_agreeing(sampled: list[int], drafts: list[int]) -> int:
-    """How many drafts, from the first, equal the tokens sampled at their positions."""
-    num = 0
-    while num < len(drafts) and sampled[num] == drafts[num]:
-        num += 1
-    return num
 
 
 def _grammar_rows(seq_ids: list[str], grammar_ids: list[str]) -> list[int]:

@@ -91,18 +91,15 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """Sampled token per sequence id (see ScheduledRequest.samples), with logprobs if asked."""
+    """Per sequence id that sampled (see ScheduledRequest.samples) its new tokens: one, or after
+    verifying drafts the drafts kept and then one more (sampling/verify.py); their logprobs where
+    asked, one per token."""
 
-    sampled: dict[str, int]
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    tokens: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     # request id -> logprobs of the prompt tokens at positions [start, start + len) computed this
     # step, as (start, entries); only for requests asking prompt_logprobs
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
-    # speculative decoding: per sequence that verified drafts, the tokens after `sampled`'s
-    # (accepted drafts, then the sample that differed or the one after the last draft), and
-    # their logprobs where asked; `sampled` holds the first
-    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
-    spec_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     # Second KV tier: pool block id -> whether its load passed its checksum (every load of the
     # step), and (slot, written) of the stores finished since the last step (any step's)
     tier_loaded: dict[int, bool] = field(default_factory=dict)

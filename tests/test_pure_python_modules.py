@@ -15,7 +15,7 @@ class Block:
 sys.meta_path.insert(0, Block())
 import octavo.scheduler, octavo.kv_cache, octavo.kv_cache.manager, octavo.kv_cache.block_pool
 import octavo.kv_cache.prefix_cache, octavo.kv_cache.tier, octavo.kv_cache.groups, octavo.kv_cache.connector
-import octavo.kv_cache.pins, octavo.kv_cache.view, octavo.kv_cache.costs, octavo.request, octavo.sampling.params, octavo.request_queue
+import octavo.kv_cache.pins, octavo.kv_cache.view, octavo.kv_cache.costs, octavo.sampling.verify, octavo.spec_decode.controller, octavo.request, octavo.sampling.params, octavo.request_queue
 import octavo.outputs, octavo.config, octavo.planner, octavo.metrics, octavo.sampling.logprobs, octavo.cpu_features
 import octavo.structured.schema, octavo.server.tools
 import octavo.simulator.simulator, octavo.simulator.workload, octavo.spec_decode

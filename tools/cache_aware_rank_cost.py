@@ -33,11 +33,11 @@ def build(policy: str, prompts: list[list[int]], waiting: list[list[int]], block
         s.add_request(Request(f"warm{i}", prompt + [1], params, arrival_time=0.0))
         while s.has_unfinished_requests():
             out = s.schedule()
-            s.update(out, ModelRunnerOutput(sampled={sid: 2 for e in out.scheduled for sid in e.sample_ids}))
+            s.update(out, ModelRunnerOutput(tokens={sid: [2] for e in out.scheduled for sid in e.sample_ids}))
     s.add_request(Request("running", [3] * 8, SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True),
                           arrival_time=0.0))
     out = s.schedule()  # it takes the one seat: the waiting requests below stay waiting
-    s.update(out, ModelRunnerOutput(sampled={sid: 2 for e in out.scheduled for sid in e.sample_ids}))
+    s.update(out, ModelRunnerOutput(tokens={sid: [2] for e in out.scheduled for sid in e.sample_ids}))
     for i, prompt in enumerate(waiting):
         s.add_request(Request(f"w{i}", prompt, params, arrival_time=1.0 + i))
     return s
@@ -72,7 +72,7 @@ def main() -> None:
             start = time.perf_counter()
             out = s.schedule()
             times.append(time.perf_counter() - start)
-            s.update(out, ModelRunnerOutput(sampled={sid: 2 for e in out.scheduled for sid in e.sample_ids}))
+            s.update(out, ModelRunnerOutput(tokens={sid: [2] for e in out.scheduled for sid in e.sample_ids}))
         assert s.num_waiting == args.waiting, "a waiting request was admitted: the measurement is not the order alone"
         print(f"{policy:12s} {args.waiting} waiting: schedule() median {1e3 * statistics.median(times[1:]):.2f} ms "
               f"(first step {1e3 * times[0]:.1f} ms)")

@@ -39,7 +39,7 @@ def without_model(args: argparse.Namespace) -> None:
         scheduler.add_request(Request(str(i), [100 + (7 * i + j) % 30000 for j in range(args.prompt_len)], params, 0.0))
     for _ in range(3):
         out = scheduler.schedule()
-        scheduler.update(out, ModelRunnerOutput(sampled={sid: 7 for e in out.scheduled for sid in e.sample_ids}))
+        scheduler.update(out, ModelRunnerOutput(tokens={sid: [7] for e in out.scheduled for sid in e.sample_ids}))
     steps = StepLog()
     for i in range(steps.records.maxlen):
         steps.add(StepRecord(i, float(i), 0.05, 0, args.requests, args.requests, 0))

@@ -266,9 +266,9 @@ def simulate(workload: list[SimRequest], policy: Policy, cfg: SimConfig, on_step
         seconds = cfg.cost.step_time(num_tokens, attended)
         clock += seconds
         rec.step(sched, out, clock)
-        sampled = {sid: (len(requests[sid].output_token_ids) * 7919 + int(sid)) % 49152
+        sampled = {sid: [(len(requests[sid].output_token_ids) * 7919 + int(sid)) % 49152]
                    for e in out.scheduled for sid in e.sample_ids}
-        for req in sched.update(out, ModelRunnerOutput(sampled=sampled)):
+        for req in sched.update(out, ModelRunnerOutput(tokens=sampled)):
             rec.token_times[req.request_id].append(clock)
         if on_step is not None:
             on_step(sched, out, clock, seconds)

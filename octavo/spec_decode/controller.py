@@ -127,9 +127,9 @@ class SpecDecodeController:
         for entry in output.scheduled:
             drafts = entry.samples[0].draft_token_ids if entry.samples else []
             rid = entry.request_id
-            if not drafts or rid not in result.sampled:
+            if not drafts or rid not in result.tokens:
                 continue  # no drafts, or left out of the step
-            num_accepted = len(result.spec_tokens.get(rid, ()))
+            num_accepted = len(result.tokens[rid]) - 1
             self.stats.num_drafts += 1
             self.stats.num_draft_tokens += len(drafts)
             self.stats.num_accepted_tokens += num_accepted

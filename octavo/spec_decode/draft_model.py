@@ -13,14 +13,20 @@ rejection rule and the output distribution is the target's.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 
-from octavo.config import CacheConfig, ModelConfig
+import torch
+
+from octavo.config import CacheConfig, EngineConfig, ModelConfig
 from octavo.model_runner import ModelRunner
+from octavo.models.loader import describe_weights, load_model, resolve_model
 from octavo.models.layers import CausalLM
 from octavo.outputs import SampleRow, ScheduledRequest, SchedulerOutput
 from octavo.request import Request
 from octavo.sampling.params import SamplingParams
+
+logger = logging.getLogger("octavo")
 
 _GREEDY = SamplingParams(temperature=0.0)
 
@@ -78,9 +84,9 @@ class DraftModel:
         limits = {request.request_id: n for request, n in candidates[: self.num_slots]}
         drafts: dict[str, list[int]] = {rid: [] for rid in limits}
         while entries:
-            sampled = self.runner.execute(SchedulerOutput(entries)).sampled  # one greedy token each
+            sampled = self.runner.execute(SchedulerOutput(entries)).tokens  # one greedy token each
             entries = []
-            for rid, token in sampled.items():
+            for rid, (token,) in sampled.items():
                 drafts[rid].append(token)
                 if len(drafts[rid]) < limits[rid]:  # its KV is computed next, with the one after it
                     entries.append(self._entry(rid, [token], len(self._cached[rid])))
@@ -91,3 +97,17 @@ class DraftModel:
         """A request that ended: its slot becomes free for others."""
         if request.request_id in self._slots:
             self._cached[request.request_id] = []
+
+
+def load_draft_model(config: EngineConfig, attention_backend: str) -> DraftModel:
+    """The speculative draft model of config's SpeculativeConfig: loaded as --model would be
+    (quantized blocks kept on the CPU), float32 or the engine's dtype, its own KV cache of
+    max_batch + 1 request slots."""
+    spec = config.scheduler.speculative
+    draft_dir = resolve_model(spec.draft_model)
+    quantization = "none" if config.device.startswith("cuda") else "auto"
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[config.dtype]
+    model, model_config = load_model(draft_dir, dtype=dtype, device=config.device, quantization=quantization)
+    logger.info("draft model %s: %s", draft_dir.name, describe_weights(model))
+    return DraftModel(model, model_config, config.model_config.vocab_size, config.scheduler.max_model_len,
+                      spec.max_batch + 1, config.cache.block_size, config.device, dtype, attention_backend)

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from octavo.outputs import ScheduledRequest
+from octavo.request import Request
 from octavo.sampling.params import StructuredOutputsParams
 from octavo.structured.schema import SchemaError, check_json_schema
 
@@ -331,6 +333,30 @@ class StructuredOutputManager:
         for t in self.eos_token_ids:
             words[t // 32] |= 1 << (t % 32)
         return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+
+    def step_bitmask(self, scheduled: list[ScheduledRequest]) -> tuple[list[str], torch.Tensor] | None:
+        """The token bitmask of every sequence that samples in a step under a structured-output
+        grammar (an n > 1 request's new sequences start from the prompt, with no output yet), as
+        (sequence id per row, bitmask); a sequence verifying k drafts has k + 1 rows, one per
+        position. None when no sequence of the step has a grammar."""
+        rows = [
+            (sample.seq_id, e.sampling_params.structured_outputs, sample.output_token_ids)
+            for e in scheduled if e.sampling_params.structured_outputs is not None
+            for sample in e.samples for _ in range(len(sample.draft_token_ids) + 1)
+        ]
+        if not rows:
+            return None
+        drafts = {sample.seq_id: sample.draft_token_ids for e in scheduled
+                  if e.sampling_params.structured_outputs is not None for sample in e.samples if sample.draft_token_ids}
+        return [sid for sid, _, _ in rows], self.bitmask(rows, drafts)
+
+    def request_draft_prefix(self, request: Request, drafts: list[int]) -> list[int]:
+        """The drafts a request may verify: all of them, or under a structured-output grammar the
+        prefix its grammar accepts (speculative decoding's grammar filter)."""
+        params = request.sampling_params.structured_outputs
+        if params is None:
+            return drafts
+        return self.draft_prefix(request.request_id, params, request.output_token_ids, drafts)
 
     def forget(self, seq_ids: list[str]) -> None:
         for sid in seq_ids:

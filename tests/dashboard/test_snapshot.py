@@ -22,7 +22,7 @@ def make(num_blocks=8, budget=64, max_model_len=64):
 
 def step(s, token=7):
     out = s.schedule()
-    s.update(out, ModelRunnerOutput(sampled={sid: token for e in out.scheduled for sid in e.sample_ids}))
+    s.update(out, ModelRunnerOutput(tokens={sid: [token] for e in out.scheduled for sid in e.sample_ids}))
     return out
 
 

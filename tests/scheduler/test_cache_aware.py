@@ -24,7 +24,7 @@ def make_scheduler(num_blocks=16, budget=64, max_seqs=8, tier=None, **config):
 
 def step(s: Scheduler) -> SchedulerOutput:
     out = s.schedule()
-    s.update(out, ModelRunnerOutput(sampled={sid: 7 for e in out.scheduled for sid in e.sample_ids},
+    s.update(out, ModelRunnerOutput(tokens={sid: [7] for e in out.scheduled for sid in e.sample_ids},
                                     tier_stored=[(t.slot, True) for t in out.tier_stores],
                                     tier_loaded={t.block_id: True for t in out.tier_loads}))
     return out

@@ -122,23 +122,23 @@ def fake_model(s: Scheduler, out, seed: int, tier_reports: dict | None = None) -
     that vary with the seed and the beam, so beams fork, drop and (token 3 is EOS) finish. A
     sequence verifying drafts keeps a number of them that varies with the seed, then one token
     that differs from the next draft."""
-    sampled, logprobs, spec_tokens = {}, {}, {}
+    sampled, logprobs = {}, {}
     for e in out.scheduled:
         for row in e.samples:
             sid = row.seq_id
-            sampled[sid] = seed % 50
+            sampled[sid] = [seed % 50]
             drafts = row.draft_token_ids
             if drafts:
                 num_kept = random.Random(f"{seed}/{sid}/{len(drafts)}").randint(0, len(drafts))
                 tokens = drafts[:num_kept] + [drafts[num_kept] + 1 if num_kept < len(drafts) else seed % 50]
-                sampled[sid], spec_tokens[sid] = tokens[0], tokens[1:]
+                sampled[sid] = tokens
             beam = s.requests[e.request_id].beam
             if beam is not None:
                 k = 2 * beam.width
                 rng = random.Random(f"{seed}/{sid}/{len(s.requests[sid].all_token_ids)}")  # not hash(): salted per process
                 top = {t: -rng.random() * 3 for t in rng.sample(range(8), min(k, 8))}
-                logprobs[sid] = TokenLogprob(max(top, key=top.get), max(top.values()), top)
-    return ModelRunnerOutput(sampled=sampled, logprobs=logprobs, spec_tokens=spec_tokens, **(tier_reports or {}))
+                logprobs[sid] = [TokenLogprob(max(top, key=top.get), max(top.values()), top)]
+    return ModelRunnerOutput(tokens=sampled, logprobs=logprobs, **(tier_reports or {}))
 
 
 def spec_step(s: Scheduler, drafter: SpecDecodeController | None, seed: int, shadow: ShadowKV) -> None:

@@ -21,7 +21,7 @@ def make_scheduler(num_blocks=16, budget=64, max_seqs=8, max_len=128, policy="fc
 
 
 def fake_run(out: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
-    return ModelRunnerOutput(sampled={sid: token for e in out.scheduled for sid in e.sample_ids})
+    return ModelRunnerOutput(tokens={sid: [token] for e in out.scheduled for sid in e.sample_ids})
 
 
 def step(s: Scheduler, token: int = 7) -> SchedulerOutput:
@@ -180,7 +180,7 @@ def test_n_greater_than_one_forks_after_prompt_sharing_blocks():
     s.add_request(make_request("p", 6, max_tokens=3, n=3))
     out = s.schedule()
     assert out.scheduled[0].sample_ids == ["p#0", "p#1", "p#2"]
-    changed = s.update(out, ModelRunnerOutput(sampled={"p#0": 1, "p#1": 2, "p#2": 3}))
+    changed = s.update(out, ModelRunnerOutput(tokens={"p#0": [1], "p#1": [2], "p#2": [3]}))
     assert [r.request_id for r in changed] == ["p#0", "p#1", "p#2"]
     assert [r.output_token_ids for r in changed] == [[1], [2], [3]]
     tables = [s.kv_cache.block_tables(r.request_id)[0] for r in changed]
@@ -241,7 +241,7 @@ def test_aborting_waiting_requests_is_lazy_but_exact():
 
 def tier_run(out: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
     """A runner whose tier writes and reads all succeed."""
-    return ModelRunnerOutput(sampled={sid: token for e in out.scheduled for sid in e.sample_ids},
+    return ModelRunnerOutput(tokens={sid: [token] for e in out.scheduled for sid in e.sample_ids},
                              tier_stored=[(t.slot, True) for t in out.tier_stores],
                              tier_loaded={t.block_id: True for t in out.tier_loads},
                              tier_read_seconds=0.001 * bool(out.tier_loads))
@@ -294,7 +294,7 @@ def test_a_bad_load_voids_the_chunk_computed_after_it_and_the_request_computes_f
     idx = out.scheduled[0].block_tables[0].index(bad)
     result = tier_run(out)
     result.tier_loaded[bad] = False
-    del result.sampled["turn"]  # the runner leaves out a request whose load failed, and says so
+    del result.tokens["turn"]  # the runner leaves out a request whose load failed, and says so
     result.left_out = ["turn"]
     s.update(out, result)
     assert turn.num_computed_tokens == idx * BS and not turn.output_token_ids  # rolled back to the bad block

@@ -27,15 +27,15 @@ def run(s, spec, keep: dict[str, int] | None = None, token: int = 9):
     """One step as the engine runs it; a request verifying drafts keeps keep[rid] of them (default
     all), then `token` (or token(the last token kept))."""
     out = s.schedule(spec.propose(s.running))
-    sampled, spec_tokens = {}, {}
+    sampled = {}
     for e in out.scheduled:
         for row in e.samples:
             drafts = row.draft_token_ids
             n = min((keep or {}).get(row.seq_id, len(drafts)), len(drafts))
             last = token(drafts[n - 1] if n else s.requests[row.seq_id].all_token_ids[-1]) if callable(token) else token
             tokens = drafts[:n] + [last if n == len(drafts) or last != drafts[n] else last + 1]
-            sampled[row.seq_id], spec_tokens[row.seq_id] = tokens[0], tokens[1:]
-    result = ModelRunnerOutput(sampled=sampled, spec_tokens=spec_tokens)
+            sampled[row.seq_id] = tokens
+    result = ModelRunnerOutput(tokens=sampled)
     changed = s.update(out, result)
     spec.observe(out, result)
     spec.finish([r for r in changed if r.status is RequestStatus.FINISHED])

@@ -150,7 +150,7 @@ def windows_and_tier_frames():
     recorder = ReplayRecorder()
     for i in range(10):
         out = s.schedule()
-        s.update(out, ModelRunnerOutput(sampled={sid: 7 for e in out.scheduled for sid in e.sample_ids}))
+        s.update(out, ModelRunnerOutput(tokens={sid: [7] for e in out.scheduled for sid in e.sample_ids}))
         recorder(s, out, 0.05 * (i + 1), 0.05)
     return recorder.frames
 
