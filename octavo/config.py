@@ -176,6 +176,9 @@ class CacheConfig:
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "cache-aware")
+# What --quantization accepts: auto (a GGUF's own formats, else float), none (dense), and the
+# schemes quantization.HF_SCHEMES quantizes float weights into (a test keeps the two in step)
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
 PREEMPTION_VICTIMS = ("cheapest", "newest")
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
 DEFAULT_SPEC_MAX_BATCH = 4  # decoding requests above which no step drafts (docs/BENCHMARKS.md)

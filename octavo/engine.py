@@ -82,6 +82,8 @@ class LLMEngine:
             kv.connector.swap_preempted = opened.swap_preempted
         kv.pins.max_blocks = int(config.cache.pinned_prefix_share * sizing.num_blocks)
         self.scheduler = Scheduler(config.scheduler, kv)
+        self.structured = StructuredOutputManager(tokenizer, config.model_config.vocab_size, self.eos_token_ids,
+                                                  config.grammar_cache_bytes)
         spec = config.scheduler.speculative
         self.spec: SpecDecodeController | None = None
         if spec is not None:
@@ -91,8 +93,6 @@ class LLMEngine:
             logger.info("speculative decoding: %s drafts, up to %d tokens per request per step, while at most %d "
                         "requests decode", spec.method, spec.num_speculative_tokens, spec.max_batch)
         self._pin_counter = itertools.count()
-        self.structured = StructuredOutputManager(tokenizer, config.model_config.vocab_size, self.eos_token_ids,
-                                                  config.grammar_cache_bytes)
         self.outputs = OutputProcessor(tokenizer)
         self.step_log = StepLog()  # the last steps, for the dashboard
         self._num_prompt_tokens = 0

@@ -13,6 +13,7 @@ from octavo.config import (
     DEFAULT_MAX_WAIT_STEPS,
     DEFAULT_SPEC_MAX_BATCH,
     PREEMPTION_VICTIMS,
+    QUANTIZATION_CHOICES,
     SCHEDULING_POLICIES,
     SPECULATIVE_METHODS,
     CacheConfig,
@@ -22,7 +23,6 @@ from octavo.config import (
     SpeculativeConfig,
 )
 from octavo.memory import GPU_DEFAULT_UTILIZATION
-from octavo.quantization import QUANTIZATION_CHOICES
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")

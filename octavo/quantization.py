@@ -58,8 +58,6 @@ BY_GGUF_TYPE = {f.gguf_type: f for f in FORMATS.values()}
 # --quantization int8 / int4: the format every linear layer gets. The token embedding (and a tied
 # LM head) always gets Q8_0, as llama.cpp's own Q4 files do.
 HF_SCHEMES = {"int8": Q8_0, "int4": Q4_1}
-# What --quantization accepts: auto (a GGUF's own formats, else float), none (dense), HF_SCHEMES.
-QUANTIZATION_CHOICES = ("auto", "none", *HF_SCHEMES)
 
 
 def can_quantize(in_features: int) -> bool:

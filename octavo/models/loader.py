@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from octavo.cache import atomic_write_text, cache_dir, exclusive, move_into_place, remove_leftovers, temporary_folder
-from octavo.config import ModelConfig
+from octavo.config import QUANTIZATION_CHOICES, ModelConfig
 from octavo.models import gguf_arch
 from octavo.models.gguf_file import ArrayValue, GGUFFormatError, GGUFHeader, TensorInfo, read_header
 from octavo.models.layers import CausalLM, QuantEmbedding, QuantLinear, RotaryEmbedding
@@ -37,7 +37,6 @@ from octavo.quantization import (
     BY_GGUF_TYPE,
     FORMATS,
     HF_SCHEMES,
-    QUANTIZATION_CHOICES,
     Q5_0,
     Q8_0,
     QuantFormat,

@@ -214,7 +214,7 @@ def test_without_the_cpp_kernels_the_reference_path_computes_the_same(smol_dir, 
 
 
 def test_every_quantization_choice_has_a_meaning():
-    from octavo.quantization import QUANTIZATION_CHOICES
+    from octavo.config import QUANTIZATION_CHOICES
     from octavo.quantization import HF_SCHEMES
 
     assert set(QUANTIZATION_CHOICES) == {"auto", "none", *HF_SCHEMES}
