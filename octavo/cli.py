@@ -110,7 +110,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"\n{llm.engine.kv_sizing.describe()}\n"
         f"load {load_s:.1f} s; generate {gen_s:.1f} s for {len(chats)} requests, {num_out} output tokens "
         f"({num_out / gen_s:.1f} tok/s); steps {stats.num_steps}; prompt tokens computed {stats.num_prompt_tokens_total}; "
-        f"prefix cache hits {s.prefix_cache_hits}/{s.prefix_cache_queries} tokens; preemptions {s.num_preemptions}"
+        f"prefix cache hits {s.prefix.num_hits_tokens}/{s.prefix.num_queries_tokens} tokens; preemptions {s.preemption.num_preemptions}"
     )
     return 0
 

@@ -5,27 +5,23 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 import os
-import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from octavo.beam_search import BeamGroup
 from octavo.config import EngineConfig
-from octavo.distributed.executor import TensorParallelExecutor, TensorParallelGroup, WorkerSpec, start_tensor_parallel
-from octavo.engine_args import EngineArgs, resolve_device
+from octavo.distributed.executor import TensorParallelExecutor, TensorParallelGroup
+from octavo.engine_args import EngineArgs
+from octavo.engine_setup import kv_cache_size, load, open_runner_tier, pin_prefix_files
 from octavo.kv_cache.manager import KVCacheManager
 from octavo.kv_tier import TierStore
-from octavo.kv_tier.setup import OpenedTier, open_tier
 from octavo.lora.request import LoRARequest
-from octavo.memory import CUDA_GRAPH_RESERVE_BYTES, KVSizing, size_kv_cache
+from octavo.memory import KVSizing
 from octavo.model_runner import ModelRunner, RunnerOptions
-from octavo.models.loader import auto_dtype, describe_weights, load_model, resolve_model, stored_dtype, weight_bytes
 from octavo.output_processor import OutputProcessor
 from octavo.request import FinishReason, Request, RequestOutput, RequestStatus, check_inputs, child_request_id
 from octavo.sampling.params import BeamSearchParams, SamplingParams
@@ -34,12 +30,10 @@ from octavo.scheduler import Scheduler
 from octavo.spec_decode import SpecDecodeController, make_proposer
 from octavo.spec_decode.draft_model import load_draft_model
 from octavo.structured.manager import StructuredOutputManager
-from octavo.threads import ThreadGovernor
-from octavo.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
+from octavo.threads import StepThread, ThreadGovernor
+from octavo.tokenizer import apply_chat_template, encode_prompt
 
 logger = logging.getLogger("octavo")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class LLMEngine:
@@ -60,7 +54,7 @@ class LLMEngine:
         self.runner = options.build(model, config.model_config)
         self.executor: ModelRunner | TensorParallelExecutor = (
             self.runner if tensor_parallel is None else TensorParallelExecutor(self.runner, tensor_parallel, options))
-        sizing = self._size_kv_cache(config, weight_bytes)
+        sizing = kv_cache_size(self.executor, config, weight_bytes)
         self.config = dataclasses.replace(  # the pool's size, and max_model_len capped to it where the model's did not fit
             config, cache=dataclasses.replace(config.cache, num_blocks=sizing.num_blocks),
             scheduler=dataclasses.replace(config.scheduler, max_model_len=sizing.max_model_len))
@@ -72,9 +66,9 @@ class LLMEngine:
                         "so the cache holds %d x the tokens one rank's memory would", tensor_parallel.world,
                         config.model_config.num_kv_heads, tensor_parallel.world)
         self.executor.init_kv_cache(sizing.num_blocks)
-        self.tier: TierStore | None = None
         self._closed = False
-        opened = self._open_tier(self.config) if config.cache.kv_offload_bytes else None
+        opened = open_runner_tier(self.runner, config)
+        self.tier: TierStore | None = None if opened is None else opened.store
         kv = KVCacheManager(sizing.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                             tuple(g.window for g in config.model_config.kv_groups()),
                             tier=None if opened is None else opened.index)
@@ -98,7 +92,7 @@ class LLMEngine:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._num_steps = 0
-        self._thread_id = threading.get_ident()  # the thread that built the engine (see step)
+        self._step_thread = StepThread()  # warns when steps move to another thread
         # CPU steps follow the machine's load (octavo/threads.py); ranks of a tensor-parallel group
         # share the cores by design and keep theirs; OCTAVO_ADAPTIVE_THREADS=0 turns it off
         adaptive = (config.device == "cpu" and tensor_parallel is None and torch.get_num_threads() > 1
@@ -106,70 +100,23 @@ class LLMEngine:
         self._threads = ThreadGovernor(torch.get_num_threads()) if adaptive else None
 
 
-    def _size_kv_cache(self, config: EngineConfig, weight_bytes: int) -> KVSizing:
-        """Blocks for the KV cache; on CUDA, from a profiled worst-case step unless given."""
-        on_cuda = config.device.startswith("cuda")
-        peak = None
-        if on_cuda and config.cache.num_blocks is None and config.cache.kv_cache_memory is None:
-            peak = self.executor.profile_activation_peak(config.scheduler.max_num_batched_tokens,
-                                                         config.scheduler.max_num_seqs)
-            logger.info("profiling step (%d tokens): activation peak %.2f GiB",
-                        config.scheduler.max_num_batched_tokens, peak / 2**30)
-        return size_kv_cache(
-            config.cache, config.scheduler, config.model_config, weight_bytes, _DTYPES[config.dtype].itemsize,
-            config.device, activation_peak=peak,
-            graph_bytes=CUDA_GRAPH_RESERVE_BYTES if on_cuda and not config.enforce_eager else 0,
-            max_model_len_explicit=config.max_model_len_explicit,
-        )
-
-    def _open_tier(self, config: EngineConfig) -> OpenedTier | None:
-        """The second KV tier (kv_tier.setup.open_tier), its store attached to the runner."""
-        def prefill_seconds(num_tokens: int) -> float:
-            start = time.perf_counter()
-            self.runner.profile_activation_peak(num_tokens, 1)
-            return time.perf_counter() - start
-        opened = open_tier(config, self.runner.tier_block_bytes(), self.runner.host_buffer,
-                           self.runner.device.type == "cuda", self.runner.attention_backend, prefill_seconds)
-        if opened is not None:
-            self.tier = opened.store
-            self.runner.attach_tier(opened.store)
-        return opened
-
     @classmethod
     def from_args(cls, args: EngineArgs | None = None, **kwargs: Any) -> LLMEngine:
         """Load the model (the embedded default when args.model is None) and build an engine."""
         args = args or EngineArgs(**kwargs)
-        torch.manual_seed(args.seed)
-        model_dir = resolve_model(args.model)
-        device = resolve_device(args.device)
-        quantization = args.quantization
-        if device.startswith("cuda") and quantization == "auto":
-            quantization = "none"  # no GPU kernels for GGUF blocks: they are dequantized to the dtype
-        dtype = ("bfloat16" if device.startswith("cuda") else "float32") if args.dtype == "auto" else args.dtype
-        group = None
-        if args.tensor_parallel_size > 1:
-            model, model_config, group = start_tensor_parallel(args.tensor_parallel_size, model_dir, WorkerSpec(
-                str(model_dir), dtype, device=device, quantization=quantization))
-        else:
-            model, model_config = load_model(model_dir, dtype=_DTYPES[dtype], device=device, quantization=quantization)
-            if args.dtype == "auto":
-                dtype, why = auto_dtype(model, device, stored_dtype(model_dir))
-                logger.info("dtype auto: %s (%s)", dtype, why)
-                model = model.to(_DTYPES[dtype])
-        config = dataclasses.replace(args, dtype=dtype, device=device).to_config(model_config)
-        config = dataclasses.replace(config, model_path=str(model_dir), quantization=quantization)
-        logger.info(describe_weights(model))
+        loaded = load(args)
         try:
-            engine = cls(config, model, load_tokenizer(model_dir), weight_bytes(model), group)
+            engine = cls(loaded.config, loaded.model, loaded.tokenizer, loaded.weight_bytes, loaded.group)
         except BaseException:
-            if group is not None:
-                group.close()
+            if loaded.group is not None:
+                loaded.group.close()
             raise
         for lora_id, module in enumerate(args.lora_modules, start=1):
             name, path = module.split("=", 1)
             engine.add_lora(LoRARequest(name, lora_id, path))
         if args.pinned_prefix:
-            engine.pin_prefix_files(args.pinned_prefix)
+            pin_prefix_files(engine.pin_prefix, engine.scheduler.kv_cache, engine.config.cache.pinned_prefix_share,
+                             args.pinned_prefix)
         return engine
 
     def pin_prefix(self, prompt: str | list[int] | dict) -> tuple[int, int]:
@@ -188,20 +135,6 @@ class LLMEngine:
             self.step()
         num_blocks = kv.pins.num_blocks - before
         return num_blocks * kv.block_size, num_blocks
-
-    def pin_prefix_files(self, paths: tuple[str, ...]) -> None:
-        """pin_prefix for each file (text: a completion prompt; JSON: {"messages": [...]} or token
-        ids), then log what is pinned (the start-up line names the files and the pool's share)."""
-        names = []
-        for path in paths:
-            text = Path(path).read_text()
-            prompt = json.loads(text) if path.endswith(".json") else text
-            num_tokens, _ = self.pin_prefix(prompt)
-            names.append(f"{Path(path).name} ({num_tokens} tokens)")
-        kv = self.scheduler.kv_cache
-        logger.info("pinned prefixes: %s; %d of the pool's %d blocks (at most %d: --pinned-prefix-share %.2f)",
-                    ", ".join(names), kv.pins.num_blocks, kv.num_blocks, kv.pins.max_blocks,
-                    self.config.cache.pinned_prefix_share)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any, and the grammar-compiling threads; write the
@@ -230,12 +163,7 @@ class LLMEngine:
         it, so an id reused for another adapter after an unload never meets this one's KV."""
         if self.runner.lora is None:
             raise ValueError("LoRA adapters need the engine started with enable_lora (--enable-lora)")
-        known = self.runner.lora.adapters.get(lora_request.lora_int_id)
-        adapter = self.runner.lora.add(lora_request)
-        if adapter is not known:
-            logger.info("LoRA adapter %r (id %d, rank %d, %.1f MiB) loaded from %s", adapter.name, adapter.lora_id,
-                        adapter.rank, adapter.num_bytes / 2**20, lora_request.lora_path)
-        return adapter.cache_key
+        return self.runner.lora.add(lora_request).cache_key
 
     def has_lora(self, lora_request: LoRARequest) -> bool:
         """Whether exactly this adapter (id, name and path) is loaded now."""
@@ -327,20 +255,10 @@ class LLMEngine:
 
     # ---- one step ----------------------------------------------------------------------------
 
-    def _check_thread(self) -> None:
-        """Warn (once per move) when steps run on another thread than the one that built the engine
-        or stepped last: libgomp keeps one OpenMP thread pool per thread that opens parallel
-        regions, and two pools on a small CPU made each step ~2x slower (docs/BENCHMARKS.md,
-        session 4). Build and step an engine on the same thread."""
-        logger.warning("LLMEngine.step runs on another thread than the one that built or last stepped the engine; "
-                       "on few cores two OpenMP thread pools can halve its speed: build and step on one thread")
-        self._thread_id = threading.get_ident()
-
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, apply the sampled tokens; return outputs of requests that
         changed (finished ones carry finished=True and are forgotten afterwards)."""
-        if self._thread_id != threading.get_ident():
-            self._check_thread()
+        self._step_thread.check()
         if self._threads is not None:
             self._threads.tick()
         start = time.perf_counter()

@@ -82,19 +82,21 @@ class EngineMetrics:
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
         last = self._last
-        self.prefix_queries.inc(s.prefix_cache_queries - (last.scheduler.prefix_cache_queries if last else 0))
-        self.prefix_hits.inc(s.prefix_cache_hits - (last.scheduler.prefix_cache_hits if last else 0))
-        self.preemptions.inc(s.num_preemptions - (last.scheduler.num_preemptions if last else 0))
         prev = last.scheduler if last else None
-        self.recomputed.inc(s.num_recomputed_tokens - (prev.num_recomputed_tokens if prev else 0))
-        self.repreemptions.inc(s.num_repreemptions - (prev.num_repreemptions if prev else 0))
-        self.resumed.inc(s.num_resumed - (prev.num_resumed if prev else 0))
-        self.tier_hits.inc(s.tier_hits - (prev.tier_hits if prev else 0))
-        self.tier_stored.inc(s.tier_blocks_stored - (prev.tier_blocks_stored if prev else 0))
-        self.tier_loaded.inc(s.tier_blocks_loaded - (prev.tier_blocks_loaded if prev else 0))
-        self.tier_corrupt.inc(s.tier_blocks_corrupt - (prev.tier_blocks_corrupt if prev else 0))
-        self.tier_usage.set(s.tier_usage)
-        self.swaps.inc(s.num_swaps - (prev.num_swaps if prev else 0))
+        for section, counters in (
+            ("prefix", ((self.prefix_queries, "num_queries_tokens"), (self.prefix_hits, "num_hits_tokens"),
+                        (self.tier_hits, "num_tier_hits_tokens"))),
+            ("preemption", ((self.preemptions, "num_preemptions"), (self.recomputed, "num_recomputed_tokens"),
+                            (self.repreemptions, "num_repreemptions"), (self.resumed, "num_resumed"),
+                            (self.swaps, "num_swaps"))),
+            ("tier", ((self.tier_stored, "num_stored"), (self.tier_loaded, "num_loaded"),
+                      (self.tier_corrupt, "num_corrupt"))),
+        ):
+            now, before = getattr(s, section), getattr(prev, section) if prev else None
+            for metric, name in counters if now is not None else ():
+                metric.inc(getattr(now, name) - (getattr(before, name) if before is not None else 0))
+        if s.tier is not None:
+            self.tier_usage.set(s.tier.usage)
         self._observe_spec(stats.spec, last.spec if last else None)
         self.prompt_tokens.inc(stats.num_prompt_tokens_total - (last.num_prompt_tokens_total if last else 0))
         self.generation_tokens.inc(stats.num_generation_tokens_total - (last.num_generation_tokens_total if last else 0))

@@ -110,29 +110,51 @@ class ModelRunnerOutput:
 
 
 @dataclass(slots=True)
+class PrefixCacheStats:
+    """The prefix cache's counters since start, in tokens (KVCacheManager.stats)."""
+
+    num_queries_tokens: int = 0
+    num_hits_tokens: int = 0  # from either tier
+    num_tier_hits_tokens: int = 0  # of those, tokens whose blocks were loaded from the second tier
+
+
+@dataclass(slots=True)
+class PreemptionStats:
+    """Preemption's counters since start (the Scheduler's)."""
+
+    num_preemptions: int = 0
+    num_repreemptions: int = 0  # preemptions of a request preempted before
+    num_resumed: int = 0  # admissions of a preempted request
+    num_recomputed_tokens: int = 0  # tokens computed again after a preemption (the recompute tax)
+    num_swaps: int = 0  # preemptions whose blocks go through the second tier (the others recompute)
+
+
+@dataclass(slots=True)
+class TierReport:
+    """The second KV tier after a step (TierConnector.report): its size, use and counters since start."""
+
+    num_blocks: int
+    usage: float
+    num_stored: int  # blocks written
+    num_loaded: int  # blocks loaded that passed their checksum
+    num_corrupt: int  # loads refused by their checksum
+    num_load_rounds: int  # rounds of loads (a running request's next blocks)
+
+
+@dataclass(slots=True)
 class SchedulerStats:
-    """A snapshot after a step, for logs and metrics. Counters are cumulative since start."""
+    """A snapshot after a step, for logs and metrics, one section per feature; counters are
+    cumulative since start."""
 
     num_running: int
     num_waiting: int
     kv_cache_usage: float
     num_free_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
     num_scheduled_tokens: int
     num_scheduled_requests: int
-    num_recomputed_tokens: int = 0  # tokens computed again after a preemption (the recompute tax)
-    num_repreemptions: int = 0  # preemptions of a request preempted before
-    num_resumed: int = 0  # admissions of a preempted request
-    tier_hits: int = 0  # prompt tokens whose KV came from the second tier (counted in prefix_cache_hits)
-    tier_blocks_stored: int = 0
-    tier_blocks_loaded: int = 0
-    tier_blocks_corrupt: int = 0  # loads refused by their checksum
-    tier_usage: float = 0.0
-    tier_num_blocks: int = 0
-    num_tier_loads: int = 0  # rounds of tier loads (a waiting request's hit, or a running one's next blocks)
-    num_swaps: int = 0  # preemptions that swap through the second tier (num_preemptions - this recompute)
+    prefix: PrefixCacheStats = field(default_factory=PrefixCacheStats)  # a copy
+    preemption: PreemptionStats = field(default_factory=PreemptionStats)  # a copy
+    tier: TierReport | None = None  # None without a second tier
 
 
 @dataclass(slots=True)

@@ -61,7 +61,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     pin: bool = False  # its prompt's blocks stay in the pool for good once it ends (a pinned prefix)
     # the largest prompt chunk one step computes for it (None: the step's budget): set at admission
-    # when its sliding-window groups fit the pool only in smaller chunks (Scheduler.check_fits)
+    # when its sliding-window groups fit the pool only in smaller chunks (limits.RequestLimits.check)
     max_chunk_tokens: int | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -101,6 +101,59 @@ class Request:
         """Prompt plus the most output tokens this request may produce (max_tokens None: unbounded)."""
         max_tokens = self.sampling_params.max_tokens
         return self.num_prompt_tokens + (max_tokens if max_tokens is not None else 0)
+
+    def push_token(self, token: int, logprob: TokenLogprob | None, now: float) -> None:
+        """Append a sampled token (and its logprob, when asked for)."""
+        self.output_token_ids.append(token)
+        self.all_token_ids.append(token)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+        if self.first_token_time is None:
+            self.first_token_time = now
+
+    def stop_reason(self, max_model_len: int) -> FinishReason | None:
+        """Why the request ends with its last token (EOS, a stop token, max_tokens,
+        max_model_len), or None."""
+        params = self.sampling_params
+        token, num_out = self.output_token_ids[-1], self.num_output_tokens
+        # Under min_tokens the sampler bans EOS, unless a grammar leaves no other token (it is
+        # complete): then the grammar wins and the request ends (it repeated EOS until min_tokens)
+        if not params.ignore_eos and token in self.eos_token_ids and (
+                num_out >= params.min_tokens or params.structured_outputs is not None):
+            return FinishReason.STOP
+        if num_out >= params.min_tokens and token in params.stop_token_ids:
+            return FinishReason.STOP
+        if params.max_tokens is not None and num_out >= params.max_tokens:
+            return FinishReason.LENGTH
+        if self.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def fork(self, child_id: str, index: int) -> Request:
+        """A new running sequence with this one's tokens so far (an n > 1 completion forked after
+        the prompt, `index` its place among them; or a beam forked mid-generation). Its blocks
+        are the KV cache's to share (KVCacheManager.fork)."""
+        return Request(
+            request_id=child_id,
+            prompt_token_ids=self.prompt_token_ids,
+            output_token_ids=list(self.output_token_ids),
+            beam=self.beam,
+            lora_id=self.lora_id,
+            lora_cache_key=self.lora_cache_key,
+            first_token_time=self.first_token_time,
+            sampling_params=self.sampling_params,
+            arrival_time=self.arrival_time,
+            eos_token_ids=self.eos_token_ids,
+            priority=self.priority,
+            cache_salt=self.cache_salt,
+            parent_id=self.user_request_id,
+            sample_index=index,
+            status=RequestStatus.RUNNING,
+            num_computed_tokens=self.num_computed_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            admit_seq=self.admit_seq,
+            max_chunk_tokens=self.max_chunk_tokens,
+        )
 
 
 def check_inputs(prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None, vocab_size: int) -> list[int]:

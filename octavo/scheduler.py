@@ -5,31 +5,34 @@ up with `num_tokens` (prompt plus sampled outputs); a step hands out at most
 `max_num_batched_tokens` of that catching up, running requests first (a decode is 1 token, an
 unfinished prompt a chunk), then waiting requests in queue order. A prompt larger than what is
 left of the budget is chunked. Waiting requests are admitted in queue order: arrival (fcfs),
-priority then arrival, or (cache-aware) the most tokens reused from the cache with aging and a
-bound on the wait. When the pool runs out of blocks, a running request is preempted: the one whose
-loss costs least (or the most recently admitted, vLLM's rule); its full blocks stay in the prefix
-cache, so it resumes from what is still cached and recomputes the rest. With a second KV
-tier that is a swap: blocks the pool evicts go to the tier, and a waiting request whose prefix
-continues there waits one step while they load (the others run on).
+priority then arrival, or (cache-aware, policies.py) the most tokens reused from the cache with
+aging and a bound on the wait. When the pool runs out of blocks, a running request is preempted
+(policies.py: the one whose loss costs least, or the most recently admitted, vLLM's rule); its full
+blocks stay in the prefix cache, so it resumes from what is still cached and recomputes the rest.
+With a second KV tier that is a swap: blocks the pool evicts go to the tier, and a running request
+whose next blocks are there takes them before it computes (the tier's connector loads them before
+the step's forward). What a request can never exceed is checked when it is added (limits.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
 
 from octavo.beam_search import BeamGroup, Continuation
 from octavo.config import SchedulerConfig
-from octavo.kv_cache.costs import preemption_cost, reusable_tokens_counter
+from octavo.kv_cache.costs import growth_blocks
 from octavo.kv_cache.manager import Allocation, KVCacheManager
-from octavo.outputs import ModelRunnerOutput, SampleRow, ScheduledRequest, SchedulerOutput, SchedulerStats
+from octavo.limits import RequestLimits, RequestRefused
+from octavo.outputs import (ModelRunnerOutput, PreemptionStats, SampleRow, ScheduledRequest, SchedulerOutput,
+                             SchedulerStats)
+from octavo.policies import cache_aware_key, choose_victims, count_passed_over
 from octavo.request import FinishReason, Request, RequestStatus, child_request_id
 from octavo.request_queue import make_waiting_queue
 
-
-class RequestRefused(ValueError):
-    """A request that can never be served with this engine's limits."""
+__all__ = ["RequestRefused", "Scheduler"]
 
 
 @dataclass(slots=True)
@@ -71,12 +74,8 @@ class Scheduler:
         self._sequences: dict[str, set[str]] = {}  # user request id -> its live sequence ids
         self.waiting = make_waiting_queue(config.policy)
         self.running: list[Request] = []
-        self.num_preemptions = 0
-        self.num_repreemptions = 0  # preemptions of a request preempted before
-        self.num_resumed = 0  # admissions of a preempted request
-        self.num_recomputed_tokens = 0
+        self.preemption = PreemptionStats()
         self._num_steps = 0
-        self.num_swaps = 0  # preemptions whose blocks go to the second tier (the rest recompute)
         self._run_loading: set[str] = set()  # running requests whose next blocks load this step
         self._rolled_back: set[str] = set()  # requests the runner left out (a load failed): their chunk is void
         # with a second tier, running requests take blocks ahead of their computed tokens from it
@@ -84,8 +83,7 @@ class Scheduler:
         self._step_start = 0.0  # when the last step was scheduled: loads wait for its end
         self._admit_counter = itertools.count(1)
         self._finished_ids: list[str] = []
-        self._blocks_needed: dict[str, int] = {}  # live request -> the most blocks it can hold (check_fits)
-        self._pending_pins: dict[str, int] = {}  # live pin request -> the blocks it pins when it ends
+        self.limits = RequestLimits(config, kv_cache)  # what a request can never exceed
         self._last_num_scheduled_tokens = 0
         self._last_num_scheduled_requests = 0
         self._drafts: dict[str, list[int]] = {}  # this step's drafts (speculative decoding), by request
@@ -94,102 +92,15 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. Raises RequestRefused when it could never fit; nothing is kept then."""
-        num_blocks, max_chunk = self.check_fits(request)
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        request.max_chunk_tokens = max_chunk
+        self.limits.admit(request)
         self.requests[request.request_id] = request
-        self._blocks_needed[request.request_id] = num_blocks
-        if request.pin:
-            self._pending_pins[request.request_id] = self.kv_cache.pins.num_to_pin(request)
         self._sequences.setdefault(request.user_request_id, set()).add(request.request_id)
         if request.beam is not None:
             request.beam.start(request.request_id)
         request.queued_step = self._num_steps
         self.waiting.add(request)
-
-    def check_fits(self, request: Request) -> tuple[int, int | None]:
-        """Raise RequestRefused, saying which limit and by how much, if `request` can never run
-        (pinned blocks are not for it); else return the most blocks it can hold, and the largest
-        prompt chunk it may compute in one step (None: the step's budget). A sliding-window group
-        holds a chunk's blocks beside its window's, so a long prompt that does not fit computed in
-        budget-sized chunks may fit in smaller ones: it is admitted with the largest that fits."""
-        max_len = self.config.max_model_len
-        num_prompt = request.num_prompt_tokens
-        if num_prompt == 0:
-            raise RequestRefused("the prompt is empty: at least one token is needed")
-        if request.lora_id is not None and self.config.max_loras is None:
-            raise RequestRefused("a LoRA adapter was asked for but LoRA is off: start with --enable-lora")
-        num_samples = request.beam.width if request.beam is not None else request.num_samples_pending
-        if num_samples > self.config.max_num_seqs:
-            raise RequestRefused(
-                f"n ({num_samples}) exceeds max_num_seqs ({self.config.max_num_seqs}): "
-                "all n completions of a request run at once"
-            )
-        if num_prompt >= max_len:
-            raise RequestRefused(
-                f"the prompt has {num_prompt} tokens but max_model_len is {max_len}: "
-                f"it must be at most {max_len - 1} tokens to leave room for one output token"
-            )
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None and num_prompt + max_tokens > max_len:
-            raise RequestRefused(
-                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {num_prompt + max_tokens} "
-                f"exceeds max_model_len ({max_len}); lower max_tokens to at most {max_len - num_prompt}"
-            )
-        total = num_prompt + max_tokens if max_tokens is not None else max_len
-        # beams share blocks while running, but a preempted search recomputes each beam on its own
-        # (without prefix caching, sharing nothing): it must fit with no sharing at all
-        width = request.beam.width if request.beam is not None else 1
-        if request.pin:
-            self._check_pin_fits(request)
-        # pinned blocks, and those pins not yet computed will hold, are not for it (but those its
-        # prompt starts with)
-        num_pinned = self.kv_cache.pins.num_blocks + sum(self._pending_pins.values())
-        room = self.kv_cache.num_blocks - num_pinned + self.kv_cache.pins.num_hits(request)
-        budget = self.config.max_num_batched_tokens
-        max_chunk = None
-        num_blocks = width * self.kv_cache.num_blocks_to_hold(total, budget)
-        if num_blocks > room and any(w is not None for w in self.kv_cache.group_windows):
-            low, high = 1, budget - 1  # the largest chunk that fits: blocks grow with the chunk
-            while low < high:
-                mid = (low + high + 1) // 2
-                if width * self.kv_cache.num_blocks_to_hold(total, mid) <= room:
-                    low = mid
-                else:
-                    high = mid - 1
-            if width * self.kv_cache.num_blocks_to_hold(total, low) <= room:
-                max_chunk, num_blocks = low, width * self.kv_cache.num_blocks_to_hold(total, low)
-            else:
-                num_blocks = width * self.kv_cache.num_blocks_to_hold(total, 1)
-        if num_blocks > room:
-            block_size = self.kv_cache.block_size
-            pinned = f", {num_pinned} of them pinned" if num_pinned else ""
-            raise RequestRefused(
-                f"the request needs up to {total} tokens = {num_blocks} KV blocks of {block_size}, "
-                f"but the whole KV cache has {self.kv_cache.num_blocks} blocks{pinned} "
-                f"({self.kv_cache.num_blocks * block_size} tokens); "
-                "shorten it or give the cache more memory"
-            )
-        return num_blocks, max_chunk
-
-    def _check_pin_fits(self, request: Request) -> None:
-        """Raise RequestRefused if pinning the request's prompt would pass the pinned share, or
-        leave a live request more blocks than the rest of the pool."""
-        kv = self.kv_cache
-        num_new = kv.pins.num_to_pin(request)
-        num_pinned = kv.pins.num_blocks + sum(self._pending_pins.values()) + num_new
-        if num_pinned > kv.pins.max_blocks:
-            raise RequestRefused(
-                f"pinning this prefix would hold {num_pinned} KV blocks, over the pinned share of the pool "
-                f"({kv.pins.max_blocks} of {kv.num_blocks} blocks); pin less, or raise --pinned-prefix-share"
-            )
-        largest = max(self._blocks_needed.values(), default=0)
-        if largest > kv.num_blocks - num_pinned:
-            raise RequestRefused(
-                f"pinning this prefix would leave {kv.num_blocks - num_pinned} KV blocks, but a live request "
-                f"needs up to {largest}: pin it when that request has ended"
-            )
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -274,7 +185,7 @@ class Scheduler:
         refund = 0
         result = attempt()
         while result is None:
-            for victim in self._victims():
+            for victim in choose_victims(self.config, self.kv_cache, self.running, self._num_steps):
                 refund += self._preempt(victim, scheduled)
                 preempted.append(victim.request_id)
             if request.status is not RequestStatus.RUNNING:
@@ -323,9 +234,13 @@ class Scheduler:
         """Admit waiting requests in queue order while the budget, the seats and the pool allow;
         schedule their first chunk (or, with tier blocks ahead, their loads). Returns the budget left."""
         seats = _Seats.of(self.running)
-        ranked = self._rank_waiting(budget, seats.num_seqs)
+        ranked = (self.config.policy == "cache-aware" and budget > 0 and len(self.waiting) > 1
+                  and seats.num_seqs < self.config.max_num_seqs)  # (nobody admitted: the order can wait)
+        if ranked:
+            self.waiting.rank(cache_aware_key(self.config, self.kv_cache, self._num_steps))
         latest = None  # the latest arrival admitted this step
-        headroom = self._growth_blocks(self.config.admission_headroom_steps) if len(self.waiting) and budget > 0 else 0
+        headroom = (growth_blocks(self.kv_cache, self.running, self.config.admission_headroom_steps)
+                    if len(self.waiting) and budget > 0 else 0)
         while len(self.waiting) and budget > 0:
             request = self.waiting.peek()
             need = seats.need(request)
@@ -359,7 +274,7 @@ class Scheduler:
             scheduled[request.request_id] = self._schedule_one(request, num_new, allocation)
             budget -= num_new
         if ranked and latest is not None:
-            self._count_passed_over(latest)
+            count_passed_over(self.waiting, latest)
         return budget
 
     def _must_wait(self, request: Request, seats: _Seats, need: int) -> bool:
@@ -391,18 +306,6 @@ class Scheduler:
             return True
         return None if self.running else False
 
-    def _growth_blocks(self, num_steps: int) -> int:
-        """New blocks the running requests take over their next `num_steps` tokens each (none past
-        their max_tokens). O(running)."""
-        if num_steps == 0:
-            return 0
-        bs, total = self.kv_cache.block_size, 0
-        for r in self.running:
-            max_tokens = r.sampling_params.max_tokens
-            left = num_steps if max_tokens is None else min(num_steps, r.num_prompt_tokens + max_tokens - r.num_tokens)
-            total += -(-(r.num_tokens + left) // bs) - -(-r.num_tokens // bs)
-        return total
-
     def _admit(self, request: Request, num_hit: int) -> None:
         """Move the queue's front request to the running set with `num_hit` tokens from the cache."""
         self.waiting.pop()
@@ -413,38 +316,8 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         request.admit_seq = next(self._admit_counter)
         request.admit_step = self._num_steps
-        self.num_resumed += request.num_preemptions > 0
+        self.preemption.num_resumed += request.num_preemptions > 0
         self.running.append(request)
-
-    def _rank_waiting(self, budget: int, num_seqs: int) -> bool:
-        """Cache-aware: order the waiting queue for this step's admissions (not when nobody can be
-        admitted: the order can wait). Returns whether it did."""
-        ranked = (self.config.policy == "cache-aware" and budget > 0 and len(self.waiting) > 1
-                  and num_seqs < self.config.max_num_seqs)
-        if ranked:
-            self.waiting.rank(self._cache_aware_key())
-        return ranked
-
-    def _count_passed_over(self, latest: float) -> None:
-        """Every waiting request that arrived before `latest` (admitted this step) was passed over:
-        one step nearer the bound."""
-        for request in self.waiting:
-            request.num_passed_over += request.arrival_time < latest
-
-    def _cache_aware_key(self):
-        """The cache-aware order: priority first; then preempted requests and those passed over
-        by later arrivals in `max_wait_steps` steps (oldest first: the bound, after which nothing
-        that arrived later goes ahead of them); then the most tokens reused from the cache, plus
-        `aging_tokens_per_step` per step waited (so a cold request rises steadily)."""
-        step, bound, aging = self._num_steps, self.config.max_wait_steps, self.config.aging_tokens_per_step
-        reusable = reusable_tokens_counter(self.kv_cache)  # used by one sort: the cache does not change meanwhile
-
-        def key(request: Request) -> tuple:
-            if request.num_preemptions or request.num_passed_over >= bound:
-                return (request.priority, 0, 0, request.arrival_time)
-            waited = step - request.queued_step
-            return (request.priority, 1, -(reusable(request) + aging * waited), request.arrival_time)
-        return key
 
     def _group_fits(self, request: Request) -> bool:
         """A beam search is admitted only when all its waiting beams fit in the free blocks, so
@@ -465,7 +338,7 @@ class Scheduler:
         start = request.num_computed_tokens
         request.num_computed_tokens = start + num_new
         # tokens below what it had computed before a preemption are computed a second time
-        self.num_recomputed_tokens += max(0, min(start + num_new, request.num_computed_before) - start)
+        self.preemption.num_recomputed_tokens += max(0, min(start + num_new, request.num_computed_before) - start)
         samples: list[SampleRow] = []
         drafts = drafts or []
         token_ids = request.all_token_ids[start : start + num_new - len(drafts)]
@@ -488,42 +361,6 @@ class Scheduler:
         )
         return entry, allocation.copies
 
-    def _choose_victim(self) -> Request:
-        """`cheapest`: among the running requests of the lowest priority but the oldest, the one
-        whose loss costs least (kv_cache.costs.preemption_cost) among those that free a block,
-        sparing requests that resumed lately; ties go to the newest. `newest`: the most recently admitted (under
-        priorities: the latest arrival of the lowest priority)."""
-        if self.config.preemption_victim == "newest":
-            if self.config.policy == "fcfs":
-                return self.running[-1]
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time, r.admit_seq))
-        lowest = max(r.priority for r in self.running)
-        candidates = [r for r in self.running if r.priority == lowest]
-        if len(candidates) > 1 and candidates[0] is self.running[0]:
-            candidates = candidates[1:]  # the oldest always progresses: no two requests starve each other
-        candidates = [r for r in candidates if not self._is_resuming(r)] or candidates
-
-        def cost(request: Request) -> tuple:
-            num_tokens, num_freed = preemption_cost(self.kv_cache, request)
-            return (num_freed == 0, num_tokens, -request.admit_seq)
-        return min(candidates, key=cost)
-
-    def _is_resuming(self, request: Request) -> bool:
-        """A request re-admitted after a preemption, within `resume_protect_steps` of it or still
-        recomputing what it lost: preempting it again is how preemption thrashes."""
-        if not request.num_preemptions:
-            return False
-        recent = self._num_steps - request.admit_step < self.config.resume_protect_steps
-        return recent or request.num_computed_tokens < request.num_computed_before
-
-    def _victims(self) -> list[Request]:
-        """The victim, with every running beam of its search when it is a beam: a search advances
-        only when all its beams have their candidates, so its beams are preempted together."""
-        victim = self._choose_victim()
-        if victim.beam is None:
-            return [victim]
-        return [r for r in self.running if r.beam is victim.beam]
-
     def _preempt(
         self, victim: Request, scheduled: dict[str, tuple[ScheduledRequest, list[tuple[int, int]]]]
     ) -> int:
@@ -535,16 +372,16 @@ class Scheduler:
         self._run_loading.discard(victim.request_id)
         self.kv_cache.free(victim, preempted=True)
         if self.connector is not None:
-            self.num_swaps += self.connector.swap_preempted
+            self.preemption.num_swaps += self.connector.swap_preempted
         if victim.beam is not None:
             victim.beam.forget(victim.request_id)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_before = max(victim.num_computed_before, victim.num_computed_tokens - refund)
         victim.num_computed_tokens = 0
-        self.num_repreemptions += victim.num_preemptions > 0
+        self.preemption.num_repreemptions += victim.num_preemptions > 0
         victim.num_preemptions += 1
         victim.queued_step = self._num_steps
-        self.num_preemptions += 1
+        self.preemption.num_preemptions += 1
         self.waiting.add_preempted(victim)
         return refund
 
@@ -605,9 +442,9 @@ class Scheduler:
         logprobs = result.logprobs.get(rid) or [None] * len(tokens)
         reason, num_taken = None, 0
         for token, logprob in zip(tokens, logprobs):
-            self._push_token(request, token, logprob, now)
+            request.push_token(token, logprob, now)
             num_taken += 1
-            reason = self._stop_reason(request)
+            reason = request.stop_reason(self.config.max_model_len)
             if reason is not None:
                 break
         request.num_computed_tokens = entry.start_pos + num_taken
@@ -667,69 +504,21 @@ class Scheduler:
         return touched
 
     def _fork(self, leader: Request, child_id: str, index: int) -> Request:
-        """A new running sequence that shares all of `leader`'s blocks and tokens so far (an n > 1
-        completion forked after the prompt, or a beam forked mid-generation)."""
-        child = Request(
-            request_id=child_id,
-            prompt_token_ids=leader.prompt_token_ids,
-            output_token_ids=list(leader.output_token_ids),
-            beam=leader.beam,
-            lora_id=leader.lora_id,
-            lora_cache_key=leader.lora_cache_key,
-            first_token_time=leader.first_token_time,
-            sampling_params=leader.sampling_params,
-            arrival_time=leader.arrival_time,
-            eos_token_ids=leader.eos_token_ids,
-            priority=leader.priority,
-            cache_salt=leader.cache_salt,
-            parent_id=leader.user_request_id,
-            sample_index=index,
-            status=RequestStatus.RUNNING,
-            num_computed_tokens=leader.num_computed_tokens,
-            num_cached_tokens=leader.num_cached_tokens,
-            admit_seq=leader.admit_seq,
-            max_chunk_tokens=leader.max_chunk_tokens,
-        )
+        """A new running sequence that shares all of `leader`'s blocks and tokens so far."""
+        child = leader.fork(child_id, index)
         self.kv_cache.fork(leader, child)
         self.requests[child_id] = child
-        self._blocks_needed[child_id] = self._blocks_needed.get(leader.request_id, 0)
+        self.limits.fork(leader, child_id)
         self._sequences.setdefault(child.user_request_id, set()).add(child_id)
         self.running.append(child)
         leader.num_samples_pending = 1
         return child
 
     def _append_token(self, request: Request, token: int, logprob, now: float) -> None:
-        self._push_token(request, token, logprob, now)
-        reason = self._stop_reason(request)
+        request.push_token(token, logprob, now)
+        reason = request.stop_reason(self.config.max_model_len)
         if reason is not None:
             self._finish(request, reason)
-
-    @staticmethod
-    def _push_token(request: Request, token: int, logprob, now: float) -> None:
-        request.output_token_ids.append(token)
-        request.all_token_ids.append(token)
-        if logprob is not None:
-            request.output_logprobs.append(logprob)
-        if request.first_token_time is None:
-            request.first_token_time = now
-
-    def _stop_reason(self, request: Request) -> FinishReason | None:
-        """Why the request ends with its last token (EOS, a stop token, max_tokens,
-        max_model_len), or None."""
-        params = request.sampling_params
-        token, num_out = request.output_token_ids[-1], request.num_output_tokens
-        # Under min_tokens the sampler bans EOS, unless a grammar leaves no other token (it is
-        # complete): then the grammar wins and the request ends (it repeated EOS until min_tokens)
-        if not params.ignore_eos and token in request.eos_token_ids and (
-                num_out >= params.min_tokens or params.structured_outputs is not None):
-            return FinishReason.STOP
-        if num_out >= params.min_tokens and token in params.stop_token_ids:
-            return FinishReason.STOP
-        if params.max_tokens is not None and num_out >= params.max_tokens:
-            return FinishReason.LENGTH
-        if request.num_tokens >= self.config.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     # ---- ending requests ---------------------------------------------------------------------
 
@@ -765,8 +554,7 @@ class Scheduler:
             self.kv_cache.pins.pin(request)
         self.kv_cache.remove(request)
         del self.requests[request.request_id]
-        self._blocks_needed.pop(request.request_id, None)
-        self._pending_pins.pop(request.request_id, None)
+        self.limits.forget(request.request_id)
         siblings = self._sequences.get(request.user_request_id)
         if siblings is not None:
             siblings.discard(request.request_id)
@@ -792,26 +580,14 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         kv = self.kv_cache
-        tier = kv.tier
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_cache_usage=kv.usage(),
             num_free_blocks=kv.num_free_blocks,
-            prefix_cache_queries=kv.stats.num_queries_tokens,
-            prefix_cache_hits=kv.stats.num_hits_tokens,
-            num_preemptions=self.num_preemptions,
             num_scheduled_tokens=self._last_num_scheduled_tokens,
             num_scheduled_requests=self._last_num_scheduled_requests,
-            num_recomputed_tokens=self.num_recomputed_tokens,
-            num_repreemptions=self.num_repreemptions,
-            num_resumed=self.num_resumed,
-            tier_hits=kv.stats.num_tier_hits_tokens,
-            tier_blocks_stored=tier.stats.num_stored if tier else 0,
-            tier_blocks_loaded=tier.stats.num_loaded if tier else 0,
-            tier_blocks_corrupt=tier.stats.num_corrupt if tier else 0,
-            tier_usage=tier.usage() if tier else 0.0,
-            tier_num_blocks=tier.num_slots if tier else 0,
-            num_tier_loads=self.connector.num_load_rounds if self.connector else 0,
-            num_swaps=self.num_swaps,
+            prefix=dataclasses.replace(kv.stats),
+            preemption=dataclasses.replace(self.preemption),
+            tier=None if self.connector is None else self.connector.report(),
         )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -105,3 +106,23 @@ class ThreadGovernor:
                     threads)
         torch.set_num_threads(threads)
         self.threads = threads
+
+
+class StepThread:
+    """Warns (once per move) when an engine steps on another thread than the one that built it or
+    stepped last: libgomp keeps one OpenMP thread pool per thread that opens parallel regions,
+    and two pools on a small CPU made each step ~2x slower (docs/BENCHMARKS.md, session 4).
+    Build and step an engine on the same thread."""
+
+    def __init__(self) -> None:
+        self.ident = threading.get_ident()
+
+    def check(self) -> bool:
+        """Whether the step moved thread (warned, and this thread is the one from now on)."""
+        if self.ident == threading.get_ident():
+            return False
+        logging.getLogger("octavo").warning(
+            "LLMEngine.step runs on another thread than the one that built or last stepped the engine; "
+            "on few cores two OpenMP thread pools can halve its speed: build and step on one thread")
+        self.ident = threading.get_ident()
+        return True

@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("sizing the KV cache (arithmetic)", ["octavo.memory"]),
     ("request data (what crosses a step)", ["octavo.request", "octavo.request_queue", "octavo.outputs"]),
     ("the KV cache", ["octavo.kv_cache"]),
-    ("the scheduler", ["octavo.scheduler", "octavo.spec_decode"]),
+    ("the scheduler", ["octavo.scheduler", "octavo.limits", "octavo.policies", "octavo.spec_decode"]),
     ("readers of scheduling state", ["octavo.dashboard", "octavo.simulator", "octavo.metrics", "octavo.structured"]),
     ("kernels and the KV tier's storage", ["octavo.kernels", "octavo.kv_tier"]),
     ("models and what wraps them", [
@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("the runner and its ranks", ["octavo.model_runner", "octavo.spec_decode.draft_model", "octavo.distributed"]),
     ("the user's arguments", ["octavo.engine_args"]),
     ("the engine and the tools over it", [
-        "octavo.output_processor", "octavo.engine", "octavo.llm", "octavo.bench", "octavo.planner",
+        "octavo.output_processor", "octavo.engine_setup", "octavo.engine", "octavo.llm", "octavo.bench", "octavo.planner",
     ]),
     ("serving", ["octavo.server", "octavo.router"]),
     ("entry points", ["octavo.cli", "octavo.__main__"]),

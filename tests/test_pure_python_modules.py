@@ -13,7 +13,7 @@ class Block:
         return None
 
 sys.meta_path.insert(0, Block())
-import octavo.scheduler, octavo.kv_cache, octavo.kv_cache.manager, octavo.kv_cache.block_pool
+import octavo.scheduler, octavo.limits, octavo.policies, octavo.kv_cache, octavo.kv_cache.manager, octavo.kv_cache.block_pool
 import octavo.kv_cache.prefix_cache, octavo.kv_cache.tier, octavo.kv_cache.groups, octavo.kv_cache.connector
 import octavo.kv_cache.pins, octavo.kv_cache.view, octavo.kv_cache.costs, octavo.sampling.verify, octavo.spec_decode.controller, octavo.request, octavo.sampling.params, octavo.request_queue
 import octavo.outputs, octavo.config, octavo.planner, octavo.metrics, octavo.sampling.logprobs, octavo.cpu_features

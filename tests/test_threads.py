@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from octavo.threads import CALM_CHECKS, CHECK_EVERY_S, CpuUse, ThreadGovernor
+from octavo.threads import CALM_CHECKS, CHECK_EVERY_S, CpuUse, StepThread, ThreadGovernor
 
 
 def test_threads_follow_the_load_down_at_once_and_up_after_calm():
@@ -81,3 +81,22 @@ def test_the_thread_count_does_not_change_the_output(make_llm):
     finally:
         torch.set_num_threads(before)
     assert runs[0] == runs[1]
+
+
+def test_a_step_on_another_thread_warns_once_per_move(caplog):
+    import logging
+    import threading
+
+    watch = StepThread()
+    moved: list[bool] = []
+
+    def step_twice() -> None:
+        moved.extend([watch.check(), watch.check()])
+    with caplog.at_level(logging.WARNING, logger="octavo"):
+        assert watch.check() is False  # the thread that built it
+        worker = threading.Thread(target=step_twice)
+        worker.start()
+        worker.join()
+        assert moved == [True, False]  # warned on the move, not again on the same thread
+        assert watch.check() is True  # and back
+    assert caplog.text.count("another thread than the one that built") == 2

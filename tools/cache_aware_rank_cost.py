@@ -19,6 +19,7 @@ import time
 from octavo.config import SchedulerConfig
 from octavo.kv_cache.manager import KVCacheManager
 from octavo.outputs import ModelRunnerOutput
+from octavo.policies import cache_aware_key
 from octavo.request import Request
 from octavo.sampling.params import SamplingParams
 from octavo.scheduler import Scheduler
@@ -61,7 +62,7 @@ def main() -> None:
     times = []
     for _ in range(args.steps + 1):  # the first one hashes every prompt once: reported apart
         start = time.perf_counter()
-        s.waiting.rank(s._cache_aware_key())
+        s.waiting.rank(cache_aware_key(s.config, s.kv_cache, s._num_steps))
         times.append(time.perf_counter() - start)
     print(f"rank {args.waiting} waiting by cached tokens: median {1e3 * statistics.median(times[1:]):.2f} ms "
           f"(first, hashing the prompts: {1e3 * times[0]:.1f} ms)")

@@ -38,10 +38,17 @@ def counters(engine) -> dict:
     stats = engine.get_stats()
     s = stats.scheduler
     spec = getattr(stats, "spec", None)
+    if hasattr(s, "prefix"):  # the stats in sections by feature (from the commit after 7533a96)
+        tier = s.tier
+        flat = {"prefix_hits": s.prefix.num_hits_tokens, "preemptions": s.preemption.num_preemptions,
+                "recomputed": s.preemption.num_recomputed_tokens, "tier_hits": s.prefix.num_tier_hits_tokens,
+                "tier_stored": tier.num_stored if tier else 0, "tier_loaded": tier.num_loaded if tier else 0}
+    else:
+        flat = {"prefix_hits": s.prefix_cache_hits, "preemptions": s.num_preemptions,
+                "recomputed": s.num_recomputed_tokens, "tier_hits": s.tier_hits,
+                "tier_stored": s.tier_blocks_stored, "tier_loaded": s.tier_blocks_loaded}
     return {
-        "prefix_hits": s.prefix_cache_hits, "preemptions": s.num_preemptions, "recomputed": s.num_recomputed_tokens,
-        "tier_hits": s.tier_hits, "tier_stored": s.tier_blocks_stored, "tier_loaded": s.tier_blocks_loaded,
-        "prompt_tokens_computed": stats.num_prompt_tokens_total, "steps": stats.num_steps,
+        **flat, "prompt_tokens_computed": stats.num_prompt_tokens_total, "steps": stats.num_steps,
         "spec_draft_tokens": spec.num_draft_tokens if spec else getattr(s, "spec_num_draft_tokens", 0),
         "spec_accepted": spec.num_accepted_tokens if spec else getattr(s, "spec_num_accepted_tokens", 0),
     }

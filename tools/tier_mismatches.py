@@ -64,9 +64,9 @@ def main() -> None:
         bad = [j for j, (a, b) in enumerate(zip(off, on)) if a != b]
         total += len(prompts)
         mismatched += len(bad)
-        print(f"{mode}: {len(bad)} of {len(prompts)} requests differ; tier blocks stored {stats.tier_blocks_stored}, "
-              f"loaded {stats.tier_blocks_loaded}; tier hits {stats.tier_hits} of {stats.prefix_cache_hits} hit tokens; "
-              f"preemptions {stats.num_preemptions}, tier load rounds {stats.num_tier_loads}" + (f"; first differing: {bad[:5]}" if bad else ""), flush=True)
+        print(f"{mode}: {len(bad)} of {len(prompts)} requests differ; tier blocks stored {stats.tier.num_stored}, "
+              f"loaded {stats.tier.num_loaded}; tier hits {stats.prefix.num_tier_hits_tokens} of {stats.prefix.num_hits_tokens} hit tokens; "
+              f"preemptions {stats.preemption.num_preemptions}, tier load rounds {stats.tier.num_load_rounds}" + (f"; first differing: {bad[:5]}" if bad else ""), flush=True)
     print(f"in all: {mismatched} of {total} greedy requests differ with the tier on")
 
 

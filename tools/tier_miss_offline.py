@@ -45,7 +45,7 @@ def main() -> None:
             wall = time.perf_counter() - start
             stats = llm.engine.get_stats().scheduler
             writer = thread_cpu_seconds("octavo-kv-tier")
-    print(f"{mode}: wall {wall:.2f} s, tier blocks stored {stats.tier_blocks_stored}, writer thread CPU {writer:.2f} s")
+    print(f"{mode}: wall {wall:.2f} s, tier blocks stored {stats.tier.num_stored}, writer thread CPU {writer:.2f} s")
 
 
 if __name__ == "__main__":

@@ -118,20 +118,20 @@ def run_octavo(
     return ThroughputResult(
         "octavo", len(workload), elapsed, sum(len(w.prompt_token_ids) for w in workload), sum(got), _peak_rss(),
         extra={
-            "preemptions": s.num_preemptions,
-            "prefix_cache_hit_rate": s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
+            "preemptions": s.preemption.num_preemptions,
+            "prefix_cache_hit_rate": s.prefix.num_hits_tokens / s.prefix.num_queries_tokens if s.prefix.num_queries_tokens else 0.0,
             "prompt_tokens_computed": stats.num_prompt_tokens_total,
             "mean_batch_size": sum(batch_sizes) / len(batch_sizes),
             "mean_kv_utilisation": sum(kv_util) / len(kv_util) if kv_util else 0.0,
             "mean_ttft_s": sum(ttft) / len(ttft),
             "steps": stats.num_steps,
-            "recomputed_tokens": s.num_recomputed_tokens,
-            "repreemptions": s.num_repreemptions,
+            "recomputed_tokens": s.preemption.num_recomputed_tokens,
+            "repreemptions": s.preemption.num_repreemptions,
             "most_preemptions_of_one": max((o.metrics.num_preemptions for o in outputs.values()), default=0),
-            "resumed": s.num_resumed,
-            "prompt_tokens_reused": s.prefix_cache_hits,
-            "tier_blocks_stored": s.tier_blocks_stored,
-            "tier_blocks_loaded": s.tier_blocks_loaded,
+            "resumed": s.preemption.num_resumed,
+            "prompt_tokens_reused": s.prefix.num_hits_tokens,
+            "tier_blocks_stored": s.tier.num_stored if s.tier else 0,
+            "tier_blocks_loaded": s.tier.num_loaded if s.tier else 0,
         },
     )
 

@@ -132,8 +132,8 @@ def _tier_view(states: str | None, stats: Any, max_cells: int) -> dict[str, Any]
         return None
     cells, per_cell = aggregate(states, max_cells, _TIER_PRECEDENCE)
     return {
-        "num_slots": stats.tier_num_blocks, "usage": stats.tier_usage, "blocks_stored": stats.tier_blocks_stored,
-        "blocks_loaded": stats.tier_blocks_loaded, "hits": stats.tier_hits, "loads": stats.num_tier_loads,
+        "num_slots": stats.tier.num_blocks, "usage": stats.tier.usage, "blocks_stored": stats.tier.num_stored,
+        "blocks_loaded": stats.tier.num_loaded, "hits": stats.prefix.num_tier_hits_tokens, "loads": stats.tier.num_load_rounds,
         "cells": cells, "slots_per_cell": per_cell,
         "counts": {"empty": states.count("."), "writing": states.count("w"), "ready": states.count("r"),
                    "reading": states.count("l")},
@@ -164,10 +164,10 @@ def build_snapshot(scheduler: Any, steps: StepLog, max_cells: int = MAX_CELLS,
                    s.num_preempted] for s in steps.records],
         "stats": {
             "kv_cache_usage": stats.kv_cache_usage,
-            "prefix_cache_queries": stats.prefix_cache_queries,
-            "prefix_cache_hits": stats.prefix_cache_hits,
-            "num_preemptions": stats.num_preemptions,
-            "num_recomputed_tokens": stats.num_recomputed_tokens,
+            "prefix_cache_queries": stats.prefix.num_queries_tokens,
+            "prefix_cache_hits": stats.prefix.num_hits_tokens,
+            "num_preemptions": stats.preemption.num_preemptions,
+            "num_recomputed_tokens": stats.preemption.num_recomputed_tokens,
             "spec_num_draft_tokens": spec.num_draft_tokens if spec else 0,
             "spec_num_accepted_tokens": spec.num_accepted_tokens if spec else 0,
         },

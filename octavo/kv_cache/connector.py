@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from octavo.kv_cache.block_pool import BlockPool, KVCacheBlock
 from octavo.kv_cache.groups import BlockKey
 from octavo.kv_cache.tier import TierIndex
-from octavo.outputs import TierTransfer
+from octavo.outputs import TierReport, TierTransfer
 
 
 @dataclass(slots=True)
@@ -59,6 +59,7 @@ class TierConnector:
         self.swap_preempted = True
         self._requests: dict[str, LoadsOfRequest] = {}  # this step's loads, by request
         self._loads: list[TierTransfer] = []  # this step's, until `take_work`
+        self._loading: set[BlockKey] = set()  # the keys of this step's loads
         self.num_load_rounds = 0  # requests that loaded in a step, summed over steps
 
     # ---- reads -------------------------------------------------------------------------------
@@ -73,7 +74,7 @@ class TierConnector:
         return self.can_supply(key) and not self.is_loading(key)
 
     def is_loading(self, key: BlockKey) -> bool:
-        return any(k == key for loads in self._requests.values() for _, _, k in loads.loads)
+        return key in self._loading
 
     def held_blocks(self) -> list[KVCacheBlock]:
         """Blocks this connector holds a reference on (this step's load targets)."""
@@ -91,6 +92,7 @@ class TierConnector:
         self.pool.touch([block for _, block, _ in loads])
         for _, block, key in loads:
             self._loads.append(TierTransfer(block.block_id, self.index.pin(key), key, rid))
+            self._loading.add(key)
         self.num_load_rounds += 1
 
     def finish_loads(self, loaded: dict[int, bool]) -> dict[str, LoadOutcome]:
@@ -112,6 +114,7 @@ class TierConnector:
             self.pool.free([block for _, block, _ in req.loads][::-1])
             out[rid] = LoadOutcome(req.start, req.num_planned, first_bad, num_loaded)
         self._requests.clear()
+        self._loading.clear()
         return out
 
     # ---- stores ------------------------------------------------------------------------------
@@ -149,6 +152,11 @@ class TierConnector:
         is not offered to the tier when evicted (the request recomputes it)."""
         if not self.swap_preempted:
             self.pool.skip_offload.update(b.block_id for b in blocks if b.ref_cnt == 0)
+
+    def report(self) -> TierReport:
+        index = self.index
+        return TierReport(index.num_slots, index.usage(), index.stats.num_stored, index.stats.num_loaded,
+                          index.stats.num_corrupt, self.num_load_rounds)
 
     def check_invariants(self) -> list[str]:
         return self.index.check_invariants()

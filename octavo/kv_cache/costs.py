@@ -1,5 +1,6 @@
 """What the scheduler's policies ask of the KV cache: the tokens a waiting request would reuse
-(cache-aware admission) and what preempting a running one would cost (the victim rule).
+(cache-aware admission), what preempting a running one would cost (the victim rule), and the
+blocks the running requests grow into soon (admission headroom).
 
 Reads only; pure Python.
 """
@@ -70,3 +71,16 @@ def preemption_cost(kv: KVCacheManager, request: Request) -> tuple[int, int]:
             elif not kv.connector.can_supply(block.block_hash):
                 cost += 1  # one block to write (and read back): far cheaper than recomputing it
     return cost, num_freed
+
+
+def growth_blocks(kv: KVCacheManager, running: list[Request], num_steps: int) -> int:
+    """New blocks the running requests take over their next `num_steps` tokens each (none past
+    their max_tokens). O(running)."""
+    if num_steps == 0:
+        return 0
+    bs, total = kv.block_size, 0
+    for r in running:
+        max_tokens = r.sampling_params.max_tokens
+        left = num_steps if max_tokens is None else min(num_steps, r.num_prompt_tokens + max_tokens - r.num_tokens)
+        total += -(-(r.num_tokens + left) // bs) - -(-r.num_tokens // bs)
+    return total

@@ -26,9 +26,10 @@ from octavo.kv_cache.pins import PinnedPrefixes
 from octavo.kv_cache.prefix_cache import InFlightHashes, extend_block_hashes
 from octavo.kv_cache.tier import TierIndex
 from octavo.kv_cache.view import KVCacheView
+from octavo.outputs import PrefixCacheStats
 from octavo.request import Request
 
-__all__ = ["NULL_BLOCK_ID", "Allocation", "ComputedBlocks", "KVCacheManager", "PrefixCacheStats"]
+__all__ = ["NULL_BLOCK_ID", "Allocation", "ComputedBlocks", "KVCacheManager"]
 
 RECENT_WINDOW_FREED = 256  # window-freed block ids kept for the dashboard
 
@@ -61,13 +62,6 @@ class Allocation:
 
     block_tables: list[list[int]]
     copies: list[tuple[int, int]]
-
-
-@dataclass(slots=True)
-class PrefixCacheStats:
-    num_queries_tokens: int = 0
-    num_hits_tokens: int = 0  # from either tier
-    num_tier_hits_tokens: int = 0  # of those, tokens whose blocks were loaded from the second tier
 
 
 class KVCacheManager:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import OrderedDict
 from pathlib import Path
 
@@ -11,6 +12,8 @@ from octavo.config import ModelConfig
 from octavo.lora.adapter import LoRAAdapter, load_peft_adapter
 from octavo.lora.layers import LoRALinear
 from octavo.lora.request import LoRARequest
+
+logger = logging.getLogger("octavo")
 
 
 def adapter_digest(path: str) -> str:
@@ -50,6 +53,8 @@ class LoRASlots:
         adapter.cache_key = adapter_digest(request.lora_path)
         self.adapters[adapter.lora_id] = adapter
         self.paths[adapter.lora_id] = request.lora_path
+        logger.info("LoRA adapter %r (id %d, rank %d, %.1f MiB) loaded from %s", adapter.name, adapter.lora_id,
+                    adapter.rank, adapter.num_bytes / 2**20, request.lora_path)
         return adapter
 
     def holds(self, request: LoRARequest) -> bool:

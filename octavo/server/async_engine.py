@@ -436,11 +436,11 @@ class AsyncEngine:
         s = stats.scheduler
         prompt_tps = (stats.num_prompt_tokens_total - (last.num_prompt_tokens_total if last else 0)) / elapsed
         gen_tps = (stats.num_generation_tokens_total - (last.num_generation_tokens_total if last else 0)) / elapsed
-        hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+        hit_rate = s.prefix.num_hits_tokens / s.prefix.num_queries_tokens if s.prefix.num_queries_tokens else 0.0
         logger.info(
             "prompt throughput %.1f tok/s, generation throughput %.1f tok/s, running %d, waiting %d, "
             "KV usage %.1f%%, prefix cache hit rate %.1f%%, preemptions %d",
-            prompt_tps, gen_tps, s.num_running, s.num_waiting, 100 * s.kv_cache_usage, 100 * hit_rate, s.num_preemptions,
+            prompt_tps, gen_tps, s.num_running, s.num_waiting, 100 * s.kv_cache_usage, 100 * hit_rate, s.preemption.num_preemptions,
         )
         self._last_log, self._last_log_stats = now, stats
 

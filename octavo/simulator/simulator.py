@@ -161,13 +161,16 @@ def _attended(out: SchedulerOutput) -> int:
 
 
 def used_slots(s: Scheduler) -> int:
-    """Slots holding a token, each shared block counted once."""
-    kv, fill = s.kv_cache, {}
-    bs = kv.block_size
+    """Slots holding a token, each shared block counted once (read through the KV cache's view,
+    every group)."""
+    view, fill = s.kv_cache.view(), {}
+    bs = view.block_size
     for req in s.running:
-        for idx, block_id in enumerate(kv.block_tables(req.request_id)[0]):
-            filled = min(bs, max(0, req.num_computed_tokens - idx * bs))
-            fill[block_id] = max(fill.get(block_id, 0), filled)
+        for table in view.table_entries(req.request_id):
+            for idx, block_id in enumerate(table):
+                if block_id is not None:
+                    filled = min(bs, max(0, req.num_computed_tokens - idx * bs))
+                    fill[block_id] = max(fill.get(block_id, 0), filled)
     return sum(fill.values())
 
 
@@ -232,7 +235,8 @@ class _Record:
                                     for e in out.scheduled)
         for e in out.scheduled:
             self.first_step.setdefault(e.request_id, self.steps)
-        allocated = (sched.kv_cache.num_blocks - sched.kv_cache.num_free_blocks) * sched.kv_cache.block_size
+        view = sched.kv_cache.view()
+        allocated = (view.num_blocks - view.num_free_blocks) * view.block_size
         used = used_slots(sched)
         if allocated:
             self.kv_util_sum += used / allocated
@@ -293,15 +297,15 @@ def _result(policy: Policy, cfg: SimConfig, sched: Scheduler, requests: dict[str
         throughput_tok_s=output_tokens / clock if clock else math.nan,
         slot_utilisation=rec.useful_slot_steps / (cfg.max_num_seqs * steps) if steps else math.nan,
         kv_utilisation=rec.kv_util_sum / rec.kv_steps if rec.kv_steps else math.nan,
-        preemptions=sched.num_preemptions,
+        preemptions=sched.preemption.num_preemptions,
         peak_running=rec.peak_running,
         ttft_s=percentiles(list(ttft.values())),
         itl_s=percentiles(itl),
         timeline=rec.timeline,
-        prompt_tokens_reused=sched.kv_cache.stats.num_hits_tokens,
-        recomputed_tokens=sched.num_recomputed_tokens,
-        repreemptions=sched.num_repreemptions,
-        resumed=sched.num_resumed,
+        prompt_tokens_reused=sched.stats().prefix.num_hits_tokens,
+        recomputed_tokens=sched.preemption.num_recomputed_tokens,
+        repreemptions=sched.preemption.num_repreemptions,
+        resumed=sched.preemption.num_resumed,
         max_preemptions=max((r.num_preemptions for r in requests.values()), default=0),
         max_wait_steps=max((rec.first_step[rid] - rec.added_step[rid] - 1 for rid in rec.first_step), default=0),
         max_passed_over=max((r.num_passed_over for r in requests.values()), default=0),

@@ -63,7 +63,7 @@ def test_preemption_and_pins_show():
     for _ in range(6):
         step(s)
     snap = build_snapshot(s, StepLog())
-    assert s.num_preemptions > 0
+    assert s.preemption.num_preemptions > 0
     assert snap["num_waiting"] + snap["num_running"] == 2
     assert [r["preemptions"] for r in snap["running"] + snap["waiting"] if r["preemptions"]]
     counts = snap["pool"]["counts"]

@@ -59,7 +59,7 @@ def test_tp2_equals_tp1_on_a_tiny_llama_with_chunks_and_preemption(tiny_dir):
     kwargs = dict(block_size=8, max_num_batched_tokens=16, num_kv_blocks=9)
     expected, _ = run(str(tiny_dir), 1, prompts, **kwargs)
     got, stats = run(str(tiny_dir), 2, prompts, **kwargs)
-    assert stats.scheduler.num_preemptions > 0
+    assert stats.scheduler.preemption.num_preemptions > 0
     assert_same_or_near_tie(got, expected)
 
 

@@ -210,13 +210,16 @@ def test_pinned_prefix_files_text_and_chat_messages(make_llm, tmp_path, caplog):
     import json
     import logging
 
+    from octavo.engine_setup import pin_prefix_files
+
     system = "You are the museum's guide. Answer in one short sentence, naming the room. " * 6
     (tmp_path / "doc.txt").write_text(PROMPT * 8)
     (tmp_path / "chat.json").write_text(json.dumps({"messages": [{"role": "system", "content": system}]}))
     llm = make_llm(num_kv_blocks=64)
     with caplog.at_level(logging.INFO, logger="octavo"):
-        llm.engine.pin_prefix_files((str(tmp_path / "doc.txt"), str(tmp_path / "chat.json")))
-    kv = llm.engine.scheduler.kv_cache
+        kv = llm.engine.scheduler.kv_cache
+        pin_prefix_files(llm.engine.pin_prefix, kv, llm.engine.config.cache.pinned_prefix_share,
+                         (str(tmp_path / "doc.txt"), str(tmp_path / "chat.json")))
     assert "pinned prefixes: doc.txt (" in caplog.text and "chat.json (" in caplog.text
     assert f"{kv.pins.num_blocks} of the pool's 64 blocks (at most 16" in caplog.text and kv.pins.num_blocks > 4
     out = llm.chat([{"role": "system", "content": system}, {"role": "user", "content": "Where is the clock?"}],

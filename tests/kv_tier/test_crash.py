@@ -60,5 +60,5 @@ def test_a_tier_killed_mid_write_serves_no_wrong_token_after_a_restart(tmp_path,
         stats = restarted.engine.get_stats().scheduler
     want = [o.outputs[0].token_ids for o in make_llm(num_kv_blocks=64).generate(asked, GREEDY, use_tqdm=False)]
     assert got == want
-    assert stats.tier_blocks_loaded > 0, stats  # whole blocks from before the kill were served...
-    assert stats.tier_blocks_corrupt > 0, stats  # ...and damaged ones refused
+    assert stats.tier.num_loaded > 0, stats  # whole blocks from before the kill were served...
+    assert stats.tier.num_corrupt > 0, stats  # ...and damaged ones refused

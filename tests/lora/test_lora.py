@@ -69,7 +69,7 @@ def test_mixed_batch_equals_transformers_with_peft(lora_model, smol_dir, smol_to
         assert tokens == adapters[name][1][j], (name, PROMPTS[j])
     stats = llm.engine.get_stats().scheduler
     if setting == "chunked-swapped-preempted":
-        assert stats.num_preemptions > 0
+        assert stats.preemption.num_preemptions > 0
         assert llm.engine.runner.lora.num_loads > 3  # 3 adapters through 2 slots: swapped back in
     if setting == "speculative":
         assert llm.engine.get_stats().spec.num_accepted_tokens > 0
@@ -82,9 +82,9 @@ def test_the_adapter_is_part_of_every_block_hash(lora_model, smol_dir, smol_toke
     params = SamplingParams(temperature=0, max_tokens=2)
 
     def hits(lora):
-        before = llm.engine.get_stats().scheduler.prefix_cache_hits
+        before = llm.engine.get_stats().scheduler.prefix.num_hits_tokens
         llm.generate([prompt], params, lora_request=lora, use_tqdm=False)
-        return llm.engine.get_stats().scheduler.prefix_cache_hits - before
+        return llm.engine.get_stats().scheduler.prefix.num_hits_tokens - before
 
     alpha, beta = adapters["alpha"][0], adapters["beta"][0]
     assert hits(alpha) == 0
@@ -125,9 +125,9 @@ def test_an_id_given_again_after_an_unload_never_meets_the_old_adapters_kv(lora_
     alpha, beta = adapters["alpha"][0], adapters["beta"][0]
 
     def run(lora):
-        before = llm.engine.get_stats().scheduler.prefix_cache_hits
+        before = llm.engine.get_stats().scheduler.prefix.num_hits_tokens
         out = llm.generate([PROMPTS[j]], params, lora_request=lora, use_tqdm=False)[0].outputs[0].token_ids
-        return out, llm.engine.get_stats().scheduler.prefix_cache_hits - before
+        return out, llm.engine.get_stats().scheduler.prefix.num_hits_tokens - before
 
     first_alpha = LoRARequest("alpha", 7, alpha.lora_path)
     assert run(first_alpha)[0] == adapters["alpha"][1][j]

@@ -91,7 +91,7 @@ def test_beams_batched_with_other_requests_chunked_and_preempted(make_llm, promp
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-        preemptions = max(preemptions, engine.get_stats().scheduler.num_preemptions)
+        preemptions = max(preemptions, engine.get_stats().scheduler.preemption.num_preemptions)
     assert preemptions > 0
     for i, (seqs, _) in enumerate(expected[params]):
         assert [c.token_ids for c in done[f"beam{i}"].outputs] == seqs

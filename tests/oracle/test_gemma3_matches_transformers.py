@@ -131,7 +131,7 @@ def test_tiny_pool_with_preemption(make_gemma, prompts, refs):
     # alone, never all five
     llm = make_gemma(num_kv_blocks=480, enable_prefix_caching=False, max_num_batched_tokens=512)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert llm.engine.get_stats().scheduler.num_preemptions > 0
+    assert llm.engine.get_stats().scheduler.preemption.num_preemptions > 0
     check_all(outs, refs, "preemption")
 
 
@@ -169,7 +169,7 @@ def test_prefix_hits_past_the_window_come_back_from_the_second_tier(make_gemma, 
     sharer = base[:1200] + prompts[4][1500:1700]
     (out,) = llm.generate([sharer], GREEDY, use_tqdm=False)
     stats = llm.engine.get_stats().scheduler
-    assert out.num_cached_tokens >= 1184 and stats.tier_hits > 0 and stats.tier_blocks_corrupt == 0, stats
+    assert out.num_cached_tokens >= 1184 and stats.prefix.num_tier_hits_tokens > 0 and stats.tier.num_corrupt == 0, stats
     check_all([out], reference([sharer]), "prefix hit past the window, from the tier")
     llm.close()
 

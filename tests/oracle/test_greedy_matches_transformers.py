@@ -96,7 +96,7 @@ def test_preemption_by_recompute(make_llm, prompts, refs):
     # vLLM's rules (the newest is the victim; admission takes any free block)
     llm = make_llm(num_kv_blocks=48, enable_prefix_caching=False, preemption_victim="newest", admission_headroom_steps=0)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert llm.engine.get_stats().scheduler.num_preemptions > 0
+    assert llm.engine.get_stats().scheduler.preemption.num_preemptions > 0
     check_all(outs, refs, "preemption")
 
 
@@ -104,7 +104,7 @@ def test_preemption_with_prefix_caching_resumes_from_own_prefix(make_llm, prompt
     llm = make_llm(num_kv_blocks=48, max_num_batched_tokens=128)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     stats = llm.engine.get_stats().scheduler
-    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert stats.preemption.num_preemptions > 0 and stats.prefix.num_hits_tokens > 0
     check_all(outs, refs, "preemption+cache")
 
 
@@ -115,7 +115,7 @@ def test_priority_policy_preempting_scheduled_requests_with_caching(make_llm, pr
     llm = make_llm(num_kv_blocks=48, max_num_batched_tokens=96, scheduling_policy="priority")
     outs = llm.generate(prompts, GREEDY, use_tqdm=False, priority=[len(prompts) - i for i in range(len(prompts))])
     stats = llm.engine.get_stats().scheduler
-    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert stats.preemption.num_preemptions > 0 and stats.prefix.num_hits_tokens > 0
     assert llm.engine.scheduler.kv_cache.view().check_invariants() == []
     check_all(outs, refs, "priority preemption+cache")
 
@@ -129,7 +129,7 @@ def test_cache_aware_policy_on_a_tiny_pool(make_llm, prompts, refs, shared_promp
                    preemption_victim=victim, admission_headroom_steps=0)
     outs = llm.generate(shared_prompts + prompts, GREEDY, use_tqdm=False)
     stats = llm.engine.get_stats().scheduler
-    assert stats.num_preemptions > 0 and stats.prefix_cache_hits >= 7 * 304, stats
+    assert stats.preemption.num_preemptions > 0 and stats.prefix.num_hits_tokens >= 7 * 304, stats
     assert llm.engine.scheduler.kv_cache.view().check_invariants() == []
     check_all(outs[: len(shared_prompts)], shared_refs, f"cache-aware, {victim} victim, shared prefixes")
     check_all(outs[len(shared_prompts) :], refs, f"cache-aware, {victim} victim")
@@ -154,7 +154,7 @@ def test_a_pinned_prefix_survives_a_flood_and_keeps_tokens(make_llm, shared_prom
 def test_shared_prefixes(make_llm, shared_prompts, shared_refs, caching):
     llm = make_llm(enable_prefix_caching=caching, max_num_batched_tokens=512)
     outs = llm.generate(shared_prompts, GREEDY, use_tqdm=False)
-    hits = llm.engine.get_stats().scheduler.prefix_cache_hits
+    hits = llm.engine.get_stats().scheduler.prefix.num_hits_tokens
     if caching:
         assert hits >= 7 * 304  # every prompt after the first reuses at least the 300-token prefix's 19 blocks
         assert any(o.num_cached_tokens > 0 for o in outs)
@@ -196,12 +196,12 @@ def test_second_kv_tier_serves_evicted_prefixes_and_swapped_requests(make_llm, s
         outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in shared_prompts]
         check_all(outs, shared_refs, f"tier, shared prefix pass {rnd}")
     stats = llm.engine.get_stats().scheduler
-    assert stats.tier_blocks_loaded >= 8 and stats.tier_hits >= 8 * 16, stats  # the second pass' group prefixes
+    assert stats.tier.num_loaded >= 8 and stats.prefix.num_tier_hits_tokens >= 8 * 16, stats  # the second pass' group prefixes
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     check_all(outs, refs, "tier, preemption")
     after = llm.engine.get_stats().scheduler
-    assert after.num_preemptions > 0 and after.tier_blocks_loaded > stats.tier_blocks_loaded, after
-    assert after.tier_blocks_corrupt == 0 and llm.engine.scheduler.kv_cache.view().check_invariants() == []
+    assert after.preemption.num_preemptions > 0 and after.tier.num_loaded > stats.tier.num_loaded, after
+    assert after.tier.num_corrupt == 0 and llm.engine.scheduler.kv_cache.view().check_invariants() == []
     llm.close()
 
 
@@ -215,12 +215,12 @@ def test_second_kv_tier_is_found_again_after_a_restart_and_refused_under_another
     second = make_llm(num_kv_blocks=64, kv_offload_size=64 << 20, kv_offload_path=str(tmp_path))
     out = second.generate([shared_prompts[1]], GREEDY, use_tqdm=False)[0]
     check_all([out], shared_refs[1:2], "after restart")
-    assert out.num_cached_tokens >= 304 and second.engine.get_stats().scheduler.tier_hits >= 304
+    assert out.num_cached_tokens >= 304 and second.engine.get_stats().scheduler.prefix.num_tier_hits_tokens >= 304
     second.close()
     other = make_llm(num_kv_blocks=128, block_size=8, kv_offload_size=64 << 20, kv_offload_path=str(tmp_path))
     assert "written by another model or setting (differs in: block_size, slot_bytes)" in caplog.text
     out = other.generate([shared_prompts[1]], GREEDY, use_tqdm=False)[0]
-    assert out.num_cached_tokens == 0 and other.engine.get_stats().scheduler.tier_hits == 0
+    assert out.num_cached_tokens == 0 and other.engine.get_stats().scheduler.prefix.num_tier_hits_tokens == 0
     check_all([out], shared_refs[1:2], "another block size")
     other.close()
 
@@ -254,7 +254,7 @@ def test_speculative_decoding_with_chunks_preemption_and_prefix_caching(make_llm
                    admission_headroom_steps=0)
     outs = llm.generate(shared_prompts + prompts, GREEDY, use_tqdm=False)
     stats = llm.engine.get_stats().scheduler
-    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0 and spec_stats(llm)[2] > 0, stats
+    assert stats.preemption.num_preemptions > 0 and stats.prefix.num_hits_tokens > 0 and spec_stats(llm)[2] > 0, stats
     assert llm.engine.scheduler.kv_cache.view().check_invariants() == []
     check_all(outs[: len(shared_prompts)], shared_refs, "speculative, shared prefixes, tiny pool")
     check_all(outs[len(shared_prompts) :], refs, "speculative, preemption")
@@ -280,7 +280,7 @@ def test_speculative_decoding_with_the_second_kv_tier(make_llm, prompts, refs, t
                    speculative_method="ngram", speculative_max_batch=16, admission_headroom_steps=0)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     stats = llm.engine.get_stats().scheduler
-    assert stats.num_preemptions > 0 and stats.tier_blocks_stored > 0 and spec_stats(llm)[2] > 0, stats
-    assert stats.tier_blocks_corrupt == 0 and llm.engine.scheduler.kv_cache.view().check_invariants() == []
+    assert stats.preemption.num_preemptions > 0 and stats.tier.num_stored > 0 and spec_stats(llm)[2] > 0, stats
+    assert stats.tier.num_corrupt == 0 and llm.engine.scheduler.kv_cache.view().check_invariants() == []
     check_all(outs, refs, "speculative, second tier")
     llm.close()

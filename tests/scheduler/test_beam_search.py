@@ -11,7 +11,8 @@ from octavo.config import SchedulerConfig
 from octavo.kv_cache.manager import KVCacheManager
 from octavo.request import FinishReason
 from octavo.sampling.params import BeamSearchParams
-from octavo.scheduler import RequestRefused, Scheduler
+from octavo.limits import RequestRefused
+from octavo.scheduler import Scheduler
 from tests.helpers import make_request
 from tests.scheduler.test_invariants import BS, ShadowKV, check_invariants, fake_model
 

@@ -9,8 +9,10 @@ from octavo.kv_cache.costs import num_reusable_tokens, preemption_cost, reusable
 from octavo.kv_cache.manager import KVCacheManager
 from octavo.kv_cache.tier import TierIndex
 from octavo.outputs import ModelRunnerOutput, SchedulerOutput
+from octavo.policies import choose_victim
 from octavo.request import FinishReason, RequestStatus
-from octavo.scheduler import RequestRefused, Scheduler
+from octavo.limits import RequestRefused
+from octavo.scheduler import Scheduler
 from tests.helpers import make_request
 
 BS = 4
@@ -144,7 +146,7 @@ def test_cheapest_victim_loses_fewer_tokens_than_the_newest():
     assert out_cheap.preempted_request_ids == ["a"]  # its shared blocks stay held by c
     run_until_done(s_new)
     run_until_done(s_cheap)
-    assert s_cheap.num_recomputed_tokens < s_new.num_recomputed_tokens
+    assert s_cheap.preemption.num_recomputed_tokens < s_new.preemption.num_recomputed_tokens
 
 
 def test_preemption_cost_counts_only_blocks_the_request_alone_holds():
@@ -179,19 +181,23 @@ def test_with_a_tier_a_block_already_stored_costs_nothing():
     assert cost == 3  # the partial block's 3 tokens; the 3 full blocks are in the tier already
 
 
+def victim(s: Scheduler):
+    return choose_victim(s.config, s.kv_cache, s.running, s._num_steps)
+
+
 def test_a_request_that_just_resumed_is_not_the_victim():
     s = make_scheduler(num_blocks=64, preemption_victim="cheapest", admission_headroom_steps=0)
     for rid, n in (("old", 10), ("resumed", 3), ("other", 9)):
         s.add_request(make_request(rid, n, max_tokens=60))
     step(s)
     resumed = s.requests["resumed"]
-    assert s._choose_victim() is resumed  # the cheapest: fewest tokens of its own
+    assert victim(s) is resumed  # the cheapest: fewest tokens of its own
     resumed.num_preemptions, resumed.admit_step = 1, s._num_steps
-    assert s._choose_victim() is s.requests["other"]
+    assert victim(s) is s.requests["other"]
     for _ in range(s.config.resume_protect_steps):
         step(s)
-    assert s._choose_victim() is resumed  # protection over
-    assert s.requests["old"] is not s._choose_victim()
+    assert victim(s) is resumed  # protection over
+    assert s.requests["old"] is not victim(s)
 
 
 def test_re_preemptions_and_resumes_are_counted():
@@ -200,8 +206,8 @@ def test_re_preemptions_and_resumes_are_counted():
         s.add_request(make_request(rid, 7, max_tokens=9))
     run_until_done(s)
     stats = s.stats()
-    assert stats.num_preemptions >= 1 and stats.num_resumed >= 1
-    assert stats.num_repreemptions == stats.num_preemptions - 1  # only b is ever preempted
+    assert stats.preemption.num_preemptions >= 1 and stats.preemption.num_resumed >= 1
+    assert stats.preemption.num_repreemptions == stats.preemption.num_preemptions - 1  # only b is ever preempted
 
 
 @settings(max_examples=60, deadline=None)

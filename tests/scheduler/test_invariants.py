@@ -27,7 +27,8 @@ from octavo.kv_cache.manager import KVCacheManager
 from octavo.kv_cache.tier import TierIndex
 from octavo.outputs import ModelRunnerOutput
 from octavo.request import FinishReason, RequestStatus, TokenLogprob
-from octavo.scheduler import RequestRefused, Scheduler
+from octavo.limits import RequestRefused
+from octavo.scheduler import Scheduler
 from octavo.spec_decode import SpecDecodeController, make_proposer
 from tests.helpers import make_request
 
@@ -287,6 +288,6 @@ def test_a_pool_too_small_for_the_shared_prefixes_serves_them_from_the_tier_and_
         check_invariants(s)
     assert not s.has_unfinished_requests()
     stats = s.stats()
-    assert stats.tier_blocks_loaded >= 20 and stats.tier_blocks_corrupt >= 5, stats
-    assert stats.tier_hits > 0 and stats.prefix_cache_hits >= stats.tier_hits
+    assert stats.tier.num_loaded >= 20 and stats.tier.num_corrupt >= 5, stats
+    assert stats.prefix.num_tier_hits_tokens > 0 and stats.prefix.num_hits_tokens >= stats.prefix.num_tier_hits_tokens
     assert s.kv_cache.num_free_blocks == 16 * len(windows) and not s.kv_cache.view().held_by_others()

@@ -6,7 +6,8 @@ from octavo.config import SchedulerConfig
 from octavo.kv_cache.manager import KVCacheManager
 from octavo.outputs import ModelRunnerOutput, SchedulerOutput
 from octavo.request import FinishReason, RequestStatus
-from octavo.scheduler import RequestRefused, Scheduler
+from octavo.limits import RequestRefused
+from octavo.scheduler import Scheduler
 from tests.helpers import make_request
 
 BS = 4
@@ -97,7 +98,7 @@ def test_preempts_most_recent_and_oldest_progresses():
     out = step(s)  # position 8 needs a third block each -> b, the newest, is preempted for a
     assert out.preempted_request_ids == ["b"]
     assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0
-    assert s.waiting.peek() is b and s.num_preemptions == 1
+    assert s.waiting.peek() is b and s.preemption.num_preemptions == 1
     while a.status is not RequestStatus.FINISHED:
         step(s)
     assert a.num_output_tokens == 9
@@ -123,7 +124,7 @@ def test_preempted_request_resumes_from_its_cached_prefix():
     (entry,) = out.scheduled
     assert entry.request_id == "b" and entry.start_pos == 4  # block 0 hit from its own prefix
     # b had computed 8 tokens (its prompt and one output); 4 came back as a hit, 4 are computed again
-    assert s.stats().num_recomputed_tokens == 4
+    assert s.stats().preemption.num_recomputed_tokens == 4
 
 
 def test_tokens_recomputed_after_a_preemption_are_counted_once_each_time():
@@ -134,10 +135,10 @@ def test_tokens_recomputed_after_a_preemption_are_counted_once_each_time():
     s.add_request(b)
     for _ in range(3):
         step(s)  # b preempted after computing 8 tokens; nothing cached
-    assert b.status is RequestStatus.PREEMPTED and s.stats().num_recomputed_tokens == 0
+    assert b.status is RequestStatus.PREEMPTED and s.stats().preemption.num_recomputed_tokens == 0
     while b.status is not RequestStatus.FINISHED:
         step(s)
-    assert b.num_preemptions == 1 and s.stats().num_recomputed_tokens == 8
+    assert b.num_preemptions == 1 and s.stats().preemption.num_recomputed_tokens == 8
 
 
 def test_priority_policy_preempts_lowest_priority():
@@ -279,7 +280,7 @@ def test_a_history_in_the_tier_loads_and_its_new_tokens_compute_in_the_same_step
     assert turn.output_token_ids == [7] and turn.num_cached_tokens == 32 and turn.tier_load_wait > 0
     while s.has_unfinished_requests():
         s.update(out := s.schedule(), tier_run(out))
-    assert s.stats().tier_hits == BS * len(loaded_entries) and s.kv_cache.view().check_invariants() == []
+    assert s.stats().prefix.num_tier_hits_tokens == BS * len(loaded_entries) and s.kv_cache.view().check_invariants() == []
     assert s.kv_cache.num_free_blocks == 16 * len(windows)
 
 
@@ -328,7 +329,7 @@ def test_a_history_in_the_tier_too_big_to_load_at_once_starts_beside_running_req
     assert runner.status is RequestStatus.RUNNING  # it did not wait for the runner to end
     assert computed == 1 and turn.num_cached_tokens == 40  # its history came from the tier
     assert turn.tier_load_wait > 0
-    assert s.stats().tier_hits == 40 and s.kv_cache.view().check_invariants() == []
+    assert s.stats().prefix.num_tier_hits_tokens == 40 and s.kv_cache.view().check_invariants() == []
 
 
 def test_a_long_prompt_that_fits_a_window_pool_in_smaller_chunks_is_admitted_and_chunked_so():

@@ -93,13 +93,13 @@ def test_preemption_chunking_and_prefix_hits_do_not_change_constrained_output(ma
     llm = make_llm(num_kv_blocks=22, max_num_batched_tokens=48)
     got = _greedy(llm, prompts)
     stats = llm.engine.get_stats().scheduler
-    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert stats.preemption.num_preemptions > 0 and stats.prefix.num_hits_tokens > 0
     assert got == want
     # n > 1 with a seed: each completion keeps its own matcher through forks and preemption
     want_n = _greedy(make_llm(), prompts[:3], n=3)
     llm = make_llm(num_kv_blocks=22, max_num_batched_tokens=48)
     assert _greedy(llm, prompts[:3], n=3) == want_n
-    assert llm.engine.get_stats().scheduler.num_preemptions > 0
+    assert llm.engine.get_stats().scheduler.preemption.num_preemptions > 0
 
 
 def test_matcher_follows_tokens_back_and_forth(make_llm):
