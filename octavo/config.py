@@ -16,7 +16,9 @@ DEFAULT_ADMISSION_HEADROOM_STEPS = 64  # room kept for running requests at admis
 
 @dataclass(frozen=True, slots=True)
 class RopeConfig:
-    """Rotary embedding: base theta and an optional scaling rule ("llama3" or "linear")."""
+    """Rotary embedding: base theta and an optional scaling rule ("llama3" or "linear"), then
+    per-dimension divisors of the frequencies where the model has them (`freq_factors`, one per
+    rotary pair: what llama.cpp's converter writes for Llama 3.1+ as the `rope_freqs` tensor)."""
 
     theta: float = 10000.0
     scaling_type: str | None = None
@@ -24,12 +26,15 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    freq_factors: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.scaling_type not in (None, "llama3", "linear"):
             raise ValueError(
                 f"rope scaling {self.scaling_type!r} is not supported; supported: llama3, linear, none"
             )
+        if self.freq_factors is not None and not all(math.isfinite(f) and f > 0 for f in self.freq_factors):
+            raise ValueError("rope frequency factors must be positive finite numbers")
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,7 +95,7 @@ def main() -> int:
 
     from octavo.cache import cache_dir
     from octavo.models.loader import default_gguf_path
-    from tests.models.test_gguf_architectures import hf_model, write_gguf
+    from tests.models.gguf_writer import hf_model, write_gguf
 
     work = Path(tempfile.mkdtemp(prefix="octavo-gguf-fuzz-"))
     cache = work / "cache"

@@ -10,6 +10,7 @@ files. No weights are touched here beyond reshaping rows; see loader.py for what
 from __future__ import annotations
 
 import math
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,30 @@ def architecture(header: GGUFHeader) -> str:
     return arch
 
 
+# Tensors that are configuration, not weights: read into the config by `hf_config`, never loaded.
+# rope_freqs: Llama 3.1+ RoPE scaling as one divisor per rotary pair (llama.cpp's converter writes
+# it from the checkpoint's rope_scaling and no rope-scaling metadata beside it).
+CONFIG_TENSORS = ("rope_freqs.weight",)
+
+
+def rope_freq_factors(header: GGUFHeader) -> list[float] | None:
+    """The file's `rope_freqs` values (F32, one per rotary pair), or None when it has none;
+    GGUFFormatError when they are not positive finite numbers."""
+    info = header.tensors.get("rope_freqs.weight")
+    if info is None:
+        return None
+    if info.type_name != "F32":
+        raise GGUFFormatError(f"{header.path.name}: tensor rope_freqs.weight is {info.type_name}; llama.cpp writes it F32")
+    with open(header.path, "rb") as fh:
+        fh.seek(info.offset)
+        raw = fh.read(info.num_bytes)
+    values = list(struct.unpack(f"<{info.num_elements}f", raw))
+    if not all(math.isfinite(v) and v > 0 for v in values):
+        raise GGUFFormatError(f"{header.path.name}: tensor rope_freqs.weight holds a value that is not a positive "
+                              "finite number (each divides a rotary frequency)")
+    return values
+
+
 def hf_name(gguf_name: str, arch: str) -> str:
     """A GGUF tensor name (`blk.3.attn_q.weight`) -> the checkpoint's (`model.layers.3.self_attn.q_proj.weight`)."""
     stem, _, suffix = gguf_name.rpartition(".")
@@ -169,6 +194,9 @@ def hf_config(header: GGUFHeader, hp: dict[str, Any] | None = None) -> dict[str,
         config["attention_bias"] = True  # Qwen2: q/k/v; Llama: q/k/v and the output projection
     if arch == "gemma3":
         config.update(_gemma3_config(get, config))
+    factors = rope_freq_factors(header)
+    if factors is not None:
+        config["rope_freq_factors"] = factors  # models.registry reads it into RopeConfig.freq_factors
     return config
 
 
@@ -283,6 +311,8 @@ def expected_tensors(header: GGUFHeader, hp: dict[str, Any]) -> dict[str, tuple[
         "ffn_up.weight": (hidden, ff), "ffn_down.weight": (ff, hidden), "ffn_norm.weight": (hidden,),
     }
     arch = hp["arch"]
+    if arch == "llama":  # Llama 3.1+: the RoPE scaling as per-pair factors (CONFIG_TENSORS)
+        out["rope_freqs.weight"] = ((head_dim // 2,), False)
     if arch == "qwen2" or "blk.0.attn_q.bias" in header.tensors:
         layer |= {"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)}
         if arch == "llama":  # Llama's attention_bias: the output projection too

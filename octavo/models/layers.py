@@ -84,7 +84,18 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], with Llama 3 or linear scaling applied."""
+    """Inverse frequencies [head_dim / 2], with Llama 3 or linear scaling applied, then divided by
+    the model's per-pair frequency factors where it has them."""
+    inv_freq = _scaled_inv_freq(rope, head_dim)
+    if rope.freq_factors is None:
+        return inv_freq
+    if len(rope.freq_factors) != head_dim // 2:
+        raise ValueError(f"{len(rope.freq_factors)} rope frequency factors for a head of {head_dim} "
+                         f"(one per rotary pair: {head_dim // 2})")
+    return inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
+
+
+def _scaled_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope.scaling_type == "linear":
         return inv_freq / rope.factor

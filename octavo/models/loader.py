@@ -451,6 +451,8 @@ def _gguf_tensors(
     out = []
     with open(gguf_path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         for t in header.tensors.values():
+            if t.name in gguf_arch.CONFIG_TENSORS:
+                continue  # read into the config (gguf_arch.hf_config)
             hf_name = gguf_arch.hf_name(t.name, arch)
             fmt = BY_GGUF_TYPE.get(t.ggml_type)
             raw = _tensor_data(buf, t)
@@ -497,6 +499,8 @@ def held_weight_bytes(header: GGUFHeader, dense_bytes: int = 4) -> int:
     total = 0
     fused: dict[str, list] = {}
     for name, t in header.tensors.items():
+        if name in gguf_arch.CONFIG_TENSORS:
+            continue  # configuration, not weights
         stem, _, suffix = name.rpartition(".")
         parts = stem.split(".")
         if suffix == "weight" and len(parts) == 3 and parts[2] in _FUSED_PARTS:
@@ -612,6 +616,8 @@ def _write_dense_weights(gguf_path: Path, target: Path) -> None:
     tensors: dict[str, torch.Tensor] = {}
     with open(gguf_path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         for t in header.tensors.values():
+            if t.name in gguf_arch.CONFIG_TENSORS:
+                continue
             hf_name = gguf_arch.hf_name(t.name, arch)
             raw = _tensor_data(buf, t)
             w = np.asarray(gguf_dequantize(raw, GGMLQuantizationType(t.ggml_type)), dtype=np.float32)

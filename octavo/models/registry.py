@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,15 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
 
 
 def _rope_config(hf: dict[str, Any], default_theta: float = 10000.0) -> RopeConfig:
-    # transformers 5 writes `rope_parameters` (theta included); 4.x writes `rope_theta` + `rope_scaling`.
+    """The model's RoPE: its rule (transformers 5 writes `rope_parameters`, theta included; 4.x
+    writes `rope_theta` + `rope_scaling`), and the per-pair frequency factors a GGUF carries
+    (`rope_freq_factors`, which gguf_arch.hf_config reads from the file's `rope_freqs` tensor)."""
+    factors = hf.get("rope_freq_factors")
+    rope = _rope_rule(hf, default_theta)
+    return rope if factors is None else dataclasses.replace(rope, freq_factors=tuple(float(f) for f in factors))
+
+
+def _rope_rule(hf: dict[str, Any], default_theta: float) -> RopeConfig:
     params = dict(hf.get("rope_parameters") or {})
     scaling = dict(hf.get("rope_scaling") or {})
     merged = {**scaling, **params}

@@ -32,7 +32,7 @@ HANG_S = 60  # a generous bound: a read takes milliseconds; only a loop without 
 @pytest.fixture(scope="module")
 def tiny_gemma(tmp_path_factory) -> Path:
     """A Gemma 3-layout GGUF (6 layers: 5 sliding, 1 global; Q8_0 linear weights) of ~100 KB."""
-    from tests.models.test_gguf_architectures import hf_model, write_gguf
+    from tests.models.gguf_writer import hf_model, write_gguf
 
     path = tmp_path_factory.mktemp("gguf") / "tiny-gemma3.gguf"
     write_gguf(hf_model("gemma3"), "gemma3", path)

@@ -76,7 +76,7 @@ def test_a_gguf_replaced_in_place_with_the_same_size_and_time_is_converted_again
     import torch
 
     from octavo.models.loader import load_model
-    from tests.models.test_gguf_architectures import hf_model, write_gguf
+    from tests.models.gguf_writer import hf_model, write_gguf
 
     from octavo.cache import cache_dir
 

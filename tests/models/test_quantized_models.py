@@ -111,7 +111,7 @@ SHAPES = {"token_embd.weight": (VOCAB, HIDDEN), "output.weight": (VOCAB, HIDDEN)
 def _write_gguf(path):
     import gguf
 
-    from tests.models.test_gguf_architectures import add_tiny_tokenizer
+    from tests.models.gguf_writer import add_tiny_tokenizer
 
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(1)

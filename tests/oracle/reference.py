@@ -113,8 +113,9 @@ def hf_greedy(model, prompts: list[list[int]], num_new: int = NUM_NEW_TOKENS) ->
     with torch.inference_mode():
         for prompt in prompts:
             ids = torch.tensor([prompt])
+            # the mask given: without one, generate() masks every prompt token equal to pad_token_id
             out = model.generate(
-                ids, max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False,
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False,
                 output_logits=True, return_dict_in_generate=True, pad_token_id=0,
             )
             tokens = out.sequences[0, len(prompt) :].tolist()

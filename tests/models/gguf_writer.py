@@ -1,0 +1,168 @@
+"""Small random-weight GGUF files written with gguf-py the way llama.cpp's converter writes each
+architecture (its tensor names, q/k rows interleaved for llama, Gemma's norms stored as 1 + w,
+Llama 3.1+ RoPE scaling as a `rope_freqs` tensor, linear weights as Q8_0 blocks), and the
+transformers model each holds: the oracle of tests/models and tests/oracle on every family."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from octavo.models import gguf_arch
+
+gguf = pytest.importorskip("gguf")
+
+COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=256, rms_norm_eps=1e-6)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def hf_model(arch: str):
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    config = {
+        "llama": LlamaConfig(**COMMON, num_hidden_layers=2, attention_bias=True, tie_word_embeddings=False),
+        # Llama 3.1+ scaling with a knee inside the tests' prompts (wavelengths 16 and 64: one rotary
+        # pair kept, two smoothed, five divided by the factor); weights 5x the usual scale, so that
+        # attention is sharp enough for greedy tokens to depend on the rotation of far positions
+        "llama3": LlamaConfig(**COMMON, num_hidden_layers=2, tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE,
+                              initializer_range=0.1),
+        "mistral": MistralConfig(**COMMON, num_hidden_layers=2, sliding_window=None, tie_word_embeddings=False),
+        "qwen2": Qwen2Config(**COMMON, num_hidden_layers=2, tie_word_embeddings=True),
+        "qwen3": Qwen3Config(**COMMON, num_hidden_layers=2, head_dim=32, tie_word_embeddings=False),
+        # six layers: llama.cpp's Gemma 3 pattern (five local, one global) is not in the file
+        "gemma3": Gemma3TextConfig(**COMMON, num_hidden_layers=6, head_dim=16, sliding_window=5,
+                                   query_pre_attn_scalar=16, tie_word_embeddings=True),
+    }[arch]
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # non-trivial norms and biases, so that every weight matters
+        for name, p in hf.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return hf
+
+
+# llama.cpp's tensor names (gguf-py's TENSOR_NAMES) for each checkpoint name, per layer
+LAYER = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+GEMMA_LAYER = {**LAYER, "post_attention_layernorm": "post_attention_norm",
+               "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def llama3_rope_freqs(cfg, head_dim: int) -> np.ndarray | None:
+    """What llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel) writes as `rope_freqs` for a
+    checkpoint with Llama 3 RoPE scaling: per rotary pair, 1 where the wavelength is shorter than
+    original_max_position / high_freq_factor, `factor` where it is longer than
+    original_max_position / low_freq_factor, and 1 / ((1 - s) / factor + s) between, s the
+    smoothing weight; float32. None for any other RoPE."""
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type") != "llama3":
+        return None
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    original = rope["original_max_position_embeddings"]
+    inv_freq = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    out = []
+    for freq in inv_freq:
+        wavelen = 2 * np.pi / freq
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def _gguf_name(name: str, gemma: bool) -> str:
+    if not name.startswith("model.layers."):
+        return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}[name]
+    _, _, layer, rest = name.split(".", 3)
+    module, _, suffix = rest.rpartition(".")
+    return f"blk.{layer}.{(GEMMA_LAYER if gemma else LAYER)[module]}.{suffix}"
+
+
+def _interleave_rope(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's permute for llama q/k rows: each head's two rotary halves interleaved."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def add_tiny_tokenizer(w, vocab_size: int, gemma: bool) -> None:
+    """A vocabulary of `vocab_size` entries, as the architecture's files carry one: byte-level BPE
+    with one merge, or for Gemma a SentencePiece one (pad, eos, bos, unk, then single letters and
+    pieces) with scores, so that transformers makes a tokenizer of it."""
+    if not gemma:  # one merge ("t" + "1"), as a Llama 3 file has merges and no scores
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list(["t", "1"] + [f"t{i}" for i in range(1, vocab_size - 1)])
+        w.add_token_types([1] * vocab_size)
+        w.add_token_merges(["t 1"])
+        return
+    pieces = ["<pad>", "<eos>", "<bos>", "<unk>", "\u2581"] + [chr(ord("a") + i) for i in range(26)]
+    pieces += [f"\u2581{chr(ord('a') + i % 26)}{chr(ord('a') + i // 26)}" for i in range(vocab_size - len(pieces))]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(pieces)
+    w.add_token_scores([0.0] * 4 + [-float(i) for i in range(vocab_size - 4)])
+    w.add_token_types([3, 3, 3, 2] + [1] * (vocab_size - 4))
+    w.add_bos_token_id(2)
+    w.add_unk_token_id(3)
+
+
+def write_gguf(hf, file_arch: str, path) -> None:
+    """`hf`'s weights as llama.cpp writes them; the model's own linear weights become the
+    dequantized Q8_0 values, so that it stays the model the file holds."""
+    from gguf.quants import dequantize, quantize
+
+    cfg, gemma = hf.config, file_arch == "gemma3"
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w = gguf.GGUFWriter(str(path), file_arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(1_000_000.0 if gemma else float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_eos_token_id(1)
+    add_tiny_tokenizer(w, cfg.vocab_size, gemma)
+    if gemma:
+        w.add_sliding_window(cfg.sliding_window)
+    factors = llama3_rope_freqs(cfg, head_dim)
+    if factors is not None:  # Llama 3.1+: the converter writes the scaling as this tensor, no metadata
+        w.add_tensor("rope_freqs.weight", factors)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for name, p in hf.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        data = p.detach().numpy().astype(np.float32)
+        rotary = file_arch == "llama" and any(name.endswith(f"{p}_proj.{k}") for p in "qk" for k in ("weight", "bias"))
+        if rotary:
+            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            data = _interleave_rope(data, heads)
+        if gemma and name.endswith("norm.weight"):
+            data = data + 1.0
+        if data.ndim == 2 and "embed" not in name:
+            blocks = quantize(data, q8)
+            w.add_tensor(_gguf_name(name, gemma), blocks, raw_shape=blocks.shape, raw_dtype=q8)
+            with torch.no_grad():  # the interleaving moves whole rows: undo it on the dequantized rows
+                back = dequantize(blocks, q8).reshape(data.shape)
+                if rotary:
+                    back = gguf_arch._unpermute_rope(back, heads)
+                p.copy_(torch.from_numpy(back))
+        else:
+            w.add_tensor(_gguf_name(name, gemma), data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -1,0 +1,113 @@
+"""The oracle on every model family Octavo reads from GGUF but has no real file of here: a small
+random-weight model written the way llama.cpp's converter writes the family
+(tests/models/gguf_writer.py), loaded by Octavo from the file and by transformers from the same
+dequantized weights. Greedy tokens must be equal in the five engine modes (one batch, a small
+token budget, a tiny pool with preemption, prefix hits, n = 2), on prompts up to 150 tokens: past
+Llama 3's scaling knee (64 in the small model)."""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+
+from octavo.sampling.params import SamplingParams
+from tests.models.gguf_writer import hf_model, write_gguf
+from tests.oracle.reference import compare, hf_greedy
+
+NUM_NEW = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+PROMPT_LENGTHS = (5, 40, 100, 150)
+# family -> (transformers model of tests/models/gguf_writer.py, GGUF architecture)
+FAMILIES = {"llama3-rope-freqs": ("llama3", "llama")}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    """(name, GGUF path, the loaded model, its tokenizer, weight bytes, transformers' model)."""
+    from octavo.models.loader import load_model, resolve_model, weight_bytes
+    from octavo.tokenizer import load_tokenizer
+
+    hf_name, file_arch = FAMILIES[request.param]
+    hf = hf_model(hf_name)
+    path = tmp_path_factory.mktemp(request.param) / f"{request.param}.gguf"
+    write_gguf(hf, file_arch, path)
+    model_dir = resolve_model(str(path))
+    model, _ = load_model(model_dir, quantization="auto")
+    return request.param, model_dir, model, load_tokenizer(model_dir), weight_bytes(model), hf
+
+
+def build(family, **kwargs):
+    from octavo.engine import LLMEngine
+    from octavo.engine_args import EngineArgs
+    from octavo.llm import LLM
+    from octavo.models.registry import load_model_config
+
+    _, model_dir, model, tokenizer, nbytes, _ = family
+    kwargs.setdefault("num_kv_blocks", 64)
+    kwargs.setdefault("dtype", "float32")
+    config = EngineArgs(**kwargs).to_config(load_model_config(model_dir))
+    return LLM.from_engine(LLMEngine(config, model, tokenizer, nbytes))
+
+
+def prompts(vocab: int, shared: int = 0) -> list[list[int]]:
+    rng = random.Random(7)
+    prefix = [rng.randrange(vocab) for _ in range(shared)]
+    return [prefix + [rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def check(family, outs, asked: list[list[int]], mode: str, n: int = 1) -> None:
+    name, *_, hf = family
+    refs = hf_greedy(hf, asked, NUM_NEW)
+    failures = []
+    for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
+        assert len(out.outputs) == n
+        for completion in out.outputs:
+            ok, note = compare(list(completion.token_ids), ref)
+            if not ok:
+                failures.append(f"[{name}, {mode}] prompt {i} ({len(asked[i])} tokens): {note}")
+            elif note:
+                warnings.warn(f"[{name}, {mode}] prompt {i}: {note}")
+    assert not failures, "\n".join(failures)
+
+
+def test_one_batch_and_a_small_budget(family):
+    asked = prompts(family[-1].config.vocab_size)
+    check(family, build(family).generate(asked, GREEDY, use_tqdm=False), asked, "one batch")
+    llm = build(family, max_num_batched_tokens=16)
+    check(family, llm.generate(asked, GREEDY, use_tqdm=False), asked, "budget 16")
+
+
+def test_a_tiny_pool_preempts_and_recomputes(family):
+    asked = prompts(family[-1].config.vocab_size)
+    # 12 blocks of 16 = 192 tokens: the longest request (166) fits alone; the three shorter ones are
+    # admitted together and outgrow the pool as they decode
+    llm = build(family, num_kv_blocks=12, enable_prefix_caching=False, admission_headroom_steps=0)
+    outs = llm.generate(asked, GREEDY, use_tqdm=False)
+    assert llm.engine.get_stats().scheduler.preemption.num_preemptions > 0
+    check(family, outs, asked, "tiny pool")
+
+
+def test_prefix_hits_and_n_2(family):
+    asked = prompts(family[-1].config.vocab_size, shared=48)
+    llm = build(family)
+    check(family, llm.generate(asked, GREEDY, use_tqdm=False), asked, "shared prefix, cold")
+    hits = llm.engine.get_stats().scheduler.prefix.num_hits_tokens
+    check(family, llm.generate(asked, GREEDY, use_tqdm=False), asked, "shared prefix, cached")
+    assert llm.engine.get_stats().scheduler.prefix.num_hits_tokens - hits >= 48 * len(asked)
+    two = SamplingParams(n=2, temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    check(family, build(family).generate(asked, two, use_tqdm=False), asked, "n = 2", n=2)
+
+
+def test_the_families_files_are_what_the_converter_writes(family):
+    """The file carries what makes the family itself (not a plain Llama): Llama 3.1+'s rope_freqs."""
+    from octavo.models.registry import load_model_config
+
+    name, model_dir, *_ = family
+    config = load_model_config(model_dir)
+    if name == "llama3-rope-freqs":
+        factors = config.rope.freq_factors
+        assert factors is not None and factors[0] == 1.0 and factors[-1] == 8.0 and 1.0 < factors[1] < 8.0
+        assert torch.isfinite(torch.tensor(factors)).all()
