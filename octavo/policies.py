@@ -11,6 +11,17 @@ from octavo.config import SchedulerConfig
 from octavo.kv_cache.costs import preemption_cost, reusable_tokens_counter
 from octavo.kv_cache.manager import KVCacheManager
 from octavo.request import Request
+from octavo.request_queue import FCFSQueue, PriorityQueue, RankedQueue
+
+
+def rank_waiting(config: SchedulerConfig, kv: KVCacheManager, waiting: FCFSQueue | PriorityQueue | RankedQueue, step: int, budget: int,
+                 num_seqs: int) -> bool:
+    """Under the cache-aware policy, order the waiting queue for this step's admissions (not when
+    nobody can be admitted: the order can wait). Returns whether it did."""
+    ranked = (config.policy == "cache-aware" and budget > 0 and len(waiting) > 1 and num_seqs < config.max_num_seqs)
+    if ranked:
+        waiting.rank(cache_aware_key(config, kv, step))
+    return ranked
 
 
 def cache_aware_key(config: SchedulerConfig, kv: KVCacheManager, step: int) -> Callable[[Request], tuple]:

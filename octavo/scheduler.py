@@ -28,7 +28,7 @@ from octavo.kv_cache.manager import Allocation, KVCacheManager
 from octavo.limits import RequestLimits, RequestRefused
 from octavo.outputs import (ModelRunnerOutput, PreemptionStats, SampleRow, ScheduledRequest, SchedulerOutput,
                              SchedulerStats)
-from octavo.policies import cache_aware_key, choose_victims, count_passed_over
+from octavo.policies import choose_victims, count_passed_over, rank_waiting
 from octavo.request import FinishReason, Request, RequestStatus, child_request_id
 from octavo.request_queue import make_waiting_queue
 
@@ -179,9 +179,9 @@ class Scheduler:
         return budget - num_new
 
     def _with_room(self, request: Request, attempt, scheduled, preempted: list[str]):
-        """attempt() until it returns something: first letting go of blocks held for waiting
-        requests back from the tier, then preempting victims (`_choose_victim`). Returns its
-        result (None when `request` itself became the victim) and the budget victims gave back."""
+        """attempt() until it returns something, preempting victims (policies.choose_victims)
+        between tries. Returns its result (None when `request` itself became the victim) and the
+        budget victims gave back."""
         refund = 0
         result = attempt()
         while result is None:
@@ -234,10 +234,7 @@ class Scheduler:
         """Admit waiting requests in queue order while the budget, the seats and the pool allow;
         schedule their first chunk (or, with tier blocks ahead, their loads). Returns the budget left."""
         seats = _Seats.of(self.running)
-        ranked = (self.config.policy == "cache-aware" and budget > 0 and len(self.waiting) > 1
-                  and seats.num_seqs < self.config.max_num_seqs)  # (nobody admitted: the order can wait)
-        if ranked:
-            self.waiting.rank(cache_aware_key(self.config, self.kv_cache, self._num_steps))
+        ranked = rank_waiting(self.config, self.kv_cache, self.waiting, self._num_steps, budget, seats.num_seqs)
         latest = None  # the latest arrival admitted this step
         headroom = (growth_blocks(self.kv_cache, self.running, self.config.admission_headroom_steps)
                     if len(self.waiting) and budget > 0 else 0)
