@@ -25,14 +25,12 @@ from octavo.beam_search import BeamGroup, Continuation
 from octavo.config import SchedulerConfig
 from octavo.kv_cache.costs import growth_blocks
 from octavo.kv_cache.manager import Allocation, KVCacheManager
-from octavo.limits import RequestLimits, RequestRefused
+from octavo.limits import RequestLimits
 from octavo.outputs import (ModelRunnerOutput, PreemptionStats, SampleRow, ScheduledRequest, SchedulerOutput,
                              SchedulerStats)
 from octavo.policies import choose_victims, count_passed_over, rank_waiting
 from octavo.request import FinishReason, Request, RequestStatus, child_request_id
 from octavo.request_queue import make_waiting_queue
-
-__all__ = ["RequestRefused", "Scheduler"]
 
 
 @dataclass(slots=True)
@@ -91,7 +89,7 @@ class Scheduler:
     # ---- admission ---------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request. Raises RequestRefused when it could never fit; nothing is kept then."""
+        """Queue a new request. Raises limits.RequestRefused when it could never fit; nothing is kept then."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.limits.admit(request)
@@ -110,7 +108,7 @@ class Scheduler:
         SpecDecodeController's): a decoding request verifies those the step's budget leaves room for.
 
         Running requests are served in admission order; if one cannot get blocks, victims
-        (`_choose_victim`) are preempted until it can (or until it is itself the victim). Waiting
+        (policies.choose_victims) are preempted until it can (or until it is itself the victim). Waiting
         requests are admitted only when nothing was preempted this step, so a freed block is not
         immediately fought over again.
         """
