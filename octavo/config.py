@@ -38,6 +38,30 @@ class RopeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """A sparse mixture-of-experts feed-forward: each token's router picks `top_k` of `num_experts`
+    gated MLPs of `intermediate_size` and sums their outputs with the router's weights. Routing
+    "softmax_topk" (Qwen2/3-MoE): softmax over every expert, the top k, renormalised to sum 1 when
+    `norm_topk_prob`. `shared_intermediate_size` > 0: one shared expert every token runs, scaled by
+    sigmoid(a learned gate) (Qwen2-MoE)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool = True
+    routing: str = "softmax_topk"
+    shared_intermediate_size: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"experts per token ({self.top_k}) must be in [1, {self.num_experts}] (the experts)")
+        if self.intermediate_size < 1 or self.shared_intermediate_size < 0:
+            raise ValueError("expert feed-forward sizes must be positive")
+        if self.routing not in ("softmax_topk",):
+            raise ValueError(f"MoE routing {self.routing!r} is not supported; supported: softmax_topk")
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Our own model description, translated once from a Hugging Face config (models/registry.py)."""
 
@@ -66,6 +90,7 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
     local_rope: RopeConfig | None = None
+    moe: MoEConfig | None = None  # every layer's feed-forward is this mixture of experts (None: dense)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:

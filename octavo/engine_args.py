@@ -230,8 +230,20 @@ class EngineArgs:
                 object.__setattr__(self, name, conf[key])
         object.__setattr__(self, "speculative_config", None)
 
+    def check_model(self, model_config: ModelConfig) -> None:
+        """ValueError naming a feature asked for that this model's architecture does not have:
+        LoRA adapters and tensor parallelism on a mixture of experts (its experts are neither
+        adapted nor sharded)."""
+        if model_config.moe is not None:
+            for asked, what in ((self.enable_lora, "LoRA adapters (--enable-lora)"),
+                                (self.tensor_parallel_size > 1, "tensor parallelism (--tensor-parallel-size)")):
+                if asked:
+                    raise ValueError(f"{what} on a mixture-of-experts model ({model_config.architecture}) are not "
+                                     "supported")
+
     def to_config(self, model_config: ModelConfig) -> EngineConfig:
         """The engine's configuration; dtype "auto" must have been resolved (the engine does it at load)."""
+        self.check_model(model_config)
         if self.dtype == "auto":
             raise ValueError("dtype 'auto' is resolved when the model loads: pass a concrete dtype to to_config")
         max_len = self.max_model_len or model_config.max_position

@@ -23,6 +23,7 @@ from octavo.kv_tier.setup import OpenedTier, open_tier
 from octavo.memory import CUDA_GRAPH_RESERVE_BYTES, KVSizing, size_kv_cache
 from octavo.model_runner import ModelRunner
 from octavo.models.loader import auto_dtype, describe_weights, load_model, resolve_model, stored_dtype, weight_bytes
+from octavo.models.registry import load_model_config
 from octavo.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ def load(args: EngineArgs) -> LoadedModel:
         quantization = "none"  # no GPU kernels for GGUF blocks: they are dequantized to the dtype
     dtype = ("bfloat16" if device.startswith("cuda") else "float32") if args.dtype == "auto" else args.dtype
     group = None
+    args.check_model(load_model_config(model_dir))  # before any rank starts or weight loads
     if args.tensor_parallel_size > 1:
         model, model_config, group = start_tensor_parallel(args.tensor_parallel_size, model_dir, WorkerSpec(
             str(model_dir), dtype, device=device, quantization=quantization))

@@ -32,6 +32,12 @@ class PlanFields:
     used: dict[str, str] = field(default_factory=dict)
     sliding_window: int | None = None  # tokens a sliding-window layer attends to (None: no such layers)
     num_window_layers: int = 0  # layers that attend only within the window (the rest are global)
+    # a mixture of experts: every layer's feed-forward is `num_experts` MLPs of
+    # `expert_intermediate_size`, `experts_per_token` of them run per token (+ a shared one)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
 
 def _window_layers(cfg: dict[str, Any], num_layers: int, used: dict[str, str]) -> tuple[int | None, int]:
@@ -75,19 +81,56 @@ def read_fields(hf: dict[str, Any]) -> PlanFields:
         inter, used["intermediate_size"] = 4 * hidden, f"4 x {used['hidden_size']} (no FFN size field)"
     tie = bool(cfg.get("tie_word_embeddings", model_type in ("gpt2", "opt")))
     window, num_window_layers = _window_layers(cfg, int(num_layers), used)
+    experts = {}
+    for key in ("num_experts", "num_local_experts"):
+        if cfg.get(key):
+            experts["num_experts"], used["num_experts"] = int(cfg[key]), key
+            experts["experts_per_token"], used["experts_per_token"] = int(cfg["num_experts_per_tok"]), "num_experts_per_tok"
+            size, used["expert_intermediate_size"] = _first(cfg, ("moe_intermediate_size", "intermediate_size"),
+                                                            "expert feed-forward size")
+            experts["expert_intermediate_size"] = int(size)
+            if cfg.get("shared_expert_intermediate_size"):
+                experts["shared_expert_intermediate_size"] = int(cfg["shared_expert_intermediate_size"])
+                used["shared_expert_intermediate_size"] = "shared_expert_intermediate_size"
+            break
     return PlanFields(int(num_layers), int(hidden), int(num_heads), int(num_kv), int(head_dim), int(vocab),
-                      int(inter), gated, tie, used, window, num_window_layers)
+                      int(inter), gated, tie, used, window, num_window_layers, **experts)
 
 
-def estimate_num_params(f: PlanFields) -> int:
-    """Parameters from the shape: embeddings (+ head if untied) + per layer attention, MLP, norms."""
+def estimate_num_params(f: PlanFields, experts: int | None = None) -> int:
+    """Parameters from the shape: embeddings (+ head if untied) + per layer attention, MLP (a
+    mixture of experts: router, `experts` of its experts, all when None, and a shared one), norms."""
     q = f.num_heads * f.head_dim
     kv = f.num_kv_heads * f.head_dim
     attention = f.hidden_size * (q + 2 * kv) + q * f.hidden_size
-    mlp = (3 if f.gated_mlp else 2) * f.hidden_size * f.intermediate_size
+    width = 3 if f.gated_mlp else 2
+    if f.num_experts:
+        used = f.num_experts if experts is None else experts
+        mlp = f.num_experts * f.hidden_size + width * f.hidden_size * (
+            used * f.expert_intermediate_size + f.shared_expert_intermediate_size)
+        mlp += f.hidden_size if f.shared_expert_intermediate_size else 0  # the shared expert's gate
+    else:
+        mlp = width * f.hidden_size * f.intermediate_size
     per_layer = attention + mlp + 2 * f.hidden_size
     embeddings = f.vocab_size * f.hidden_size * (1 if f.tie_word_embeddings else 2)
     return embeddings + f.num_layers * per_layer + f.hidden_size
+
+
+def expected_active_experts(f: PlanFields, num_tokens: int) -> float:
+    """Distinct experts one layer runs for `num_tokens` tokens, each routed to `experts_per_token`
+    of `num_experts` uniformly: E * (1 - (1 - k / E) ** n). Real routers are skewed, so this is
+    the most a step reads on average, not a measurement."""
+    e, k = f.num_experts, f.experts_per_token
+    return e * (1 - (1 - k / e) ** num_tokens)
+
+
+def moe_weight_bytes(f: PlanFields, weight_bytes: int, num_tokens: int) -> int:
+    """Weight bytes a step of `num_tokens` tokens reads: the dense part whole, the experts in the
+    share `expected_active_experts` gives (bytes per parameter as in the whole model)."""
+    total = estimate_num_params(f)
+    read = estimate_num_params(f, experts=0) + (total - estimate_num_params(f, experts=0)) * (
+        expected_active_experts(f, num_tokens) / f.num_experts)
+    return int(weight_bytes * read / total)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +164,10 @@ class Plan:
     kv_groups: list[tuple[int | None, int, int]] = field(default_factory=list)
     kv_dtype_source: str = ""  # why this KV dtype (e.g. what serve uses on this CPU)
     weight_source: str = ""  # where weight_bytes came from when not estimated
+    # a mixture of experts: (experts, per token), and the weight bytes a step of n tokens reads
+    # (moe_weight_bytes) for n in MOE_STEP_TOKENS: one token's is the "active" weight
+    experts: tuple[int, int] | None = None
+    weight_bytes_per_step: dict[int, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -185,7 +232,12 @@ def make_plan(
         kv_groups=kv_groups(f),
         kv_dtype_source=kv_dtype_source,
         weight_source=weight_source,
+        experts=(f.num_experts, f.experts_per_token) if f.num_experts else None,
+        weight_bytes_per_step={n: moe_weight_bytes(f, weight_bytes, n) for n in MOE_STEP_TOKENS} if f.num_experts else {},
     )
+
+
+MOE_STEP_TOKENS = (1, 4, 16, 64)
 
 
 def kv_groups(f: PlanFields) -> list[tuple[int | None, int, int]]:
@@ -232,6 +284,14 @@ def format_plan(plan: Plan, model: str) -> str:
         (f"sequences paged at {plan.typical_len}", f"{plan.seqs_paged:,} (waste {plan.waste_paged:.1%}: last block)"),
         ("paged / reserved", f"{plan.paged_over_reserved:.2f}x"),
     ]
+    if plan.experts:
+        experts, used = plan.experts
+        one = plan.weight_bytes_per_step[1]
+        rows.append(("experts", f"{experts} per layer, {used} per token: {_human(one)} of the weights read per token "
+                                f"({one / plan.weight_bytes:.0%})"))
+        rows.append(("weights read per step", ", ".join(
+            f"{n} tokens {_human(b)}" for n, b in plan.weight_bytes_per_step.items() if n > 1)
+            + " (tokens routed uniformly: a real router reads fewer)"))
     if plan.sliding_window:
         rows.append(("sliding window", f"{plan.sliding_window} tokens on {plan.num_window_layers} of the layers"))
         layers = plan.kv_groups[0][2]

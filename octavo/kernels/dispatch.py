@@ -18,6 +18,9 @@ from octavo.quantization import QuantFormat, dequantize
 
 copy_blocks = reference.copy_blocks
 add_lora = reference.add_lora  # grouped shrink/expand in torch everywhere (matmuls dominate it)
+# MoE routing and grouping: a few small ops on [tokens, experts] beside the experts' matmuls
+moe_route = reference.moe_route
+group_by_expert = reference.group_by_expert
 
 
 def _cpu_f32(x: torch.Tensor) -> bool:

@@ -196,3 +196,22 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     for slot, rows in mapping.groups:
         xs = x.index_select(0, rows)  # [rows, in]
         y.index_add_(0, rows, (xs @ lora_a[slot].T) @ lora_b[slot].T)
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax-then-top-k routing (Qwen2/3-MoE): softmax over every expert in float32, the k largest
+    kept, renormalised to sum 1 when `normalize`. [n, E] logits -> (weights [n, k] float32,
+    expert ids [n, k] int64)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def group_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
+    """The (token, slot) pairs of a routing sorted by expert: (positions into the flattened
+    [n * k] routing, expert by expert, tokens in order within one; how many each expert got)."""
+    flat = expert_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    return order, torch.bincount(flat, minlength=num_experts).tolist()

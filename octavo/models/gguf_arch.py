@@ -1,4 +1,5 @@
-"""GGUF architectures Octavo reads (llama, and with it Mistral; qwen2, qwen3, gemma3): a file's
+"""GGUF architectures Octavo reads (llama, and with it Mistral; qwen2, qwen3, gemma3; the mixtures of
+experts qwen2moe and qwen3moe): a file's
 metadata as a Hugging Face config dict, its tensor names as checkpoint names, and its tensors in
 the checkpoint's conventions (llama.cpp's converter interleaves Llama q/k rows and stores Gemma's
 norm weights as 1 + w; both are undone here, so every loader path sees one convention).
@@ -18,13 +19,16 @@ import numpy as np
 
 from octavo.models.gguf_file import ArrayValue, GGUFFormatError, GGUFHeader, read_header
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3", "qwen2moe", "qwen3moe")
+MOE = ("qwen2moe", "qwen3moe")
 
 _HF_ARCH = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
 
 _TOP_NAMES = {
@@ -44,6 +48,16 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixtures of experts: the router, every expert's weights stacked in one tensor each (split per
+    # expert at load: loader.per_expert), the shared expert and its gate (Qwen2-MoE)
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 # Gemma 3 has four norms per layer: llama.cpp's `ffn_norm` is the one before the feed-forward.
 _GEMMA3_LAYER_NAMES = {
@@ -148,6 +162,8 @@ def to_checkpoint(name: str, rows: np.ndarray, hf_config: dict[str, Any], is_flo
         return _unpermute_rope(rows, hf_config["num_key_value_heads"])
     if model_type == "gemma3_text" and is_float and name.endswith("norm.weight"):
         return rows - np.float32(1.0)
+    if name.endswith("shared_expert_gate.weight"):  # llama.cpp keeps [hidden]; the checkpoint [1, hidden]
+        return rows.reshape(1, -1)
     return rows
 
 
@@ -190,10 +206,12 @@ def hf_config(header: GGUFHeader, hp: dict[str, Any] | None = None) -> dict[str,
         "eos_token_id": stop_ids[0] if len(stop_ids) == 1 else (stop_ids or None),
         "torch_dtype": "float32",
     }
-    if arch == "qwen2" or "blk.0.attn_q.bias" in header.tensors:
+    if arch in ("qwen2", "qwen2moe") or "blk.0.attn_q.bias" in header.tensors:
         config["attention_bias"] = True  # Qwen2: q/k/v; Llama: q/k/v and the output projection
     if arch == "gemma3":
         config.update(_gemma3_config(get, config))
+    if arch in MOE:
+        config.update(_moe_config(hp, get("expert_weights_norm", arch == "qwen3moe")))
     factors = rope_freq_factors(header)
     if factors is not None:
         config["rope_freq_factors"] = factors  # models.registry reads it into RopeConfig.freq_factors
@@ -209,7 +227,8 @@ _REQUIRED_INTS = {
 _OPTIONAL_INTS = {
     "attention.head_count_kv": (1, 1024), "attention.key_length": (2, 4096), "attention.value_length": (2, 4096),
     "rope.dimension_count": (2, 4096), "context_length": (1, 1 << 24), "attention.sliding_window": (1, 1 << 24),
-    "vocab_size": (1, 1 << 24),
+    "vocab_size": (1, 1 << 24), "expert_count": (1, 1 << 12), "expert_used_count": (1, 1 << 12),
+    "expert_feed_forward_length": (1, 1 << 20), "expert_shared_feed_forward_length": (1, 1 << 20),
 }
 _POSITIVE_FLOATS = ("attention.layer_norm_rms_epsilon", "rope.freq_base")
 _FLOAT_TYPES = ("F32", "F16", "BF16")  # norms and biases: what the loader copies as dense values
@@ -258,6 +277,8 @@ def check_model(header: GGUFHeader) -> dict[str, Any]:
         raise GGUFFormatError(f"{name}: {arch}.vocab_size {ints['vocab_size']} differs from the {vocab} tokens")
     hp = {"arch": arch, "vocab": vocab, "hidden": hidden, "ff": ints["feed_forward_length"],
           "layers": ints["block_count"], "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
+    if arch in MOE:
+        hp |= _moe_hyperparameters(name, arch, ints)
     _check_tensors(header, expected_tensors(header, hp))
     return hp
 
@@ -313,17 +334,32 @@ def expected_tensors(header: GGUFHeader, hp: dict[str, Any]) -> dict[str, tuple[
     arch = hp["arch"]
     if arch == "llama":  # Llama 3.1+: the RoPE scaling as per-pair factors (CONFIG_TENSORS)
         out["rope_freqs.weight"] = ((head_dim // 2,), False)
-    if arch == "qwen2" or "blk.0.attn_q.bias" in header.tensors:
+    if arch in ("qwen2", "qwen2moe") or "blk.0.attn_q.bias" in header.tensors:
         layer |= {"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)}
         if arch == "llama":  # Llama's attention_bias: the output projection too
             layer["attn_output.bias"] = (hidden,)
-    if arch in ("qwen3", "gemma3"):
+    if arch in ("qwen3", "gemma3", "qwen3moe"):
         layer |= {"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)}
     if arch == "gemma3":
         layer |= {"post_attention_norm.weight": (hidden,), "post_ffw_norm.weight": (hidden,)}
+    if arch in MOE:  # the feed-forward is the experts: a router and each projection stacked over them
+        experts, ff_exp = hp["experts"], hp["ff_exp"]
+        for key in ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"):
+            del layer[key]
+        layer |= {"ffn_gate_inp.weight": (hidden, experts), "ffn_gate_exps.weight": (hidden, ff_exp, experts),
+                  "ffn_up_exps.weight": (hidden, ff_exp, experts), "ffn_down_exps.weight": (ff_exp, hidden, experts)}
+        if hp["ff_shexp"]:
+            layer |= {"ffn_gate_inp_shexp.weight": (hidden,), "ffn_gate_shexp.weight": (hidden, hp["ff_shexp"]),
+                      "ffn_up_shexp.weight": (hidden, hp["ff_shexp"]), "ffn_down_shexp.weight": (hp["ff_shexp"], hidden)}
     for i in range(hp["layers"]):
         out |= {f"blk.{i}.{k}": (shape, True) for k, shape in layer.items()}
     return out
+
+
+def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    while len(shape) > 1 and shape[-1] == 1:
+        shape = shape[:-1]
+    return shape
 
 
 def _check_tensors(header: GGUFHeader, expected: dict[str, tuple[tuple[int, ...], bool]]) -> None:
@@ -333,7 +369,7 @@ def _check_tensors(header: GGUFHeader, expected: dict[str, tuple[tuple[int, ...]
             raise GGUFFormatError(f"{name}: tensor {tname} has no place in this model "
                                   f"({header.get('general.architecture')}, {sum(1 for _ in expected)} tensors expected)")
         shape, _ = expected[tname]
-        if info.shape != shape:
+        if _squeezed(info.shape) != _squeezed(shape):  # llama.cpp pads shapes with 1s: [n] is [n, 1]
             raise GGUFFormatError(f"{name}: tensor {tname} has shape {list(info.shape)}; the model's hyperparameters "
                                   f"make it {list(shape)}")
         if len(shape) == 1 and info.type_name not in _FLOAT_TYPES:
@@ -342,6 +378,33 @@ def _check_tensors(header: GGUFHeader, expected: dict[str, tuple[tuple[int, ...]
     missing = [t for t, (_, required) in expected.items() if required and t not in header.tensors]
     if missing:
         raise GGUFFormatError(f"{name}: {len(missing)} tensors are missing, first {', '.join(missing[:4])}")
+
+
+def _moe_hyperparameters(name: str, arch: str, ints: dict[str, int | None]) -> dict[str, int]:
+    """The experts' counts and sizes. llama.cpp's rules where a size is missing: an expert's
+    feed-forward is feed_forward_length / experts used, the shared expert's (Qwen2-MoE) is
+    feed_forward_length (llama-model.cpp, QWEN2MOE / QWEN3MOE)."""
+    experts, used = ints["expert_count"], ints["expert_used_count"]
+    if experts is None or used is None:
+        raise GGUFFormatError(f"{name}: metadata {arch}.expert_count and {arch}.expert_used_count are required "
+                              "for a mixture of experts")
+    if used > experts:
+        raise GGUFFormatError(f"{name}: {arch}.expert_used_count {used} exceeds {arch}.expert_count {experts}")
+    ff = ints["feed_forward_length"]
+    ff_exp = ints["expert_feed_forward_length"] or ff // used
+    ff_shexp = (ints["expert_shared_feed_forward_length"] or ff) if arch == "qwen2moe" else 0
+    return {"experts": experts, "experts_used": used, "ff_exp": ff_exp, "ff_shexp": ff_shexp}
+
+
+def _moe_config(hp: dict[str, Any], normalize: bool) -> dict[str, Any]:
+    """Qwen2/3-MoE's keys: every layer sparse; the top-k weights renormalised for Qwen3-MoE, not for
+    Qwen2-MoE (what llama.cpp does for each, unless the file says `expert_weights_norm`)."""
+    return {
+        "num_experts": hp["experts"], "num_experts_per_tok": hp["experts_used"],
+        "moe_intermediate_size": hp["ff_exp"], "norm_topk_prob": bool(normalize),
+        "decoder_sparse_step": 1, "mlp_only_layers": [],
+        **({"shared_expert_intermediate_size": hp["ff_shexp"]} if hp["ff_shexp"] else {}),
+    }
 
 
 def _gemma3_config(get, config: dict[str, Any]) -> dict[str, Any]:

@@ -176,10 +176,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """The gated feed-forward: down(act(gate(x)) * up(x)), gate and up fused in one matmul."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
+        """`intermediate_size`: this MLP's own (an expert's); None: the model's."""
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=False)
         self.act = cfg.hidden_act
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 1-3, Mistral, Qwen2 q/k/v bias, Qwen3 q/k norm) over a paged KV cache.
+"""Llama-family decoder (Llama 1-3, Mistral, Qwen2 q/k/v bias, Qwen3 q/k norm; Qwen2/3-MoE with a
+mixture of experts as the feed-forward, models/moe.py) over a paged KV cache.
 
 The model sees a flat list of tokens with their positions and an AttentionMetadata; it knows
 nothing about requests, batching or scheduling. q/k/v and gate/up are fused into one matmul each.
@@ -12,6 +13,7 @@ from torch import nn
 from octavo.config import ModelConfig
 from octavo.kernels.metadata import AttentionMetadata
 from octavo.models.layers import MLP, Attention, CausalLM, KVCache, Linear, RMSNorm, RotaryEmbedding
+from octavo.models.moe import SparseMoE
 
 
 class DecoderLayer(nn.Module):
@@ -20,7 +22,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.moe is not None else MLP(cfg)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos, sin, kv_cache: KVCache, meta: AttentionMetadata

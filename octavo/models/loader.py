@@ -140,15 +140,51 @@ def check_model_dir(path: Path) -> None:
 
 
 def _target(name: str) -> tuple[str, str | None]:
-    """Map an HF tensor name to (our parameter name, fused part or None)."""
+    """Map an HF tensor name to (our parameter name, fused part or None): q/k/v into qkv_proj, an
+    MLP's gate/up (the model's, an expert's, the shared expert's) into gate_up_proj."""
     name = name.removeprefix("model.")
     for part in ("q_proj", "k_proj", "v_proj"):
         if f".self_attn.{part}." in name:
             return name.replace(part, "qkv_proj"), part
     for part in ("gate_proj", "up_proj"):
-        if f".mlp.{part}." in name:
+        if f".{part}." in name and ".mlp." in name:
             return name.replace(part, "gate_up_proj"), part
     return name, None
+
+
+def _fused_offset(part: str, rows: int, cfg: ModelConfig) -> tuple[int, int]:
+    """(first row, rows) of `part` in its fused parameter of `rows` rows."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv),
+            "gate_proj": (0, rows // 2), "up_proj": (rows // 2, rows // 2)}[part]
+
+
+def _num_experts(cfg: ModelConfig) -> int:
+    return cfg.moe.num_experts if cfg.moe is not None else 0
+
+
+def per_expert(tensors: Iterable[tuple[str, Any, Any]], num: int):
+    """(name, data, *rest) with a layer's experts stacked in one tensor split into one entry per
+    expert, named as per-expert checkpoints name them (`mlp.experts.3.gate_proj.weight`): GGUF's
+    `mlp.experts.gate_proj.weight` (gguf_arch: [experts * rows, ...] of blocks, or [experts, rows,
+    cols] of floats) and transformers 5's `mlp.experts.gate_up_proj` [experts, 2 * rows, cols]
+    (gate rows first) and `mlp.experts.down_proj`. `num`: the model's experts (0: none); anything
+    else passes through."""
+    for name, data, *rest in tensors:
+        stem, dot, leaf = name.rpartition(".experts.")
+        if not dot or not num or leaf.split(".")[0].isdigit():
+            yield (name, data, *rest)
+            continue
+        stacked = data.reshape(num, -1, data.shape[-1])
+        if leaf == "gate_up_proj":
+            half = stacked.shape[1] // 2
+            for e in range(num):
+                yield (f"{stem}.experts.{e}.gate_proj.weight", stacked[e, :half], *rest)
+                yield (f"{stem}.experts.{e}.up_proj.weight", stacked[e, half:], *rest)
+        else:
+            proj = leaf.removesuffix(".weight")
+            for e in range(num):
+                yield (f"{stem}.experts.{e}.{proj}.weight", stacked[e], *rest)
 
 
 def load_weights(model: CausalLM, model_dir: Path) -> None:
@@ -171,16 +207,9 @@ def load_hf_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]
     model's `state_dict().items()`), fusing q/k/v and gate/up. ValueError names what is missing."""
     cfg = model.config
     params = dict(model.named_parameters())
-    offsets = {
-        "q_proj": (0, cfg.num_heads * cfg.head_dim),
-        "k_proj": (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim),
-        "v_proj": ((cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim),
-        "gate_proj": (0, cfg.intermediate_size),
-        "up_proj": (cfg.intermediate_size, cfg.intermediate_size),
-    }
     loaded: set[str] = set()
     expected_parts: dict[str, int] = {}
-    for hf_name, tensor in tensors:
+    for hf_name, tensor in per_expert(tensors, _num_experts(cfg)):
         if "rotary_emb" in hf_name:
             continue
         if hf_name == "lm_head.weight" and model.lm_head is None:
@@ -195,7 +224,7 @@ def load_hf_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]
                 params[name].copy_(tensor)
                 loaded.add(name)
             else:
-                start, size = offsets[part]
+                start, size = _fused_offset(part, params[name].shape[0], cfg)
                 params[name][start : start + size].copy_(tensor)
                 expected_parts[name] = expected_parts.get(name, 0) + 1
                 if expected_parts[name] == (3 if "qkv" in name else 2):
@@ -373,7 +402,7 @@ def load_gguf_weights(model: CausalLM, gguf_path: Path, model_dir: Path | None =
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     parts: dict[str, dict[str, tuple[torch.Tensor, QuantFormat | None]]] = {}  # fused layer -> part -> data
-    for hf_name, data, fmt in _gguf_tensors(gguf_path, model_dir):
+    for hf_name, data, fmt in per_expert(_gguf_tensors(gguf_path, model_dir), _num_experts(cfg)):
         if hf_name == "lm_head.weight" and model.lm_head is None:
             continue
         name, part = _target(hf_name)
@@ -483,7 +512,8 @@ def _gguf_tensors(
 _HELD_BYTES_PER_WEIGHT = {"Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q8_0": 34 / 32, "Q5_1": 40 / 32, "Q4_K": 24 / 32,
                           "Q5_K": 40 / 32, "Q6_K": 24 / 16}
 _FUSED_PARTS = {"attn_q": "attn_qkv", "attn_k": "attn_qkv", "attn_v": "attn_qkv", "ffn_gate": "ffn_gate_up",
-                "ffn_up": "ffn_gate_up"}
+                "ffn_up": "ffn_gate_up", "ffn_gate_exps": "ffn_gate_up_exps", "ffn_up_exps": "ffn_gate_up_exps",
+                "ffn_gate_shexp": "ffn_gate_up_shexp", "ffn_up_shexp": "ffn_gate_up_shexp"}
 
 
 def held_weight_bytes(header: GGUFHeader, dense_bytes: int = 4) -> int:
@@ -614,6 +644,7 @@ def _write_dense_weights(gguf_path: Path, target: Path) -> None:
     hf_config = gguf_arch.hf_config(header)
     arch = gguf_arch.architecture(header)
     tensors: dict[str, torch.Tensor] = {}
+    num_experts = int(hf_config.get("num_experts") or 0)
     with open(gguf_path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         for t in header.tensors.values():
             if t.name in gguf_arch.CONFIG_TENSORS:
@@ -623,8 +654,9 @@ def _write_dense_weights(gguf_path: Path, target: Path) -> None:
             w = np.asarray(gguf_dequantize(raw, GGMLQuantizationType(t.ggml_type)), dtype=np.float32)
             w = w.reshape(tuple(reversed(t.shape)))
             w = gguf_arch.to_checkpoint(hf_name, w, hf_config, is_float=True)
-            tensors[hf_name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # own, writable copy
-            del raw, w
+            for name, part in per_expert([(hf_name, w)], num_experts):  # experts as per-expert checkpoints name them
+                tensors[name] = torch.from_numpy(np.array(part, dtype=np.float32, order="C"))  # own, writable copy
+            del raw, w, part  # no view of the mapped file may outlive it
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:  # written whole or not at all

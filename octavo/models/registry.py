@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from octavo.config import ModelConfig, RopeConfig
+from octavo.config import ModelConfig, MoEConfig, RopeConfig
 from octavo.hf_fields import window_layer_types
 
 # architecture name -> (q/k/v projections carry a bias, per-head q/k RMSNorm)
@@ -17,7 +17,10 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool | None, bool]] = {
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (None, True),
     "Gemma3ForCausalLM": (None, True),
+    "Qwen2MoeForCausalLM": (True, False),
+    "Qwen3MoeForCausalLM": (None, True),
 }
+MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
 class UnsupportedModelError(ValueError):
@@ -98,6 +101,22 @@ def _gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _moe_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Qwen2/3-MoE's experts. Every layer must be sparse (what llama.cpp writes for both): a config
+    with dense layers among them (`mlp_only_layers`, `decoder_sparse_step` > 1) is refused by name."""
+    layers = int(hf["num_hidden_layers"])
+    dense = set(hf.get("mlp_only_layers") or ()) | {i for i in range(layers) if (i + 1) % int(hf.get("decoder_sparse_step", 1))}
+    if dense:
+        raise UnsupportedModelError(f"{arch} with dense feed-forward layers among the sparse ones (layers "
+                                    f"{sorted(dense)[:8]}) is not supported; every layer must be a mixture of experts")
+    shared = int(hf.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+    return {"moe": MoEConfig(
+        num_experts=int(hf["num_experts"]), top_k=int(hf["num_experts_per_tok"]),
+        intermediate_size=int(hf["moe_intermediate_size"]), norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        shared_intermediate_size=shared,
+    )}
+
+
 def _window_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """Mistral-style or Qwen sliding windows (see hf_fields.window_layer_types)."""
     window, types = window_layer_types(hf, int(hf["num_hidden_layers"]))
@@ -119,6 +138,8 @@ def model_config_from_hf(hf: dict[str, Any], generation: dict[str, Any] | None =
     hidden = int(hf["hidden_size"])
     eos = _as_tuple((generation or {}).get("eos_token_id")) or _as_tuple(hf.get("eos_token_id"))
     extras = _gemma3_fields(hf) if arch == "Gemma3ForCausalLM" else _window_fields(hf)
+    if arch in MOE_ARCHITECTURES:
+        extras |= _moe_fields(hf, arch)
     fields: dict[str, Any] = dict(
         architecture=arch,
         vocab_size=int(hf["vocab_size"]),

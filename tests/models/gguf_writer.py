@@ -20,7 +20,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low
 
 
 def hf_model(arch: str):
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config,
+                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     config = {
         "llama": LlamaConfig(**COMMON, num_hidden_layers=2, attention_bias=True, tie_word_embeddings=False),
@@ -35,6 +36,13 @@ def hf_model(arch: str):
         # six layers: llama.cpp's Gemma 3 pattern (five local, one global) is not in the file
         "gemma3": Gemma3TextConfig(**COMMON, num_hidden_layers=6, head_dim=16, sliding_window=5,
                                    query_pre_attn_scalar=16, tie_word_embeddings=True),
+        # eight experts, two per token; Qwen3-MoE renormalises the two weights, Qwen2-MoE does not
+        # and adds a shared expert behind a sigmoid gate
+        "qwen3moe": Qwen3MoeConfig(**COMMON, num_hidden_layers=2, head_dim=32, tie_word_embeddings=False, num_experts=8,
+                                   num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, initializer_range=0.1),
+        "qwen2moe": Qwen2MoeConfig(**COMMON, num_hidden_layers=2, tie_word_embeddings=False, num_experts=8,
+                                   num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                                   norm_topk_prob=False, initializer_range=0.1),
     }[arch]
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -42,6 +50,10 @@ def hf_model(arch: str):
         for name, p in hf.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                p.normal_(0.0, 0.3)  # decisive routing: no near-tie between a token's k-th and next expert
+            if ".experts." in name:
+                p.normal_(0.0, hf.config.initializer_range)  # transformers 5 leaves stacked experts at zero
     return hf
 
 
@@ -51,7 +63,13 @@ LAYER = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
 }
+# transformers 5 keeps each layer's experts stacked: [experts, 2 * rows, cols] for gate and up
+# (gate first), [experts, hidden, rows] for down; llama.cpp stacks gate, up and down apart
+EXPERTS = {"mlp.experts.gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "mlp.experts.down_proj": ("ffn_down_exps",)}
 GEMMA_LAYER = {**LAYER, "post_attention_layernorm": "post_attention_norm",
                "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
@@ -115,9 +133,30 @@ def add_tiny_tokenizer(w, vocab_size: int, gemma: bool) -> None:
     w.add_unk_token_id(3)
 
 
+def _tensors(hf, file_arch: str):
+    """(GGUF name, checkpoint name, float32 data as the file holds it, a view of the parameter's part)
+    for every tensor the converter writes."""
+    cfg, gemma = hf.config, file_arch == "gemma3"
+    for name, p in hf.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        data = p.detach().numpy().astype(np.float32)
+        _, _, layer, rest = name.split(".", 3) if name.startswith("model.layers.") else ("", "", "", "")
+        if rest in EXPERTS:  # stacked experts: gate and up apart
+            parts = np.split(data, len(EXPERTS[rest]), axis=1)
+            views = torch.chunk(p, len(EXPERTS[rest]), dim=1)
+            for gguf_name, part, view in zip(EXPERTS[rest], parts, views):
+                yield f"blk.{layer}.{gguf_name}.weight", name, part, view
+        elif name.endswith("shared_expert_gate.weight"):
+            yield _gguf_name(name, gemma), name, data.reshape(-1), p  # llama.cpp's [hidden]
+        else:
+            yield _gguf_name(name, gemma), name, data, p
+
+
 def write_gguf(hf, file_arch: str, path) -> None:
-    """`hf`'s weights as llama.cpp writes them; the model's own linear weights become the
-    dequantized Q8_0 values, so that it stays the model the file holds."""
+    """`hf`'s weights as llama.cpp writes them; the model's own linear weights (and experts) become
+    the dequantized Q8_0 values, so that it stays the model the file holds. A mixture of experts'
+    router stays F32, as the converter keeps it."""
     from gguf.quants import dequantize, quantize
 
     cfg, gemma = hf.config, file_arch == "gemma3"
@@ -138,30 +177,33 @@ def write_gguf(hf, file_arch: str, path) -> None:
     add_tiny_tokenizer(w, cfg.vocab_size, gemma)
     if gemma:
         w.add_sliding_window(cfg.sliding_window)
+    if getattr(cfg, "num_experts", None):
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "shared_expert_intermediate_size", None):
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     factors = llama3_rope_freqs(cfg, head_dim)
     if factors is not None:  # Llama 3.1+: the converter writes the scaling as this tensor, no metadata
         w.add_tensor("rope_freqs.weight", factors)
     q8 = gguf.GGMLQuantizationType.Q8_0
-    for name, p in hf.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        data = p.detach().numpy().astype(np.float32)
+    for gguf_name, name, data, p in _tensors(hf, file_arch):
         rotary = file_arch == "llama" and any(name.endswith(f"{p}_proj.{k}") for p in "qk" for k in ("weight", "bias"))
         if rotary:
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             data = _interleave_rope(data, heads)
         if gemma and name.endswith("norm.weight"):
             data = data + 1.0
-        if data.ndim == 2 and "embed" not in name:
+        if data.ndim >= 2 and "embed" not in name and "ffn_gate_inp" not in gguf_name:
             blocks = quantize(data, q8)
-            w.add_tensor(_gguf_name(name, gemma), blocks, raw_shape=blocks.shape, raw_dtype=q8)
+            w.add_tensor(gguf_name, blocks, raw_shape=blocks.shape, raw_dtype=q8)
             with torch.no_grad():  # the interleaving moves whole rows: undo it on the dequantized rows
                 back = dequantize(blocks, q8).reshape(data.shape)
                 if rotary:
                     back = gguf_arch._unpermute_rope(back, heads)
                 p.copy_(torch.from_numpy(back))
         else:
-            w.add_tensor(_gguf_name(name, gemma), data)
+            w.add_tensor(gguf_name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

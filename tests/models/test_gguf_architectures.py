@@ -1,5 +1,5 @@
 """GGUF files of every architecture Octavo runs (llama, Llama 3.1+ with its `rope_freqs`, Mistral
-written as llama, qwen2, qwen3, gemma3), written the way llama.cpp's converter writes them
+written as llama, qwen2, qwen3, gemma3, the mixtures of experts qwen2moe and qwen3moe), written the way llama.cpp's converter writes them
 (tests/models/gguf_writer.py): each loads as the model transformers computes from the same
 (dequantized) weights, logits equal through the paged path, prefill then decode, past Gemma's
 sliding window and past Llama 3's scaling knee."""
@@ -24,7 +24,7 @@ from tests.models.test_tiny_models import entry, run
 
 @pytest.mark.parametrize("arch, file_arch", [
     ("llama", "llama"), ("llama3", "llama"), ("mistral", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"),
-    ("gemma3", "gemma3"),
+    ("gemma3", "gemma3"), ("qwen3moe", "qwen3moe"), ("qwen2moe", "qwen2moe"),
 ])
 def test_gguf_of_each_architecture_loads_as_the_transformers_model(tmp_path, arch, file_arch):
     hf = hf_model(arch)
@@ -37,8 +37,11 @@ def test_gguf_of_each_architecture_loads_as_the_transformers_model(tmp_path, arc
         assert config.layer_types == ("sliding",) * 5 + ("full",) and config.sliding_window == 5
     model = _empty_model(config, "cpu")
     load_gguf_weights(model, path)
-    # q/k/v, o, gate/up, down per layer, and an untied head, kept in their Q8_0 blocks
-    expected = 4 * hf.config.num_hidden_layers + (0 if hf.config.tie_word_embeddings else 1)
+    # q/k/v, o, gate/up, down per layer (per expert, and the shared expert's), and an untied head,
+    # kept in their Q8_0 blocks; a router stays dense (F32 in the file)
+    mlps = (hf.config.num_experts + bool(getattr(hf.config, "shared_expert_intermediate_size", 0))
+            if config.moe else 1)
+    expected = (2 + 2 * mlps) * hf.config.num_hidden_layers + (0 if hf.config.tie_word_embeddings else 1)
     assert sum(isinstance(m, QuantLinear) for m in model.modules()) == expected
     runner = ModelRunner(model.eval(), config, CacheConfig(block_size=4, num_blocks=96), eos_token_ids=())
     groups = len(config.kv_groups())
@@ -89,5 +92,25 @@ def test_a_bad_rope_freqs_tensor_is_refused_by_name(tmp_path, factors, message):
         write_gguf(hf, "llama", tmp_path / "bad.gguf")
     finally:
         gguf_writer.llama3_rope_freqs = original
+    with pytest.raises(gguf_arch.GGUFFormatError, match=message):
+        gguf_arch.hf_config(read_header(tmp_path / "bad.gguf"))
+
+
+@pytest.mark.parametrize("change, message", [
+    ("used", "qwen3moe.expert_used_count 9 exceeds qwen3moe.expert_count 8"),
+    ("count", "metadata qwen3moe.expert_count and qwen3moe.expert_used_count are required"),
+    ("experts", r"tensor blk.0.ffn_gate_exps.weight has shape \[64, 32, 8\]; the model's hyperparameters make it "
+                r"\[64, 32, 6\]"),
+])
+def test_a_mixture_of_experts_with_wrong_expert_metadata_is_refused_by_name(tmp_path, monkeypatch, change, message):
+    hf = hf_model("qwen3moe")
+    if change == "used":
+        hf.config.num_experts_per_tok = 9
+    elif change == "count":
+        monkeypatch.setattr(gguf.GGUFWriter, "add_expert_count", lambda self, n: None)
+    else:  # the metadata says 6 experts; the tensors stack 8
+        original = gguf.GGUFWriter.add_expert_count
+        monkeypatch.setattr(gguf.GGUFWriter, "add_expert_count", lambda self, n: original(self, 6))
+    write_gguf(hf, "qwen3moe", tmp_path / "bad.gguf")
     with pytest.raises(gguf_arch.GGUFFormatError, match=message):
         gguf_arch.hf_config(read_header(tmp_path / "bad.gguf"))

@@ -21,7 +21,8 @@ NUM_NEW = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
 PROMPT_LENGTHS = (5, 40, 100, 150)
 # family -> (transformers model of tests/models/gguf_writer.py, GGUF architecture)
-FAMILIES = {"llama3-rope-freqs": ("llama3", "llama")}
+FAMILIES = {"llama3-rope-freqs": ("llama3", "llama"), "qwen3moe": ("qwen3moe", "qwen3moe"),
+            "qwen2moe": ("qwen2moe", "qwen2moe")}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -101,8 +102,29 @@ def test_prefix_hits_and_n_2(family):
     check(family, build(family).generate(asked, two, use_tqdm=False), asked, "n = 2", n=2)
 
 
+def test_speculation_and_the_second_tier(family, tmp_path):
+    """Prompt-lookup drafts verified on each family, and a prefix served from the tier on disk by
+    an engine started after the one that computed it: the same tokens as transformers'."""
+    base = prompts(family[-1].config.vocab_size)
+    asked = [p + p[: min(30, len(p))] for p in base]  # a repeated stretch: n-grams to draft from
+    llm = build(family, speculative_method="ngram", num_speculative_tokens=3, speculative_max_batch=8)
+    check(family, llm.generate(asked, GREEDY, use_tqdm=False), asked, "ngram speculation")
+    assert llm.engine.get_stats().spec.num_drafts > 0
+    first = build(family, kv_offload_size=64 << 20, kv_offload_path=str(tmp_path))
+    first.generate([base[3]], GREEDY, use_tqdm=False)
+    first.close()  # writes the pool's cached blocks the tier lacks
+    second = build(family, kv_offload_size=64 << 20, kv_offload_path=str(tmp_path))
+    (out,) = second.generate([base[3]], GREEDY, use_tqdm=False)
+    stats = second.engine.get_stats().scheduler
+    assert stats.prefix.num_tier_hits_tokens >= 144 and stats.tier.num_corrupt == 0, stats
+    check(family, [out], [base[3]], "prefix from the tier, after a restart")
+    second.close()
+
+
 def test_the_families_files_are_what_the_converter_writes(family):
-    """The file carries what makes the family itself (not a plain Llama): Llama 3.1+'s rope_freqs."""
+    """The file carries what makes the family itself (not a plain Llama): Llama 3.1+'s rope_freqs,
+    the experts and their routing rule (llama.cpp renormalises Qwen3-MoE's top-k weights, not
+    Qwen2-MoE's, and writes no such key)."""
     from octavo.models.registry import load_model_config
 
     name, model_dir, *_ = family
@@ -111,3 +133,38 @@ def test_the_families_files_are_what_the_converter_writes(family):
         factors = config.rope.freq_factors
         assert factors is not None and factors[0] == 1.0 and factors[-1] == 8.0 and 1.0 < factors[1] < 8.0
         assert torch.isfinite(torch.tensor(factors)).all()
+    if name.endswith("moe"):
+        hf = family[-1].config
+        moe = config.moe
+        assert (moe.num_experts, moe.top_k, moe.intermediate_size) == (8, 2, 32)
+        assert moe.norm_topk_prob == (name == "qwen3moe") == hf.norm_topk_prob
+        assert moe.shared_intermediate_size == (64 if name == "qwen2moe" else 0)
+
+
+@pytest.mark.parametrize("option", [{"enable_lora": True}, {"tensor_parallel_size": 2}])
+def test_lora_and_tensor_parallelism_on_experts_are_refused_by_name(family, option):
+    """Neither is built for a mixture of experts: asked for, the engine refuses before loading."""
+    from octavo.engine_args import EngineArgs
+    from octavo.engine_setup import load
+    from octavo.models.loader import gguf_source
+    from octavo.models.registry import load_model_config
+
+    name, model_dir, *_ = family
+    config = load_model_config(model_dir)
+    args = EngineArgs(model=str(gguf_source(model_dir)), dtype="float32", **option)
+    if config.moe is None:
+        args.check_model(config)  # a dense family has both
+        return
+    what = "LoRA adapters" if "enable_lora" in option else "tensor parallelism"
+    with pytest.raises(ValueError, match=f"{what} .* on a mixture-of-experts model \\({config.architecture}\\)"):
+        load(args)
+
+
+def test_the_plan_of_each_file_holds_what_the_engine_holds(family):
+    """`octavo plan FILE.gguf` counts the weights as the engine holds them (experts included), up to
+    the kernels' row padding (the 97-row head packed in tiles of 16 rows: 1,020 bytes here)."""
+    from octavo.models.gguf_file import read_header
+    from octavo.models.loader import gguf_source, held_weight_bytes
+
+    _, model_dir, _, _, nbytes, _ = family
+    assert held_weight_bytes(read_header(gguf_source(model_dir))) == pytest.approx(nbytes, rel=0.015)

@@ -158,3 +158,29 @@ def test_plan_of_a_gguf_reads_its_tensor_bytes_as_held_and_the_serving_kv_dtype(
     assert data["weight_bytes"] == held and not data["weight_bytes_estimated"]
     assert data["kv_dtype"] == ("bfloat16" if torch.cuda.is_available() else "float32")
     assert data["bytes_per_token"] == 2 * 30 * 3 * 64 * (2 if torch.cuda.is_available() else 4)
+
+
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+                 "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+                 "head_dim": 128, "vocab_size": 151936, "num_experts": 128, "num_experts_per_tok": 8,
+                 "moe_intermediate_size": 768, "tie_word_embeddings": False}
+
+
+def test_a_mixture_of_experts_plans_its_weights_total_and_read_per_step():
+    """Qwen3-30B-A3B's published sizes (30.5B parameters, 3.3B active: Qwen3 technical report) from
+    its config, and the bytes a step reads growing with the experts its tokens use."""
+    f = read_fields(QWEN3_30B_A3B)
+    assert (f.num_experts, f.experts_per_token, f.expert_intermediate_size) == (128, 8, 768)
+    assert round(estimate_num_params(f) / 1e9, 1) == 30.5
+    assert round(estimate_num_params(f, experts=8) / 1e9, 1) == 3.4  # 3.35B: the report rounds down
+    plan = make_plan(f, device_memory=64 << 30, weight_bytes=17 << 30)
+    assert plan.experts == (128, 8)
+    per_step = plan.weight_bytes_per_step
+    assert per_step[1] < per_step[4] < per_step[16] < per_step[64] < plan.weight_bytes
+    # 16 tokens use 128 * (1 - (120 / 128) ** 16) = 82.4 experts of a layer on average
+    dense = estimate_num_params(f, experts=0)
+    share = (dense + (estimate_num_params(f) - dense) * 82.4 / 128) / estimate_num_params(f)
+    assert per_step[16] == pytest.approx((17 << 30) * share, rel=1e-3)
+    assert per_step[1] / plan.weight_bytes == pytest.approx(estimate_num_params(f, experts=8) / estimate_num_params(f))
+    dense_plan = make_plan(read_fields(SMOL), device_memory=64 << 30)
+    assert dense_plan.experts is None and dense_plan.weight_bytes_per_step == {}
