@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build llama.cpp's `llama-server` (CPU) from the sources vendored in the llama-cpp-python==0.3.36
+# Build llama.cpp's `llama-server` and `llama-quantize` (CPU) from the sources vendored in the llama-cpp-python==0.3.36
 # sdist on PyPI, once, into a cache outside the repo; print the binary's path.
 #   tools/build_llama_server.sh            # ~10-20 min on two cores the first time, then instant
 # Env: LLAMA_CACHE_DIR (default ~/.cache/octavo/llama.cpp), PYTHON (default python3), JOBS (default nproc).
@@ -19,7 +19,13 @@ if [[ ! -d "llama_cpp_python-$VERSION" ]]; then
 fi
 SRC="$CACHE/llama_cpp_python-$VERSION/vendor/llama.cpp"
 # GGML_NATIVE: use this CPU's vector units (as Octavo's kernels do); no curl: nothing is downloaded.
+# AMX off: on the project's Intel machines that expose AMX, the native build's AMX kernel dies of
+# SIGILL (the tiles are listed but not usable); the compiler's explicit -mno-amx-* win over
+# -march=native, so the rest of the native build (AVX-512, VNNI) stays.
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 cmake -S "$SRC" -B "build-$VERSION" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
   -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON >&2
-cmake --build "build-$VERSION" --target llama-server -j "${JOBS:-$(nproc)}" >&2
+# llama-quantize too: benchmark files of real shapes are written with random weights and quantized by it
+cmake --build "build-$VERSION" --target llama-server llama-quantize -j "${JOBS:-$(nproc)}" >&2
 echo "$BIN"

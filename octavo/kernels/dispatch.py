@@ -222,10 +222,10 @@ def _num_sms(device_index: int) -> int:
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    window: int | None = None,
+    window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention over the paged cache (within `window` keys, for sliding-window layers) by
-    the kernel the step's metadata names."""
+    """Causal attention over the paged cache (within `window` keys, for sliding-window layers;
+    scores soft-capped, Gemma 2; a sink logit per head, gpt-oss) by the kernel the step's metadata names."""
     if meta.backend == "triton":
         from octavo.kernels.triton import paged_attention as triton_attention
 
@@ -235,11 +235,12 @@ def paged_attention(
                 max_context = min(max_context, window)
             splits = num_kv_splits(q.shape[0], k_cache.shape[2], max_context, _num_sms(q.device.index or 0))
             if splits > 1:
-                return triton_attention.paged_attention_split_kv(q, k_cache, v_cache, meta, scale, splits, window)
-        return triton_attention.paged_attention(q, k_cache, v_cache, meta, scale, window)
+                return triton_attention.paged_attention_split_kv(q, k_cache, v_cache, meta, scale, splits, window,
+                                                                 softcap, sinks)
+        return triton_attention.paged_attention(q, k_cache, v_cache, meta, scale, window, softcap, sinks)
     if meta.backend == "cpu":
-        return cpu.paged_attention(q, k_cache, v_cache, meta, scale, window)
-    return reference.paged_attention(q, k_cache, v_cache, meta, scale, window)
+        return cpu.paged_attention(q, k_cache, v_cache, meta, scale, window, softcap, sinks)
+    return reference.paged_attention(q, k_cache, v_cache, meta, scale, window, softcap, sinks)
 
 
 def act_and_mul(gate_up: torch.Tensor, act: str, backend: str = "reference") -> torch.Tensor:

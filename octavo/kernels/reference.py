@@ -91,10 +91,14 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query token over its request's cached keys (this step's included);
     with a `window`, the query at position p sees keys p - window + 1 .. p only (sliding-window
-    layers; keys before that are never read, and their blocks may be gone).
+    layers; keys before that are never read, and their blocks may be gone). `softcap` (Gemma 2):
+    every score s becomes softcap * tanh(s / softcap) before the softmax. `sinks` [num_heads]
+    (gpt-oss): one more logit per head in the softmax's denominator, with no value.
 
     q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
     Decode-like requests are batched together (one gather, two batched matmuls); each multi-token
@@ -136,12 +140,50 @@ def paged_attention(
         for h in range(num_kv_heads):
             # Strided per-head views feed the batched GEMMs directly (no transposed copies).
             scores = torch.bmm(qd[:, h], keys[:, :, h, :].transpose(1, 2)) * scale  # [nd, g, L]
-            probs = torch.softmax(scores.masked_fill_(hidden_mask, float("-inf")), dim=-1)
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            scores = scores.masked_fill_(hidden_mask, float("-inf"))
+            head_sinks = None if sinks is None else sinks[h * group : (h + 1) * group]
+            probs = _softmax(scores, head_sinks)
             out[:nd, h * group : (h + 1) * group] = torch.bmm(probs, values[:, :, h, :])  # [nd, g, d]
 
     for span in gathered.prefills:
-        out[span.q_start : span.q_start + span.q_len] = _span_attention(q, k_flat, v_flat, span, scale, window)
+        if softcap is None and sinks is None:
+            o = _span_attention(q, k_flat, v_flat, span, scale, window)
+        else:
+            o = _span_attention_explicit(q, k_flat, v_flat, span, scale, window, softcap, sinks)
+        out[span.q_start : span.q_start + span.q_len] = o
     return out
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last axis of [..., heads, keys] scores; with `sinks` [heads], each head's
+    sink logit joins the denominator (its probability is dropped: it has no value)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    column = sinks.to(scores.dtype)[:, None].expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat((scores, column), dim=-1), dim=-1)[..., :-1]
+
+
+def _span_attention_explicit(q, k_flat, v_flat, span, scale: float, window: int | None, softcap: float | None,
+                             sinks: torch.Tensor | None) -> torch.Tensor:
+    """`_span_attention` with the scores written out (soft-capping and sinks are not in SDPA)."""
+    past = span.context_len - span.q_len
+    lo = 0 if window is None else max(0, past + 1 - window)
+    num_heads, kv_heads = q.shape[1], k_flat.shape[1]
+    qs = q[span.q_start : span.q_start + span.q_len].transpose(0, 1)  # [H, n, d]
+    keys = k_flat[span.context_slots[lo:]].transpose(0, 1).repeat_interleave(num_heads // kv_heads, 0)  # [H, c, d]
+    values = v_flat[span.context_slots[lo:]].transpose(0, 1).repeat_interleave(num_heads // kv_heads, 0)
+    scores = torch.matmul(qs, keys.transpose(1, 2)) * scale  # [H, n, c]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    rows = torch.arange(span.q_len, device=q.device)[:, None] + past
+    cols = torch.arange(lo, span.context_len, device=q.device)[None, :]
+    visible = cols <= rows
+    if window is not None:
+        visible &= cols > rows - window
+    scores = scores.masked_fill(~visible, float("-inf")).transpose(0, 1)  # [n, H, c]
+    return torch.matmul(_softmax(scores, sinks).transpose(0, 1), values).transpose(0, 1)  # [n, H, d]
 
 
 def _span_attention(q, k_flat, v_flat, span, scale: float, window: int | None) -> torch.Tensor:

@@ -10,23 +10,31 @@ from octavo.kernels.metadata import AttentionMetadata
 from octavo.kernels.reference import write_kv
 
 
-def dense_attention(q, k, v, past: int, scale: float, window: int | None = None):
+def dense_attention(q, k, v, past: int, scale: float, window: int | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None):
     """q: [n, H, d] at positions past..past+n-1; k, v: [past+n, kvh, d]; with a window, the query
-    at position p sees keys p - window + 1 .. p."""
+    at position p sees keys p - window + 1 .. p; `softcap`: scores become softcap * tanh(s / softcap);
+    `sinks` [H]: one more logit per head in the softmax, with no value."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,lhd->hnl", q, k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     n, length = q.shape[0], k.shape[0]
     rows = torch.arange(n)[:, None] + past
     mask = torch.arange(length)[None, :] <= rows
     if window is not None:
         mask &= torch.arange(length)[None, :] > rows - window
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
+    if sinks is None:
+        return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
+    column = sinks[:, None, None].expand(-1, n, 1)
+    probs = torch.cat((scores, column), dim=-1).softmax(-1)[..., :-1]
+    return torch.einsum("hnl,lhd->nhd", probs, v)
 
 
-def build_step(block_size, heads, kv_heads, d, lengths, seed=0, window=None):
+def build_step(block_size, heads, kv_heads, d, lengths, seed=0, window=None, softcap=None, sinks=None):
     """A KV pool holding each request's cached prefix at scattered blocks, this step's keys
     written, and the step's metadata. `lengths` lists (tokens already cached, tokens now). With a
     `window`, the expected output is sliding-window attention, and each block table entry wholly
@@ -70,6 +78,6 @@ def build_step(block_size, heads, kv_heads, d, lengths, seed=0, window=None):
             meta.block_tables[row, :gone] = num_blocks - 1
     q = torch.cat([reqs[i][4] for i in order])
     expected = torch.cat(
-        [dense_attention(reqs[i][4], reqs[i][2], reqs[i][3], reqs[i][0], d**-0.5, window) for i in order]
+        [dense_attention(reqs[i][4], reqs[i][2], reqs[i][3], reqs[i][0], d**-0.5, window, softcap, sinks) for i in order]
     )
     return q, k_cache, v_cache, meta, expected

@@ -96,6 +96,30 @@ def test_sliding_window_matches_dense_and_never_reads_outside(window, block_size
         torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("softcap, with_sinks", [(1.5, False), (None, True), (2.0, True)])
+@pytest.mark.parametrize("window", [None, 16])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("heads, kv_heads, d", [(4, 1, 8), (9, 3, 64)])
+def test_soft_capping_and_sinks_match_dense(softcap, with_sinks, window, block_size, heads, kv_heads, d):
+    """Gemma 2's soft-capped scores and gpt-oss's per-head sinks, in the reference (decode rows and
+    spans) and the C++ kernel, with and without a window, equal the dense form (the scores
+    q . k / sqrt(d) are about N(0, 1) here: a cap of 1.5 bends most of them)."""
+    sinks = torch.randn(heads) * 2 if with_sinks else None
+    q, k_cache, v_cache, meta, expected = build_step(block_size, heads, kv_heads, d, WINDOW_LENGTHS_SPANS, window=window,
+                                                     softcap=softcap, sinks=sinks)
+    plain = build_step(block_size, heads, kv_heads, d, WINDOW_LENGTHS_SPANS, window=window)[-1]
+    assert (expected - plain).abs().max() > 0.05  # the cap and the sinks change the result
+    out = paged_attention(q, k_cache, v_cache, meta, d**-0.5, window, softcap, sinks)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+    if cpu.load() is not None:
+        meta.backend = "cpu"
+        out = dispatch.paged_attention(q, k_cache, v_cache, meta, d**-0.5, window, softcap, sinks)
+        torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+
+
+WINDOW_LENGTHS_SPANS = [(0, 1), (40, 1), (3, 40), (33, 35), (70, 9)]
+
+
 def test_cpu_kernel_rejects_what_it_cannot_do():
     cpu_kernel_or_skip()
     q, k_cache, v_cache, meta, _ = build_step(4, 4, 4, 8, LENGTHS[0])

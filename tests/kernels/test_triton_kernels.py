@@ -92,6 +92,28 @@ def test_sliding_window_matches_dense(window, block_size, heads, kv_heads, d):
     torch.testing.assert_close(out, expected.to(DEVICE), **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("softcap, with_sinks", [(1.5, False), (None, True), (2.0, True)])
+@pytest.mark.parametrize("window", [None, 20])
+def test_soft_capping_and_sinks_match_dense(softcap, with_sinks, window):
+    """Gemma 2's soft-capped scores and gpt-oss's sinks in both kernels (the unified one's sink
+    after its last tile, split-KV's in the merge) equal the dense form."""
+    attention = kernels()[0]
+    heads, kv_heads, d = 6, 2, 64
+    sinks = torch.randn(heads) * 2 if with_sinks else None
+    dev_sinks = None if sinks is None else sinks.to(DEVICE)
+    step = build_step(16, heads, kv_heads, d, [(0, 1), (70, 1), (3, 40), (50, 30)], window=window, softcap=softcap,
+                      sinks=sinks)
+    expected = step[4].to(DEVICE)
+    q, k_cache, v_cache, meta = to(step, torch.float32)
+    out = attention.paged_attention(q, k_cache, v_cache, meta, d**-0.5, window, softcap, dev_sinks)
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
+    step = build_step(16, heads, kv_heads, d, [(0, 1), (31, 1), (200, 1)], window=window, softcap=softcap, sinks=sinks)
+    expected = step[4].to(DEVICE)
+    q, k_cache, v_cache, meta = to(step, torch.float32)
+    out = attention.paged_attention_split_kv(q, k_cache, v_cache, meta, d**-0.5, 4, window, softcap, dev_sinks)
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
+
+
 def test_split_kv_refuses_prefill_rows_and_bad_splits():
     attention = kernels()[0]
     q, k_cache, v_cache, meta = to(build_step(16, 4, 2, 64, MIXED[0]), torch.float32)

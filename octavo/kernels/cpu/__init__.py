@@ -156,7 +156,8 @@ def q_tile(num_tokens: int, num_threads: int) -> int:
     return max(1, min(Q_TILE, -(-num_tokens // max(1, num_threads))))
 
 
-def paged_attention(q, k_cache, v_cache, meta, scale: float, window: int | None = None):
+def paged_attention(q, k_cache, v_cache, meta, scale: float, window: int | None = None, softcap: float | None = None,
+                    sinks=None):
     """Same contract as `octavo.kernels.reference.paged_attention`; float32 CPU tensors only."""
     import torch
 
@@ -168,6 +169,7 @@ def paged_attention(q, k_cache, v_cache, meta, scale: float, window: int | None 
     module.paged_attention(
         out, q, k_cache, v_cache, meta.block_tables, meta.query_starts, meta.query_lens, meta.context_lens, scale,
         q_tile(q.shape[0], torch.get_num_threads()),
-        0 if window is None else window,
+        0 if window is None else window, 0.0 if softcap is None else softcap,
+        torch.empty(0) if sinks is None else sinks.float().contiguous(),
     )
     return out

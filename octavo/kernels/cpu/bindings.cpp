@@ -3,7 +3,8 @@
 
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                      torch::Tensor block_tables, torch::Tensor q_starts, torch::Tensor q_lens,
-                     torch::Tensor context_lens, double scale, int64_t q_tile, int64_t window);
+                     torch::Tensor context_lens, double scale, int64_t q_tile, int64_t window, double softcap,
+                     torch::Tensor sinks);
 torch::Tensor pack(torch::Tensor qweight, int64_t fmt);
 void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t fmt);
 void dequantize_rows(torch::Tensor out, torch::Tensor packed, int64_t fmt, torch::Tensor rows, int64_t N);

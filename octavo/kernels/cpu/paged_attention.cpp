@@ -155,9 +155,13 @@ inline void prefetch_block(const float* block, int64_t num_floats) {
 // [context_lens[s] - q_lens[s], context_lens[s]); its keys 0 .. context_lens[s]-1 live in the
 // blocks block_tables[s][0 ..]. window > 0: the query at position p sees keys p - window + 1 .. p
 // only; blocks wholly before the first query's window are never read (they may be gone).
+// softcap > 0 (Gemma 2): each score s becomes softcap * tanh(s / softcap) before the softmax.
+// sinks: [num_heads] float32 (gpt-oss), or empty: a logit per head that joins the softmax's
+// denominator and has no value.
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                      at::Tensor block_tables, at::Tensor q_starts, at::Tensor q_lens,
-                     at::Tensor context_lens, double scale, int64_t q_tile, int64_t window) {
+                     at::Tensor context_lens, double scale, int64_t q_tile, int64_t window, double softcap,
+                     at::Tensor sinks) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "the CPU paged-attention kernel takes float32 tensors");
@@ -168,6 +172,10 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
               "block tables and lengths must be int32");
   TORCH_CHECK(q_tile >= 1, "q_tile must be positive");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none)");
+  TORCH_CHECK(sinks.numel() == 0 || (sinks.scalar_type() == at::kFloat && sinks.is_contiguous() &&
+                                     sinks.numel() == q.size(1)),
+              "sinks: one float32 per query head, or empty");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && out.sizes() == q.sizes() &&
                   q.size(2) == k_cache.size(3),
               "shapes: q, out [tokens, heads, head_dim]; caches [blocks, block_size, kv_heads, head_dim]");
@@ -187,6 +195,8 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   const int32_t* lens = q_lens.data_ptr<int32_t>();
   const int32_t* ctxs = context_lens.data_ptr<int32_t>();
   const float fscale = static_cast<float>(scale);
+  const float fcap = static_cast<float>(softcap);
+  const float* sinkp = sinks.numel() ? sinks.data_ptr<float>() : nullptr;
 
   std::vector<Item> items;
   for (int32_t s = 0; s < num_seqs; ++s) {
@@ -249,13 +259,19 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
                      jend - jbeg, head_dim, fscale, scores.data() + r * span + (jbeg - key_lo));
         }
       }
-      // Pass 2: softmax of each row over its visible keys.
+      // Pass 2: softmax of each row over its visible keys (soft-capped first; with its head's sink
+      // in the denominator).
       for (int64_t r = 0; r < rows; ++r) {
         float* sr = scores.data() + r * span + (first[r] - key_lo);
         const int64_t n = limit[r] - first[r];
+        if (fcap > 0.f)
+          for (int64_t j = 0; j < n; ++j) sr[j] = fcap * std::tanh(sr[j] / fcap);
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < n; ++j) m = std::max(m, sr[j]);
-        const float inv = 1.f / exp_shifted_sum(sr, n, m);
+        const float sink = sinkp ? sinkp[r % num_heads] : -std::numeric_limits<float>::infinity();
+        m = std::max(m, sink);
+        const float sum = exp_shifted_sum(sr, n, m) + (sinkp ? std::exp(sink - m) : 0.f);
+        const float inv = 1.f / sum;
         for (int64_t j = 0; j < n; ++j) sr[j] *= inv;
       }
       // Pass 3: probabilities x values.

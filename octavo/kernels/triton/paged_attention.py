@@ -6,6 +6,8 @@ token-major: row r is token r // GROUP_P, head r % GROUP_P), and walks the reque
 at a time, looking each key's block up in the block table (so any cache block size works),
 with an online softmax. Causal: the query at absolute position p sees keys 0..p, or with a
 sliding window keys p - window + 1 .. p (tiles wholly before the window are skipped, never read).
+Soft-capping (Gemma 2) applies softcap * tanh(s / softcap) to each score; a head's sink (gpt-oss)
+is folded into the softmax's denominator after the last tile (in the merge, split-KV).
 
 `paged_attention_split_kv` is the flash-decoding variant for decode-only steps with long
 contexts and few (request, KV head) pairs: each program covers one slice of the keys, and a
@@ -29,8 +31,9 @@ def _attend_tile(
     q, m_i, l_i, acc, q_pos, window, first_key, key_start, num_keys, seq, kvh,
     k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_bt,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    scale, d, d_ok,
+    scale, softcap, d, d_ok,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One TILE_N slice of keys [key_start, key_start + TILE_N) folded into the running softmax.
     Keys before `first_key` (outside every row's window) are never loaded: their blocks may be gone.
@@ -47,6 +50,8 @@ def _attend_tile(
         q = q.to(tl.float32)
         k = k.to(tl.float32)
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, TILE_N]
+    if SOFTCAP:  # softcap * tanh(s / softcap), tanh written with exp (1 - 2 / (e^2x + 1): saturates cleanly)
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
     visible = (n[None, :] <= q_pos[:, None]) & (n[None, :] > q_pos[:, None] - window) & n_ok[None, :]
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -68,15 +73,16 @@ def _attend_tile(
 
 @triton.jit
 def _unified_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, sinks_ptr,
     block_tables_ptr, query_starts_ptr, query_lens_ptr, context_lens_ptr,
-    scale, window,
+    scale, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -108,8 +114,14 @@ def _unified_attention_kernel(
                 q, m_i, l_i, acc, q_pos, window, first_key, key_start, num_keys, seq, kvh,
                 k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_bt,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                scale, d, d_ok, BLOCK_SIZE, TILE_N, DOT_PRECISION, UPCAST,
+                scale, softcap, d, d_ok, BLOCK_SIZE, TILE_N, DOT_PRECISION, UPCAST, SOFTCAP,
             )
+        if SINKS:  # the head's sink joins the denominator: rescale to the larger maximum
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+            m_new = tl.maximum(m_i, sink)
+            alpha = tl.exp(m_i - m_new)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha + tl.exp(sink - m_new)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
             out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -121,13 +133,14 @@ def _unified_attention_kernel(
 def _split_kv_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr,
     block_tables_ptr, query_starts_ptr, context_lens_ptr,
-    scale, window,
+    scale, window, softcap,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, stride_ps, stride_ph, stride_pk, stride_ls, stride_lh,
     NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Decode rows only: program (request, KV head, split) attends to its split's keys and writes
     the normalised partial output and its log-sum-exp (-inf for an empty split)."""
@@ -159,7 +172,7 @@ def _split_kv_decode_kernel(
             q, m_i, l_i, acc, q_pos, window, first_key, key_start, end, seq, kvh,
             k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_bt,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            scale, d, d_ok, BLOCK_SIZE, TILE_N, DOT_PRECISION, UPCAST,
+            scale, softcap, d, d_ok, BLOCK_SIZE, TILE_N, DOT_PRECISION, UPCAST, SOFTCAP,
         )
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -171,9 +184,9 @@ def _split_kv_decode_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, query_starts_ptr,
+    part_out_ptr, part_lse_ptr, out_ptr, query_starts_ptr, sinks_ptr,
     stride_ps, stride_ph, stride_pk, stride_ls, stride_lh, stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -181,9 +194,14 @@ def _merge_splits_kernel(
     d = tl.arange(0, HEAD_DIM_P)
     lse = tl.load(part_lse_ptr + seq * stride_ls + head * stride_lh + k)  # [NUM_SPLITS]
     top = tl.max(lse, 0)
+    if SINKS:  # the sink is one more "split" with no output
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        top = tl.maximum(top, sink)
     w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - top))
     parts = tl.load(part_out_ptr + seq * stride_ps + head * stride_ph + k[:, None] * stride_pk + d[None, :])
     total = tl.sum(w, 0)
+    if SINKS:
+        total += tl.exp(sink - top)
     out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
     token = tl.load(query_starts_ptr + seq).to(tl.int64)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
@@ -199,7 +217,7 @@ NO_WINDOW = 1 << 30  # "window" of a global layer: more keys than any context
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    window: int | None = None,
+    window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim] (reference contract).
     Caches [num_blocks, block_size, num_kv_heads, head_dim]; rows of requests with context length 0
@@ -217,21 +235,22 @@ def paged_attention(
         return out
     grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
     _unified_attention_kernel[grid](
-        q, k_cache, v_cache, out,
+        q, k_cache, v_cache, out, q if sinks is None else sinks.float().contiguous(),
         meta.block_tables, meta.query_starts, meta.query_lens, meta.context_lens,
-        scale, NO_WINDOW if window is None else window,
+        scale, NO_WINDOW if window is None else window, 1.0 if softcap is None else softcap,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         meta.block_tables.stride(0),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_P=max(16, next_pow2(head_dim)),
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, TILE_N=TILE_N, DOT_PRECISION=_dot_precision(q.dtype), UPCAST=is_interpreted(),
+        SOFTCAP=softcap is not None, SINKS=sinks is not None,
     )
     return out
 
 
 def paged_attention_split_kv(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, num_splits: int,
-    window: int | None = None,
+    window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The reference contract for a decode-only step (every request has one query token), its keys
     cut into `num_splits` slices (a power of two) that run in parallel and are merged."""
@@ -254,15 +273,17 @@ def paged_attention_split_kv(
     _split_kv_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, part_out, part_lse,
         meta.block_tables, meta.query_starts, meta.context_lens,
-        scale, NO_WINDOW if window is None else window,
+        scale, NO_WINDOW if window is None else window, 1.0 if softcap is None else softcap,
         q.stride(0), q.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         meta.block_tables.stride(0), *strides,
         NUM_SPLITS=num_splits, BLOCK_M=max(16, next_pow2(group)), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         HEAD_DIM_P=head_dim_p, GROUP=group, GROUP_P=next_pow2(group), TILE_N=TILE_N, DOT_PRECISION=_dot_precision(q.dtype), UPCAST=is_interpreted(),
+        SOFTCAP=softcap is not None,
     )
     _merge_splits_kernel[(num_seqs, num_heads)](
-        part_out, part_lse, out, meta.query_starts, *strides, out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
+        part_out, part_lse, out, meta.query_starts, q if sinks is None else sinks.float().contiguous(),
+        *strides, out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, SINKS=sinks is not None,
     )
     return out
