@@ -91,6 +91,9 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     local_rope: RopeConfig | None = None
     moe: MoEConfig | None = None  # every layer's feed-forward is this mixture of experts (None: dense)
+    # Gemma 2's soft-capping: attention scores and final logits become cap * tanh(x / cap) (None: none)
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:

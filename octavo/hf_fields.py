@@ -7,6 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 
+# Gemma configs written before `layer_types` name neither it nor a pattern: the family's own
+# (Gemma 2 alternates local and global layers, Gemma 3 has five local per global), as transformers assumes
+GEMMA_PATTERNS = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
+
+
 def window_layer_types(cfg: dict[str, Any], num_layers: int, used: dict[str, str] | None = None) -> tuple[int | None, tuple[str, ...]]:
     """(sliding window, "full"/"sliding" per layer; () when no layer slides), from `layer_types`
     (Gemma 3, newer transformers), else `sliding_window_pattern` (every Nth layer global, Gemma
@@ -21,8 +26,8 @@ def window_layer_types(cfg: dict[str, Any], num_layers: int, used: dict[str, str
     if isinstance(cfg.get("layer_types"), list):
         used["num_window_layers"] = "layer_types (sliding_attention entries)"
         types = tuple("sliding" if t == "sliding_attention" else "full" for t in cfg["layer_types"])
-    elif cfg.get("sliding_window_pattern"):
-        pattern = int(cfg["sliding_window_pattern"])
+    elif cfg.get("sliding_window_pattern") or cfg.get("model_type") in GEMMA_PATTERNS:
+        pattern = int(cfg.get("sliding_window_pattern") or GEMMA_PATTERNS[cfg["model_type"]])
         used["num_window_layers"] = f"sliding_window_pattern {pattern}: every {pattern}th layer global"
         types = tuple("sliding" if (i + 1) % pattern else "full" for i in range(num_layers))
     elif str(cfg.get("model_type", "")).startswith("qwen"):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from octavo.config import ModelConfig
-from octavo.models.layers import CausalLM, Linear, QuantEmbedding, QuantLinear
+from octavo.models.layers import CausalLM, Linear, QuantEmbedding, QuantLinear, soft_cap
 from octavo.quantization import BLOCK
 
 
@@ -174,7 +174,7 @@ def shard_model(model: CausalLM, rank: int, world: int) -> CausalLM:
             local = F.pad(local, (0, vocab_rows - local.shape[1]), value=float("-inf"))
         parts = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(parts, local.contiguous())
-        return torch.cat(parts, dim=1)[:, :vocab]
+        return soft_cap(torch.cat(parts, dim=1)[:, :vocab], cfg.final_logit_softcap)
 
     model.compute_logits = compute_logits  # the sampler sees whole-vocabulary logits
     return model

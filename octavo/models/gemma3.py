@@ -1,4 +1,6 @@
-"""Gemma 3 text decoder over a paged KV cache: interleaved sliding-window and global layers.
+"""Gemma 3 text decoder over a paged KV cache: interleaved sliding-window and global layers. Gemma 2
+is the same decoder with no q/k norm, one RoPE base, alternating layers and soft-capped attention
+scores and final logits (the config's fields; the attention kernels and CausalLM apply them).
 
 What differs from the Llama file: four norms per layer (before and after attention and the
 feed-forward), per-head q/k RMSNorm, GeGLU with tanh GELU, the embedding scaled by sqrt(hidden),

@@ -1,5 +1,5 @@
-"""GGUF architectures Octavo reads (llama, and with it Mistral; qwen2, qwen3, gemma3; the mixtures of
-experts qwen2moe and qwen3moe): a file's
+"""GGUF architectures Octavo reads (llama, and with it Mistral; qwen2, qwen3, gemma2, gemma3; the
+mixtures of experts qwen2moe and qwen3moe): a file's
 metadata as a Hugging Face config dict, its tensor names as checkpoint names, and its tensors in
 the checkpoint's conventions (llama.cpp's converter interleaves Llama q/k rows and stores Gemma's
 norm weights as 1 + w; both are undone here, so every loader path sees one convention).
@@ -19,13 +19,14 @@ import numpy as np
 
 from octavo.models.gguf_file import ArrayValue, GGUFFormatError, GGUFHeader, read_header
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3", "qwen2moe", "qwen3moe")
+SUPPORTED = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2moe", "qwen3moe")
 MOE = ("qwen2moe", "qwen3moe")
 
 _HF_ARCH = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
@@ -59,7 +60,7 @@ _LAYER_NAMES = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
-# Gemma 3 has four norms per layer: llama.cpp's `ffn_norm` is the one before the feed-forward.
+# Gemma 2 and 3 have four norms per layer: llama.cpp's `ffn_norm` is the one before the feed-forward.
 _GEMMA3_LAYER_NAMES = {
     **_LAYER_NAMES,
     "ffn_norm": "pre_feedforward_layernorm",
@@ -89,7 +90,7 @@ GEMMA_CHAT_TEMPLATE = (
 
 def default_chat_template(arch: str) -> str | None:
     """The chat template to write when the file has none (None: leave it without)."""
-    return GEMMA_CHAT_TEMPLATE if arch == "gemma3" else None
+    return GEMMA_CHAT_TEMPLATE if arch in ("gemma2", "gemma3") else None
 
 
 class UnsupportedGGUFError(GGUFFormatError):
@@ -136,7 +137,7 @@ def hf_name(gguf_name: str, arch: str) -> str:
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _TOP_NAMES:
         return f"{_TOP_NAMES[stem]}.{suffix}"
-    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    names = _GEMMA3_LAYER_NAMES if arch in ("gemma2", "gemma3") else _LAYER_NAMES
     parts = stem.split(".")
     if len(parts) != 3 or parts[0] != "blk" or parts[2] not in names:
         raise UnsupportedGGUFError(f"GGUF tensor {gguf_name!r} has no place in a {arch} model")
@@ -160,7 +161,7 @@ def to_checkpoint(name: str, rows: np.ndarray, hf_config: dict[str, Any], is_flo
         return _unpermute_rope(rows, hf_config["num_attention_heads"])
     if model_type == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
         return _unpermute_rope(rows, hf_config["num_key_value_heads"])
-    if model_type == "gemma3_text" and is_float and name.endswith("norm.weight"):
+    if model_type in ("gemma2", "gemma3_text") and is_float and name.endswith("norm.weight"):
         return rows - np.float32(1.0)
     if name.endswith("shared_expert_gate.weight"):  # llama.cpp keeps [hidden]; the checkpoint [1, hidden]
         return rows.reshape(1, -1)
@@ -210,6 +211,8 @@ def hf_config(header: GGUFHeader, hp: dict[str, Any] | None = None) -> dict[str,
         config["attention_bias"] = True  # Qwen2: q/k/v; Llama: q/k/v and the output projection
     if arch == "gemma3":
         config.update(_gemma3_config(get, config))
+    if arch == "gemma2":
+        config.update(_gemma2_config(get, config))
     if arch in MOE:
         config.update(_moe_config(hp, get("expert_weights_norm", arch == "qwen3moe")))
     factors = rope_freq_factors(header)
@@ -270,8 +273,12 @@ def check_model(header: GGUFHeader) -> dict[str, Any]:
         raise GGUFFormatError(f"{name}: the head size {head_dim} must be even (rotary pairs)")
     if ints["attention.value_length"] not in (None, head_dim):
         raise GGUFFormatError(f"{name}: value heads of {ints['attention.value_length']} differ from key heads of {head_dim}")
-    if arch == "gemma3" and ints["attention.sliding_window"] is None:
-        raise GGUFFormatError(f"{name}: metadata gemma3.attention.sliding_window is missing")
+    if arch in ("gemma2", "gemma3") and ints["attention.sliding_window"] is None:
+        raise GGUFFormatError(f"{name}: metadata {arch}.attention.sliding_window is missing")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = header.get(f"{arch}.{key}")
+        if value is not None and (isinstance(value, (bool, str, ArrayValue)) or not math.isfinite(value) or value <= 0):
+            raise GGUFFormatError(f"{name}: metadata {arch}.{key} must be a positive finite number, got {value!r}")
     vocab = _check_tokenizer(header)
     if ints["vocab_size"] not in (None, vocab):
         raise GGUFFormatError(f"{name}: {arch}.vocab_size {ints['vocab_size']} differs from the {vocab} tokens")
@@ -340,7 +347,7 @@ def expected_tensors(header: GGUFHeader, hp: dict[str, Any]) -> dict[str, tuple[
             layer["attn_output.bias"] = (hidden,)
     if arch in ("qwen3", "gemma3", "qwen3moe"):
         layer |= {"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)}
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         layer |= {"post_attention_norm.weight": (hidden,), "post_ffw_norm.weight": (hidden,)}
     if arch in MOE:  # the feed-forward is the experts: a router and each projection stacked over them
         experts, ff_exp = hp["experts"], hp["ff_exp"]
@@ -404,6 +411,23 @@ def _moe_config(hp: dict[str, Any], normalize: bool) -> dict[str, Any]:
         "moe_intermediate_size": hp["ff_exp"], "norm_topk_prob": bool(normalize),
         "decoder_sparse_step": 1, "mlp_only_layers": [],
         **({"shared_expert_intermediate_size": hp["ff_shexp"]} if hp["ff_shexp"] else {}),
+    }
+
+
+def _gemma2_config(get, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's keys: the window on alternate layers (llama.cpp's pattern 2: even layers local),
+    the two soft-caps, and the query scale, which the file does not carry: llama.cpp takes
+    hidden / heads for the 46-layer model (27B: 144) and the head size otherwise (llama-model.cpp,
+    LLM_ARCH_GEMMA2), as the checkpoints' query_pre_attn_scalar says."""
+    layers = config["num_hidden_layers"]
+    return {
+        "sliding_window": int(get("attention.sliding_window")),
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"] if layers == 46 else config["head_dim"],
+        "attn_logit_softcapping": float(get("attn_logit_softcapping", 50.0)),
+        "final_logit_softcapping": float(get("final_logit_softcapping", 30.0)),
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
     }
 
 

@@ -153,6 +153,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.attention_scale if cfg.attention_scale is not None else cfg.head_dim**-0.5
         self.window = cfg.layer_window(layer_idx)
+        self.softcap = cfg.attn_logit_softcap
         self.kv_group = next(g for g, group in enumerate(cfg.kv_groups()) if layer_idx in group.layers)
 
     def forward(
@@ -169,7 +170,7 @@ class Attention(nn.Module):
             qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads, meta.backend, qk_norm
         )
         q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
-        out = dispatch.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window)  # [n, H, d]
+        out = dispatch.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window, self.softcap)  # [n, H, d]
         return self.o_proj(out.reshape(n, self.q_size), meta)
 
 
@@ -198,9 +199,17 @@ class CausalLM(nn.Module):
     lm_head: nn.Module | None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_rows, hidden] -> float32 logits [num_rows, vocab]."""
+        """[num_rows, hidden] -> float32 logits [num_rows, vocab] (soft-capped where the model
+        caps them: Gemma 2)."""
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        if isinstance(self.embed_tokens, QuantEmbedding):  # tied, quantized
-            return self.embed_tokens.as_linear(hidden).float()
-        return dispatch.linear(hidden, self.embed_tokens.weight).float()
+            logits = self.lm_head(hidden).float()
+        elif isinstance(self.embed_tokens, QuantEmbedding):  # tied, quantized
+            logits = self.embed_tokens.as_linear(hidden).float()
+        else:
+            logits = dispatch.linear(hidden, self.embed_tokens.weight).float()
+        return soft_cap(logits, getattr(getattr(self, "config", None), "final_logit_softcap", None))
+
+
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap) (Gemma 2's final logits); x itself when cap is None."""
+    return x if cap is None else torch.tanh(x / cap) * cap

@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool | None, bool]] = {
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (None, True),
     "Gemma3ForCausalLM": (None, True),
+    "Gemma2ForCausalLM": (None, False),
     "Qwen2MoeForCausalLM": (True, False),
     "Qwen3MoeForCausalLM": (None, True),
 }
@@ -75,22 +76,23 @@ def _as_tuple(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 3's extras: GeGLU (tanh GELU), the query scale, local layers' own RoPE base (transformers
-    5 nests both bases under `rope_parameters`; older configs give `rope_theta` and
-    `rope_local_base_freq`), and its default 5 local : 1 global layer pattern."""
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if hf.get(key):
-            raise UnsupportedModelError(f"Gemma with {key} is not supported (Gemma 3 has none)")
+def _gemma_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Gemma 2 and 3's extras: GeGLU (tanh GELU), the query scale, Gemma 3's local layers' own RoPE
+    base (transformers 5 nests both bases under `rope_parameters`; older configs give `rope_theta`
+    and `rope_local_base_freq`), the default layer pattern (Gemma 3: 5 local : 1 global; Gemma 2:
+    alternating), and Gemma 2's soft-capping of attention scores and final logits."""
+    gemma2 = arch == "Gemma2ForCausalLM"
     params = hf.get("rope_parameters") or {}
     if "full_attention" in params:
         rope = _rope_config({"rope_parameters": params["full_attention"]}, 1_000_000.0)
         local = _rope_config({"rope_parameters": params.get("sliding_attention") or {}})
+    elif gemma2:
+        rope = local = _rope_config(hf, 10000.0)
     else:
         rope = _rope_config(hf, 1_000_000.0)
         local = RopeConfig(theta=float(hf.get("rope_local_base_freq", 10000.0)))
     layers = int(hf["num_hidden_layers"])
-    window, types = window_layer_types({"sliding_window_pattern": 6, **hf}, layers)
+    window, types = window_layer_types({"model_type": "gemma2" if gemma2 else "gemma3", **hf}, layers)
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise UnsupportedModelError(f"Gemma activation {act!r} is not supported; supported: gelu_pytorch_tanh")
@@ -98,7 +100,20 @@ def _gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
         "rope": rope, "local_rope": local, "hidden_act": "gelu_tanh", "sliding_window": window, "layer_types": types,
         "attention_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True)),
+        "attn_logit_softcap": _softcap(hf, "attn_logit_softcapping", gemma2),
+        "final_logit_softcap": _softcap(hf, "final_logit_softcapping", gemma2),
     }
+
+
+def _softcap(hf: dict[str, Any], key: str, allowed: bool) -> float | None:
+    value = hf.get(key)
+    if value is None:
+        return None
+    if not allowed:
+        raise UnsupportedModelError(f"Gemma 3 with {key} is not supported (Gemma 3 has none; Gemma 2 has it)")
+    if not float(value) > 0:
+        raise UnsupportedModelError(f"{key} must be a positive number, got {value!r}")
+    return float(value)
 
 
 def _moe_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -137,7 +152,7 @@ def model_config_from_hf(hf: dict[str, Any], generation: dict[str, Any] | None =
     num_heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
     eos = _as_tuple((generation or {}).get("eos_token_id")) or _as_tuple(hf.get("eos_token_id"))
-    extras = _gemma3_fields(hf) if arch == "Gemma3ForCausalLM" else _window_fields(hf)
+    extras = _gemma_fields(hf, arch) if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM") else _window_fields(hf)
     if arch in MOE_ARCHITECTURES:
         extras |= _moe_fields(hf, arch)
     fields: dict[str, Any] = dict(
@@ -171,7 +186,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
 
 def model_class(architecture: str) -> type:
     """The model file's top module for a supported architecture name."""
-    if architecture == "Gemma3ForCausalLM":
+    if architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
         from octavo.models.gemma3 import Gemma3ForCausalLM
 
         return Gemma3ForCausalLM

@@ -20,8 +20,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low
 
 
 def hf_model(arch: str):
-    from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config,
-                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig,
+                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     config = {
         "llama": LlamaConfig(**COMMON, num_hidden_layers=2, attention_bias=True, tie_word_embeddings=False),
@@ -36,6 +36,13 @@ def hf_model(arch: str):
         # six layers: llama.cpp's Gemma 3 pattern (five local, one global) is not in the file
         "gemma3": Gemma3TextConfig(**COMMON, num_hidden_layers=6, head_dim=16, sliding_window=5,
                                    query_pre_attn_scalar=16, tie_word_embeddings=True),
+        # Gemma 2: alternating window and global layers; an attention soft-cap of 1 with weights
+        # 5x the usual scale, so that the cap bends most scores (Gemma 2's own 50 bends few of a
+        # small random model's); the final cap of 30 changes no greedy token (tanh keeps the
+        # order) but every logit, which tests/models compares
+        "gemma2": Gemma2Config(**COMMON, num_hidden_layers=4, head_dim=16, sliding_window=5, query_pre_attn_scalar=16,
+                               attn_logit_softcapping=1.0, final_logit_softcapping=30.0, initializer_range=0.1,
+                               tie_word_embeddings=True),
         # eight experts, two per token; Qwen3-MoE renormalises the two weights, Qwen2-MoE does not
         # and adds a shared expert behind a sigmoid gate
         "qwen3moe": Qwen3MoeConfig(**COMMON, num_hidden_layers=2, head_dim=32, tie_word_embeddings=False, num_experts=8,
@@ -136,7 +143,7 @@ def add_tiny_tokenizer(w, vocab_size: int, gemma: bool) -> None:
 def _tensors(hf, file_arch: str):
     """(GGUF name, checkpoint name, float32 data as the file holds it, a view of the parameter's part)
     for every tensor the converter writes."""
-    cfg, gemma = hf.config, file_arch == "gemma3"
+    cfg, gemma = hf.config, file_arch in ("gemma2", "gemma3")
     for name, p in hf.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -159,7 +166,7 @@ def write_gguf(hf, file_arch: str, path) -> None:
     router stays F32, as the converter keeps it."""
     from gguf.quants import dequantize, quantize
 
-    cfg, gemma = hf.config, file_arch == "gemma3"
+    cfg, gemma = hf.config, file_arch in ("gemma2", "gemma3")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(str(path), file_arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -170,13 +177,16 @@ def write_gguf(hf, file_arch: str, path) -> None:
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_freq_base(1_000_000.0 if gemma else float(cfg.rope_parameters["rope_theta"]))
+    w.add_rope_freq_base(1_000_000.0 if file_arch == "gemma3" else float(cfg.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_eos_token_id(1)
     add_tiny_tokenizer(w, cfg.vocab_size, gemma)
     if gemma:
         w.add_sliding_window(cfg.sliding_window)
+    if file_arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     if getattr(cfg, "num_experts", None):
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)

@@ -1,5 +1,5 @@
 """GGUF files of every architecture Octavo runs (llama, Llama 3.1+ with its `rope_freqs`, Mistral
-written as llama, qwen2, qwen3, gemma3, the mixtures of experts qwen2moe and qwen3moe), written the way llama.cpp's converter writes them
+written as llama, qwen2, qwen3, gemma2, gemma3, the mixtures of experts qwen2moe and qwen3moe), written the way llama.cpp's converter writes them
 (tests/models/gguf_writer.py): each loads as the model transformers computes from the same
 (dequantized) weights, logits equal through the paged path, prefill then decode, past Gemma's
 sliding window and past Llama 3's scaling knee."""
@@ -24,7 +24,7 @@ from tests.models.test_tiny_models import entry, run
 
 @pytest.mark.parametrize("arch, file_arch", [
     ("llama", "llama"), ("llama3", "llama"), ("mistral", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"),
-    ("gemma3", "gemma3"), ("qwen3moe", "qwen3moe"), ("qwen2moe", "qwen2moe"),
+    ("gemma3", "gemma3"), ("gemma2", "gemma2"), ("qwen3moe", "qwen3moe"), ("qwen2moe", "qwen2moe"),
 ])
 def test_gguf_of_each_architecture_loads_as_the_transformers_model(tmp_path, arch, file_arch):
     hf = hf_model(arch)
@@ -35,6 +35,9 @@ def test_gguf_of_each_architecture_loads_as_the_transformers_model(tmp_path, arc
     assert (config.rope.freq_factors is not None) == (arch == "llama3")
     if arch == "gemma3":
         assert config.layer_types == ("sliding",) * 5 + ("full",) and config.sliding_window == 5
+    if arch == "gemma2":  # alternating layers, both soft-caps and the query scale (not in the file)
+        assert config.layer_types == ("sliding", "full") * 2 and config.sliding_window == 5
+        assert (config.attn_logit_softcap, config.final_logit_softcap, config.attention_scale) == (1.0, 30.0, 0.25)
     model = _empty_model(config, "cpu")
     load_gguf_weights(model, path)
     # q/k/v, o, gate/up, down per layer (per expert, and the shared expert's), and an untied head,

@@ -22,7 +22,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
 PROMPT_LENGTHS = (5, 40, 100, 150)
 # family -> (transformers model of tests/models/gguf_writer.py, GGUF architecture)
 FAMILIES = {"llama3-rope-freqs": ("llama3", "llama"), "qwen3moe": ("qwen3moe", "qwen3moe"),
-            "qwen2moe": ("qwen2moe", "qwen2moe")}
+            "qwen2moe": ("qwen2moe", "qwen2moe"), "gemma2": ("gemma2", "gemma2")}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -84,8 +84,10 @@ def test_one_batch_and_a_small_budget(family):
 def test_a_tiny_pool_preempts_and_recomputes(family):
     asked = prompts(family[-1].config.vocab_size)
     # 12 blocks of 16 = 192 tokens: the longest request (166) fits alone; the three shorter ones are
-    # admitted together and outgrow the pool as they decode
-    llm = build(family, num_kv_blocks=12, enable_prefix_caching=False, admission_headroom_steps=0)
+    # admitted together and outgrow the pool as they decode. A model with window layers has a
+    # second KV group, whose window (5 tokens) holds 2 blocks per request more.
+    windowed = family[2].config.sliding_window is not None
+    llm = build(family, num_kv_blocks=14 if windowed else 12, enable_prefix_caching=False, admission_headroom_steps=0)
     outs = llm.generate(asked, GREEDY, use_tqdm=False)
     assert llm.engine.get_stats().scheduler.preemption.num_preemptions > 0
     check(family, outs, asked, "tiny pool")
