@@ -1,5 +1,5 @@
-"""GGUF architectures Octavo reads (llama, and with it Mistral; qwen2, qwen3, gemma2, gemma3; the
-mixtures of experts qwen2moe and qwen3moe): a file's
+"""GGUF architectures Octavo reads (llama, and with it Mistral; qwen2, qwen3, gemma2, gemma3, phi3;
+the mixtures of experts qwen2moe and qwen3moe): a file's
 metadata as a Hugging Face config dict, its tensor names as checkpoint names, and its tensors in
 the checkpoint's conventions (llama.cpp's converter interleaves Llama q/k rows and stores Gemma's
 norm weights as 1 + w; both are undone here, so every loader path sees one convention).
@@ -19,7 +19,7 @@ import numpy as np
 
 from octavo.models.gguf_file import ArrayValue, GGUFFormatError, GGUFHeader, read_header
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2moe", "qwen3moe")
+SUPPORTED = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe")
 MOE = ("qwen2moe", "qwen3moe")
 
 _HF_ARCH = {
@@ -27,6 +27,7 @@ _HF_ARCH = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
@@ -67,6 +68,8 @@ _GEMMA3_LAYER_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Phi-3 keeps q|k|v in one tensor and gate|up in `ffn_up` (gate rows first), as its checkpoints do
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # Vocabulary entries that end a chat turn: each one present becomes a stop id.
 END_OF_TURN_TOKENS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>")
 
@@ -137,7 +140,7 @@ def hf_name(gguf_name: str, arch: str) -> str:
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _TOP_NAMES:
         return f"{_TOP_NAMES[stem]}.{suffix}"
-    names = _GEMMA3_LAYER_NAMES if arch in ("gemma2", "gemma3") else _LAYER_NAMES
+    names = _GEMMA3_LAYER_NAMES if arch in ("gemma2", "gemma3") else _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
     parts = stem.split(".")
     if len(parts) != 3 or parts[0] != "blk" or parts[2] not in names:
         raise UnsupportedGGUFError(f"GGUF tensor {gguf_name!r} has no place in a {arch} model")
@@ -213,6 +216,8 @@ def hf_config(header: GGUFHeader, hp: dict[str, Any] | None = None) -> dict[str,
         config.update(_gemma3_config(get, config))
     if arch == "gemma2":
         config.update(_gemma2_config(get, config))
+    if arch == "phi3" and get("attention.sliding_window") is not None:
+        config["sliding_window"] = int(get("attention.sliding_window"))  # every layer (llama.cpp, transformers)
     if arch in MOE:
         config.update(_moe_config(hp, get("expert_weights_norm", arch == "qwen3moe")))
     factors = rope_freq_factors(header)
@@ -286,6 +291,10 @@ def check_model(header: GGUFHeader) -> dict[str, Any]:
           "layers": ints["block_count"], "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
     if arch in MOE:
         hp |= _moe_hyperparameters(name, arch, ints)
+    longrope = [t for t in ("rope_factors_long.weight", "rope_factors_short.weight") if t in header.tensors]
+    if longrope:
+        raise UnsupportedGGUFError(f"{name}: LongRoPE scaling ({', '.join(longrope)}: Phi-3 128k, Phi-3.5, Phi-4-mini) "
+                                   "is not supported yet")
     _check_tensors(header, expected_tensors(header, hp))
     return hp
 
@@ -349,6 +358,10 @@ def expected_tensors(header: GGUFHeader, hp: dict[str, Any]) -> dict[str, tuple[
         layer |= {"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)}
     if arch in ("gemma2", "gemma3"):
         layer |= {"post_attention_norm.weight": (hidden,), "post_ffw_norm.weight": (hidden,)}
+    if arch == "phi3":  # fused q|k|v and gate|up, as in the checkpoints
+        for key in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight"):
+            del layer[key]
+        layer |= {"attn_qkv.weight": (hidden, q + 2 * kv), "ffn_up.weight": (hidden, 2 * ff)}
     if arch in MOE:  # the feed-forward is the experts: a router and each projection stacked over them
         experts, ff_exp = hp["experts"], hp["ff_exp"]
         for key in ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"):

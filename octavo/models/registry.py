@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool | None, bool]] = {
     "Qwen3ForCausalLM": (None, True),
     "Gemma3ForCausalLM": (None, True),
     "Gemma2ForCausalLM": (None, False),
+    "Phi3ForCausalLM": (None, False),
     "Qwen2MoeForCausalLM": (True, False),
     "Qwen3MoeForCausalLM": (None, True),
 }
@@ -48,6 +49,10 @@ def _rope_rule(hf: dict[str, Any], default_theta: float) -> RopeConfig:
     params = dict(hf.get("rope_parameters") or {})
     scaling = dict(hf.get("rope_scaling") or {})
     merged = {**scaling, **params}
+    partial = float(merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0:
+        raise UnsupportedModelError(f"partial rotary embeddings (partial_rotary_factor {partial}, as in Phi-4-mini) "
+                                    "are not supported; every head dimension must rotate")
     theta = float(merged.get("rope_theta", hf.get("rope_theta", default_theta)))
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     if rope_type in (None, "default"):

@@ -21,7 +21,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low
 
 def hf_model(arch: str):
     from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig,
-                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     config = {
         "llama": LlamaConfig(**COMMON, num_hidden_layers=2, attention_bias=True, tie_word_embeddings=False),
@@ -43,6 +43,10 @@ def hf_model(arch: str):
         "gemma2": Gemma2Config(**COMMON, num_hidden_layers=4, head_dim=16, sliding_window=5, query_pre_attn_scalar=16,
                                attn_logit_softcapping=1.0, final_logit_softcapping=30.0, initializer_range=0.1,
                                tie_word_embeddings=True),
+        # Phi-3: q|k|v and gate|up fused in the checkpoint and the file; a window on every layer
+        # (96: shorter than the longest prompts, long enough that a tiny pool still preempts)
+        "phi3": Phi3Config(**COMMON, num_hidden_layers=2, sliding_window=96, tie_word_embeddings=False,
+                           bos_token_id=2, eos_token_id=1, pad_token_id=0),
         # eight experts, two per token; Qwen3-MoE renormalises the two weights, Qwen2-MoE does not
         # and adds a shared expert behind a sigmoid gate
         "qwen3moe": Qwen3MoeConfig(**COMMON, num_hidden_layers=2, head_dim=32, tie_word_embeddings=False, num_experts=8,
@@ -70,6 +74,7 @@ LAYER = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused projections
     "mlp.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
@@ -183,6 +188,8 @@ def write_gguf(hf, file_arch: str, path) -> None:
     w.add_eos_token_id(1)
     add_tiny_tokenizer(w, cfg.vocab_size, gemma)
     if gemma:
+        w.add_sliding_window(cfg.sliding_window)
+    if file_arch == "phi3" and cfg.sliding_window:
         w.add_sliding_window(cfg.sliding_window)
     if file_arch == "gemma2":
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)

@@ -1,5 +1,5 @@
 """GGUF files of every architecture Octavo runs (llama, Llama 3.1+ with its `rope_freqs`, Mistral
-written as llama, qwen2, qwen3, gemma2, gemma3, the mixtures of experts qwen2moe and qwen3moe), written the way llama.cpp's converter writes them
+written as llama, qwen2, qwen3, gemma2, gemma3, phi3, the mixtures of experts qwen2moe and qwen3moe), written the way llama.cpp's converter writes them
 (tests/models/gguf_writer.py): each loads as the model transformers computes from the same
 (dequantized) weights, logits equal through the paged path, prefill then decode, past Gemma's
 sliding window and past Llama 3's scaling knee."""
@@ -24,7 +24,7 @@ from tests.models.test_tiny_models import entry, run
 
 @pytest.mark.parametrize("arch, file_arch", [
     ("llama", "llama"), ("llama3", "llama"), ("mistral", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"),
-    ("gemma3", "gemma3"), ("gemma2", "gemma2"), ("qwen3moe", "qwen3moe"), ("qwen2moe", "qwen2moe"),
+    ("gemma3", "gemma3"), ("gemma2", "gemma2"), ("phi3", "phi3"), ("qwen3moe", "qwen3moe"), ("qwen2moe", "qwen2moe"),
 ])
 def test_gguf_of_each_architecture_loads_as_the_transformers_model(tmp_path, arch, file_arch):
     hf = hf_model(arch)
@@ -67,14 +67,14 @@ def test_gguf_of_each_architecture_loads_as_the_transformers_model(tmp_path, arc
 
 
 def test_an_unsupported_architecture_is_named_with_the_supported_ones(tmp_path):
-    path = tmp_path / "phi.gguf"
-    w = gguf.GGUFWriter(str(path), "phi3")
+    path = tmp_path / "bert.gguf"
+    w = gguf.GGUFWriter(str(path), "bert")
     w.add_block_count(1)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(gguf_arch.UnsupportedGGUFError, match="'phi3' is not supported; supported: llama, qwen2"):
+    with pytest.raises(gguf_arch.UnsupportedGGUFError, match="'bert' is not supported; supported: llama, qwen2"):
         gguf_arch.hf_config(read_header(path))
 
 

@@ -108,15 +108,22 @@ class Reference:
 
 
 def hf_greedy(model, prompts: list[list[int]], num_new: int = NUM_NEW_TOKENS) -> list[Reference]:
-    """transformers' greedy continuation of each prompt (one at a time: no padding)."""
+    """transformers' greedy continuation of each prompt (one at a time: no padding), as Octavo's with
+    ignore_eos: no end-of-sequence id at all, so none stops it and none is suppressed
+    (`min_new_tokens` would forbid the eos id: a model whose best next token is it would be
+    continued with its second best, the raw logits' top-2 gap saying otherwise)."""
+    import copy
+
+    generation = copy.deepcopy(model.generation_config)
+    generation.eos_token_id = []  # (None: generate() falls back to the model config's)
     refs = []
     with torch.inference_mode():
         for prompt in prompts:
             ids = torch.tensor([prompt])
             # the mask given: without one, generate() masks every prompt token equal to pad_token_id
             out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False,
-                output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                ids, attention_mask=torch.ones_like(ids), generation_config=generation, max_new_tokens=num_new,
+                do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
             )
             tokens = out.sequences[0, len(prompt) :].tolist()
             gaps = []
