@@ -27,11 +27,16 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
     freq_factors: tuple[float, ...] | None = None
+    # YaRN ("yarn"): rotary pairs between beta_fast and beta_slow rotations over the original context
+    # blend extrapolation into interpolation by `factor`; cos and sin are scaled by attention_factor
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.scaling_type not in (None, "llama3", "linear"):
+        if self.scaling_type not in (None, "llama3", "linear", "yarn"):
             raise ValueError(
-                f"rope scaling {self.scaling_type!r} is not supported; supported: llama3, linear, none"
+                f"rope scaling {self.scaling_type!r} is not supported; supported: llama3, linear, yarn, none"
             )
         if self.freq_factors is not None and not all(math.isfinite(f) and f > 0 for f in self.freq_factors):
             raise ValueError("rope frequency factors must be positive finite numbers")

@@ -220,6 +220,9 @@ def hf_config(header: GGUFHeader, hp: dict[str, Any] | None = None) -> dict[str,
         config["sliding_window"] = int(get("attention.sliding_window"))  # every layer (llama.cpp, transformers)
     if arch in MOE:
         config.update(_moe_config(hp, get("expert_weights_norm", arch == "qwen3moe")))
+    scaling = _rope_scaling(header, arch, config)
+    if scaling is not None:
+        config["rope_parameters"] = scaling
     factors = rope_freq_factors(header)
     if factors is not None:
         config["rope_freq_factors"] = factors  # models.registry reads it into RopeConfig.freq_factors
@@ -398,6 +401,36 @@ def _check_tensors(header: GGUFHeader, expected: dict[str, tuple[tuple[int, ...]
     missing = [t for t, (_, required) in expected.items() if required and t not in header.tensors]
     if missing:
         raise GGUFFormatError(f"{name}: {len(missing)} tensors are missing, first {', '.join(missing[:4])}")
+
+
+def _rope_scaling(header: GGUFHeader, arch: str, config: dict[str, Any]) -> dict[str, Any] | None:
+    """The file's `rope.scaling.*` keys as transformers' rope_parameters (None: no scaling):
+    "linear" (factor) and "yarn" (factor, original context, beta_fast / beta_slow). Other types,
+    and an extra `attn_factor` beside YaRN's own 0.1 ln(factor) + 1, are refused by name."""
+    get = lambda key: header.get(f"{arch}.rope.scaling.{key}")  # noqa: E731
+    kind = get("type")
+    if kind in (None, "none"):
+        return None
+    name = header.path.name
+    factor = get("factor")
+    if isinstance(factor, (bool, str, ArrayValue)) or factor is None or not math.isfinite(factor) or factor <= 0:
+        raise GGUFFormatError(f"{name}: metadata {arch}.rope.scaling.factor must be a positive number, got {factor!r}")
+    params = {"rope_type": kind, "rope_theta": config["rope_theta"], "factor": float(factor)}
+    if kind == "linear":
+        return params
+    if kind != "yarn":
+        raise UnsupportedGGUFError(f"{name}: RoPE scaling {kind!r} is not supported; supported: linear, yarn")
+    if get("attn_factor") not in (None, 1.0):
+        raise UnsupportedGGUFError(f"{name}: {arch}.rope.scaling.attn_factor {get('attn_factor')} beside YaRN's "
+                                   "own attention factor is not supported")
+    original = get("original_context_length")
+    if isinstance(original, (bool, float, str, ArrayValue)) or original is None or original < 1:
+        raise GGUFFormatError(f"{name}: YaRN needs {arch}.rope.scaling.original_context_length (a positive integer)")
+    params["original_max_position_embeddings"] = int(original)
+    for key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        if get(key) is not None:
+            params[hf_key] = float(get(key))
+    return params
 
 
 def _moe_hyperparameters(name: str, arch: str, ints: dict[str, int | None]) -> dict[str, int]:

@@ -111,6 +111,17 @@ def _scaled_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
+    if rope.scaling_type == "yarn":
+        # YaRN (arXiv 2309.00071): pairs that turn fewer than beta_slow times over the original
+        # context are interpolated (divided by factor), more than beta_fast extrapolated (kept),
+        # a linear ramp between; the pair bounds rounded outwards, as transformers and llama.cpp
+        def pair(rotations: float) -> float:
+            return head_dim * math.log(rope.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+        low = max(math.floor(pair(rope.beta_fast)), 0)
+        high = min(math.ceil(pair(rope.beta_slow)), head_dim - 1)
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+        keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate
+        return inv_freq / rope.factor * (1 - keep) + inv_freq * keep
     return inv_freq
 
 
@@ -131,7 +142,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(self.rope, self.head_dim)
         t = torch.arange(self.max_position, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq)  # [max_position, head_dim / 2]
-        self.cos, self.sin = freqs.cos().to(device), freqs.sin().to(device)
+        scale = self.rope.attention_factor if self.rope.scaling_type == "yarn" else 1.0  # YaRN scales both
+        self.cos, self.sin = (freqs.cos() * scale).to(device), (freqs.sin() * scale).to(device)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos[positions], self.sin[positions]  # [num_tokens, head_dim / 2]

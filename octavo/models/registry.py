@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -68,9 +69,30 @@ def _rope_rule(hf: dict[str, Any], default_theta: float) -> RopeConfig:
             high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
             original_max_position=int(merged.get("original_max_position_embeddings", 8192)),
         )
+    if rope_type == "yarn":
+        factor = float(merged.get("factor") or hf["max_position_embeddings"] / merged["original_max_position_embeddings"])
+        return RopeConfig(
+            theta=theta, scaling_type="yarn", factor=factor,
+            original_max_position=int(merged["original_max_position_embeddings"]),
+            beta_fast=float(merged.get("beta_fast") or 32.0), beta_slow=float(merged.get("beta_slow") or 1.0),
+            attention_factor=_yarn_attention_factor(merged, factor),
+        )
     raise UnsupportedModelError(
-        f"rope type {rope_type!r} is not supported; supported: default, linear, llama3"
+        f"rope type {rope_type!r} is not supported; supported: default, linear, llama3, yarn"
     )
+
+
+def _yarn_attention_factor(params: dict[str, Any], factor: float) -> float:
+    """YaRN's scale of cos and sin: the config's `attention_factor`, else 0.1 ln(factor) + 1 (the
+    paper's; with `mscale` and `mscale_all_dim`, the ratio of the two such terms), as transformers."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return mscale(factor, float(params["mscale"])) / mscale(factor, float(params["mscale_all_dim"]))
+    return mscale(factor)
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:

@@ -30,6 +30,10 @@ def hf_model(arch: str):
         # attention is sharp enough for greedy tokens to depend on the rotation of far positions
         "llama3": LlamaConfig(**COMMON, num_hidden_layers=2, tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE,
                               initializer_range=0.1),
+        # YaRN, 4x past an original context of 64 (the tests' prompts reach 166)
+        "llama-yarn": LlamaConfig(**COMMON, num_hidden_layers=2, tie_word_embeddings=False, initializer_range=0.1,
+                                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                   "original_max_position_embeddings": 64}),
         "mistral": MistralConfig(**COMMON, num_hidden_layers=2, sliding_window=None, tie_word_embeddings=False),
         "qwen2": Qwen2Config(**COMMON, num_hidden_layers=2, tie_word_embeddings=True),
         "qwen3": Qwen3Config(**COMMON, num_hidden_layers=2, head_dim=32, tie_word_embeddings=False),
@@ -200,6 +204,11 @@ def write_gguf(hf, file_arch: str, path) -> None:
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         if getattr(cfg, "shared_expert_intermediate_size", None):
             w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "yarn":  # llama.cpp's rope.scaling keys
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     factors = llama3_rope_freqs(cfg, head_dim)
     if factors is not None:  # Llama 3.1+: the converter writes the scaling as this tensor, no metadata
         w.add_tensor("rope_freqs.weight", factors)

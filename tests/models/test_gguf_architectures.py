@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from octavo.config import CacheConfig
+from octavo.config import CacheConfig, RopeConfig
 from octavo.model_runner import ModelRunner
 from octavo.models import gguf_arch
 from octavo.models.gguf_file import read_header
@@ -23,7 +23,7 @@ from tests.models.test_tiny_models import entry, run
 
 
 @pytest.mark.parametrize("arch, file_arch", [
-    ("llama", "llama"), ("llama3", "llama"), ("mistral", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"),
+    ("llama", "llama"), ("llama3", "llama"), ("llama-yarn", "llama"), ("mistral", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"),
     ("gemma3", "gemma3"), ("gemma2", "gemma2"), ("phi3", "phi3"), ("qwen3moe", "qwen3moe"), ("qwen2moe", "qwen2moe"),
 ])
 def test_gguf_of_each_architecture_loads_as_the_transformers_model(tmp_path, arch, file_arch):
@@ -48,7 +48,7 @@ def test_gguf_of_each_architecture_loads_as_the_transformers_model(tmp_path, arc
     assert sum(isinstance(m, QuantLinear) for m in model.modules()) == expected
     runner = ModelRunner(model.eval(), config, CacheConfig(block_size=4, num_blocks=96), eos_token_ids=())
     groups = len(config.kv_groups())
-    n = 90 if arch == "llama3" else 13  # Llama 3: past its scaling knee (64); Gemma: past the window
+    n = 90 if arch in ("llama3", "llama-yarn") else 13  # Llama 3, YaRN: past the original context (64); Gemma: the window
     ids = torch.randint(0, 97, (n,)).tolist()
     blocks = [3, 0, 7] + list(range(9, 9 + n // 4))
     with torch.no_grad():
@@ -58,8 +58,8 @@ def test_gguf_of_each_architecture_loads_as_the_transformers_model(tmp_path, arc
     for pos in (n - 2, n - 1):  # decodes
         out = run(runner, [entry("a", [ids[pos]], pos, blocks[: pos // 4 + 1], groups)])["a"]
         torch.testing.assert_close(out, expect[pos : pos + 1], atol=5e-5, rtol=0)
-    if arch == "llama3":  # the factors matter: without them the late positions are another model's
-        plain = dataclasses.replace(config, rope=dataclasses.replace(config.rope, freq_factors=None))
+    if arch in ("llama3", "llama-yarn"):  # the scaling matters: without it the late positions are another model's
+        plain = dataclasses.replace(config, rope=RopeConfig(theta=config.rope.theta))
         model.rotary.rope = plain.rope
         model.rotary.reset_tables()
         out = run(runner, [entry("b", ids, 0, blocks[:-(-n // 4)], groups)])["b"]

@@ -7,6 +7,7 @@ Llama 3's scaling knee (64 in the small model)."""
 
 from __future__ import annotations
 
+import math
 import random
 import warnings
 
@@ -21,7 +22,7 @@ NUM_NEW = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
 PROMPT_LENGTHS = (5, 40, 100, 150)
 # family -> (transformers model of tests/models/gguf_writer.py, GGUF architecture)
-FAMILIES = {"llama3-rope-freqs": ("llama3", "llama"), "qwen3moe": ("qwen3moe", "qwen3moe"),
+FAMILIES = {"llama3-rope-freqs": ("llama3", "llama"), "llama-yarn": ("llama-yarn", "llama"), "qwen3moe": ("qwen3moe", "qwen3moe"),
             "qwen2moe": ("qwen2moe", "qwen2moe"), "gemma2": ("gemma2", "gemma2"), "phi3": ("phi3", "phi3")}
 
 
@@ -138,6 +139,10 @@ def test_the_families_files_are_what_the_converter_writes(family):
         factors = config.rope.freq_factors
         assert factors is not None and factors[0] == 1.0 and factors[-1] == 8.0 and 1.0 < factors[1] < 8.0
         assert torch.isfinite(torch.tensor(factors)).all()
+    if name == "llama-yarn":  # read from rope.scaling.*: the ramp's bounds and YaRN's attention factor
+        rope = config.rope
+        assert (rope.scaling_type, rope.factor, rope.original_max_position) == ("yarn", 4.0, 64)
+        assert rope.attention_factor == pytest.approx(0.1 * math.log(4.0) + 1)
     if name.endswith("moe"):
         hf = family[-1].config
         moe = config.moe
