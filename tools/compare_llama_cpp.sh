@@ -7,13 +7,14 @@
 #   MODEL=gemma3-270m tools/compare_llama_cpp.sh  # the same on Gemma 3 270M's Q4_K_M file
 # Env: OUT (results dir, default bench-results), ROUNDS (default 3), OCTAVO_FLAGS (extra serve flags),
 #      WORKLOAD (default ../shared/workloads/random_n64.json), MODEL (a packaged model name or a
-#      .gguf path; default the embedded SmolLM2).
+#      .gguf path; default the embedded SmolLM2), LOADS (default one_user,concurrency16: either or both).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 OUT=${OUT:-bench-results}
 ROUNDS=${ROUNDS:-3}
 WORKLOAD=${WORKLOAD:-../shared/workloads/random_n64.json}
+LOADS=${LOADS:-one_user,concurrency16}
 mkdir -p "$OUT"
 LLAMA=$(tools/build_llama_server.sh)
 MODEL=${MODEL:-}
@@ -39,10 +40,14 @@ grep -h "weights:" "$OUT/octavo-serve.log" || true
 
 BENCH=(.venv/bin/octavo bench serve --base-url http://127.0.0.1:8090 --compare http://127.0.0.1:8091
        --labels octavo,llama.cpp --repeats "$ROUNDS")
-echo "## one user at a time: 8 requests, 128 in / 128 out, concurrency 1"
-# (a load with failed requests exits 1; report it and go on to the next load)
-"${BENCH[@]}" random --num-requests 8 --input-len 128 --output-len 128 --max-concurrency 1 --json "$OUT/one_user.json" || status=1
-echo
-echo "## concurrency 16: $WORKLOAD"
-"${BENCH[@]}" replay "$WORKLOAD" --max-concurrency 16 --json "$OUT/concurrency16.json" || status=1
+if [[ ",$LOADS," == *",one_user,"* ]]; then
+  echo "## one user at a time: 8 requests, 128 in / 128 out, concurrency 1"
+  # (a load with failed requests exits 1; report it and go on to the next load)
+  "${BENCH[@]}" random --num-requests 8 --input-len 128 --output-len 128 --max-concurrency 1 --json "$OUT/one_user.json" || status=1
+  echo
+fi
+if [[ ",$LOADS," == *",concurrency16,"* ]]; then
+  echo "## concurrency 16: $WORKLOAD"
+  "${BENCH[@]}" replay "$WORKLOAD" --max-concurrency 16 --json "$OUT/concurrency16.json" || status=1
+fi
 exit "${status:-0}"
