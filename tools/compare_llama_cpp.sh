@@ -7,7 +7,8 @@
 #   MODEL=gemma3-270m tools/compare_llama_cpp.sh  # the same on Gemma 3 270M's Q4_K_M file
 # Env: OUT (results dir, default bench-results), ROUNDS (default 3), OCTAVO_FLAGS (extra serve flags),
 #      WORKLOAD (default ../shared/workloads/random_n64.json), MODEL (a packaged model name or a
-#      .gguf path; default the embedded SmolLM2), LOADS (default one_user,concurrency16: either or both).
+#      .gguf path; default the embedded SmolLM2), LOADS (default one_user,concurrency16: either or both),
+#      ONE_USER_REQUESTS, ONE_USER_LEN (default 8 and 128: the one-user load's requests and lengths).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -15,6 +16,8 @@ OUT=${OUT:-bench-results}
 ROUNDS=${ROUNDS:-3}
 WORKLOAD=${WORKLOAD:-../shared/workloads/random_n64.json}
 LOADS=${LOADS:-one_user,concurrency16}
+ONE_USER_REQUESTS=${ONE_USER_REQUESTS:-8}
+ONE_USER_LEN=${ONE_USER_LEN:-128}
 mkdir -p "$OUT"
 LLAMA=$(tools/build_llama_server.sh)
 MODEL=${MODEL:-}
@@ -41,9 +44,10 @@ grep -h "weights:" "$OUT/octavo-serve.log" || true
 BENCH=(.venv/bin/octavo bench serve --base-url http://127.0.0.1:8090 --compare http://127.0.0.1:8091
        --labels octavo,llama.cpp --repeats "$ROUNDS")
 if [[ ",$LOADS," == *",one_user,"* ]]; then
-  echo "## one user at a time: 8 requests, 128 in / 128 out, concurrency 1"
+  echo "## one user at a time: $ONE_USER_REQUESTS requests, $ONE_USER_LEN in / $ONE_USER_LEN out, concurrency 1"
   # (a load with failed requests exits 1; report it and go on to the next load)
-  "${BENCH[@]}" random --num-requests 8 --input-len 128 --output-len 128 --max-concurrency 1 --json "$OUT/one_user.json" || status=1
+  "${BENCH[@]}" random --num-requests "$ONE_USER_REQUESTS" --input-len "$ONE_USER_LEN" --output-len "$ONE_USER_LEN" \
+    --max-concurrency 1 --json "$OUT/one_user.json" || status=1
   echo
 fi
 if [[ ",$LOADS," == *",concurrency16,"* ]]; then

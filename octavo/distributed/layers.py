@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from octavo.config import ModelConfig
-from octavo.models.layers import CausalLM, Linear, QuantEmbedding, QuantLinear, soft_cap
+from octavo.models.layers import CausalLM, Linear, QuantEmbedding, QuantLinear, QuantLinearParts, soft_cap
 from octavo.quantization import BLOCK
 
 
@@ -66,7 +66,10 @@ def _quantized(layer: nn.Module, name: str) -> QuantLinear | None:
 
 
 def output_shard(layer: nn.Module, parts: list[tuple[int, int]], name: str) -> nn.Module:
-    """Column parallel: the layer's output rows in `parts`, dense or quantized (whole block rows)."""
+    """Column parallel: the layer's output rows in `parts`, dense or quantized (whole block rows); a
+    fused layer whose parts are in different formats is sharded dense."""
+    if isinstance(layer, QuantLinearParts):
+        layer = layer.as_dense()
     q = _quantized(layer, name)
     if q is not None:
         return QuantLinear(_rows(q.qweight, parts), q.fmt, q.in_features, _rows(q.bias, parts), prepare=False)

@@ -52,6 +52,36 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}"
 
 
+class QuantLinearParts(nn.Module):
+    """A fused projection whose parts the file keeps in different block formats (Llama 3 Q4_K_M
+    files: q and k in Q4_K, v in Q6_K on some layers): each part its own QuantLinear, their
+    outputs concatenated, the fused bias added after. Every part stays at its file size (the
+    alternative, one dense float32 layer, reads 4 bytes a weight)."""
+
+    def __init__(self, parts: list[QuantLinear], bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        out = torch.cat([part(x) for part in self.parts], dim=-1)
+        return out if self.bias is None else out + self.bias
+
+    def as_dense(self) -> Linear:
+        """The same projection as one dense float32 layer (blocks still in GGUF layout)."""
+        from octavo.quantization import dequantize
+
+        weight = torch.cat([dequantize(p.qweight, p.fmt, p.in_features) for p in self.parts])
+        dense = Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        with torch.no_grad():
+            dense.weight.copy_(weight)
+            if self.bias is not None:
+                dense.bias.copy_(self.bias)
+        return dense
+
+
 class QuantEmbedding(QuantLinear):
     """Token embedding kept quantized: looked-up rows are rebuilt in the activation dtype. As the
     layer of a tied LM head it is also a QuantLinear [vocab, dim]."""

@@ -30,7 +30,7 @@ from octavo.cache import atomic_write_text, cache_dir, exclusive, move_into_plac
 from octavo.config import QUANTIZATION_CHOICES, ModelConfig
 from octavo.models import gguf_arch
 from octavo.models.gguf_file import ArrayValue, GGUFFormatError, GGUFHeader, TensorInfo, read_header
-from octavo.models.layers import CausalLM, QuantEmbedding, QuantLinear, RotaryEmbedding
+from octavo.models.layers import CausalLM, QuantEmbedding, QuantLinear, QuantLinearParts, RotaryEmbedding
 from octavo.models.registry import load_model_config, model_class, model_config_from_hf
 from octavo.quantization import (
     AS_Q8_0,
@@ -393,7 +393,8 @@ def load_gguf_weights(model: CausalLM, gguf_path: Path, model_dir: Path | None =
     (QuantLinear, QuantEmbedding); any other type is dequantized to float32 into the dense layer.
 
     Parts of a fused layer (q/k/v, gate/up) in different formats run as Q8_0 when each is Q4_0,
-    Q5_0 or Q8_0 (exact: `as_q8_0`), else are all dequantized. With
+    Q5_0 or Q8_0 (exact: `as_q8_0`), else each in its own blocks (QuantLinearParts) when every
+    one is a kernel format, else are all dequantized. With
     `model_dir`, the tensors are cached there after the first read (parsing a GGUF's metadata
     takes seconds; the cache maps in milliseconds). Raises ValueError for tensors with no place in
     the model, or missing ones.
@@ -437,6 +438,8 @@ def load_gguf_weights(model: CausalLM, gguf_path: Path, model_dir: Path | None =
             blocks = [as_q8_0(d, f, in_features) for d, f in (by_part[p] for p in order)]
             file_fmt = "+".join(sorted({by_part[p][1].name for p in order}))
             _set_quantized(model, name.removesuffix(".weight"), torch.cat(blocks), Q8_0, file_fmt)
+        elif None not in fmts:  # e.g. q/k Q4_K, v Q6_K: each part in its own blocks
+            _set_quantized_parts(model, name.removesuffix(".weight"), [by_part[p] for p in order])
         else:
             dense = [d if f is None else dequantize(d, f, in_features) for d, f in (by_part[p] for p in order)]
             with torch.no_grad():
@@ -543,9 +546,24 @@ def held_weight_bytes(header: GGUFHeader, dense_bytes: int = 4) -> int:
             total += sum(held(t, t.type_name) for t in tensors)
         elif types <= set(AS_Q8_0):
             total += sum(held(t, Q8_0.name) for t in tensors)
+        elif types <= set(FORMATS):  # each part in its own blocks (QuantLinearParts)
+            total += sum(held(t, Q8_0.name if t.type_name == Q5_0.name else t.type_name) for t in tensors)
         else:
             total += sum(t.num_elements * dense_bytes for t in tensors)
     return total
+
+
+def _set_quantized_parts(model: CausalLM, module_name: str, parts: list[tuple[torch.Tensor, QuantFormat]]) -> None:
+    """A QuantLinearParts in place of the dense fused layer at `module_name` (Q5_0 parts held as Q8_0)."""
+    parent_name, _, child_name = module_name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    old = getattr(parent, child_name)
+    layers = []
+    for data, fmt in parts:
+        if fmt is Q5_0:
+            data, fmt = as_q8_0(data, fmt, old.in_features), Q8_0
+        layers.append(QuantLinear(data, fmt, old.in_features, None, prepare=False))
+    setattr(parent, child_name, QuantLinearParts(layers, old.bias))
 
 
 def _set_quantized(

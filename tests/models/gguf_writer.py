@@ -169,10 +169,11 @@ def _tensors(hf, file_arch: str):
             yield _gguf_name(name, gemma), name, data, p
 
 
-def write_gguf(hf, file_arch: str, path) -> None:
+def write_gguf(hf, file_arch: str, path, types: dict | None = None) -> None:
     """`hf`'s weights as llama.cpp writes them; the model's own linear weights (and experts) become
-    the dequantized Q8_0 values, so that it stays the model the file holds. A mixture of experts'
-    router stays F32, as the converter keeps it."""
+    the dequantized Q8_0 values (or `types`' type per GGUF tensor kind, e.g. {"attn_v": Q4_1}),
+    so that it stays the model the file holds. A mixture of experts' router stays F32, as the
+    converter keeps it."""
     from gguf.quants import dequantize, quantize
 
     cfg, gemma = hf.config, file_arch in ("gemma2", "gemma3")
@@ -221,10 +222,11 @@ def write_gguf(hf, file_arch: str, path) -> None:
         if gemma and name.endswith("norm.weight"):
             data = data + 1.0
         if data.ndim >= 2 and "embed" not in name and "ffn_gate_inp" not in gguf_name:
-            blocks = quantize(data, q8)
-            w.add_tensor(gguf_name, blocks, raw_shape=blocks.shape, raw_dtype=q8)
+            kind = (types or {}).get(gguf_name.split(".")[-2], q8)
+            blocks = quantize(data, kind)
+            w.add_tensor(gguf_name, blocks, raw_shape=blocks.shape, raw_dtype=kind)
             with torch.no_grad():  # the interleaving moves whole rows: undo it on the dequantized rows
-                back = dequantize(blocks, q8).reshape(data.shape)
+                back = dequantize(blocks, kind).reshape(data.shape)
                 if rotary:
                     back = gguf_arch._unpermute_rope(back, heads)
                 p.copy_(torch.from_numpy(back))

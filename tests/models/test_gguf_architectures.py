@@ -117,3 +117,28 @@ def test_a_mixture_of_experts_with_wrong_expert_metadata_is_refused_by_name(tmp_
     write_gguf(hf, "qwen3moe", tmp_path / "bad.gguf")
     with pytest.raises(gguf_arch.GGUFFormatError, match=message):
         gguf_arch.hf_config(read_header(tmp_path / "bad.gguf"))
+
+
+def test_fused_parts_in_two_kernel_formats_stay_in_their_blocks(tmp_path):
+    """A Llama 3 Q4_K_M file keeps q and k in one format and v in another on some layers: each part
+    keeps its own blocks (QuantLinearParts), the logits still transformers'; `octavo plan`'s count
+    of the weights held follows."""
+    from octavo.models.layers import QuantLinearParts
+    from octavo.models.loader import held_weight_bytes, weight_bytes
+
+    hf = hf_model("llama")
+    path = tmp_path / "mixed.gguf"
+    write_gguf(hf, "llama", path, types={"attn_v": gguf.GGMLQuantizationType.Q4_1})
+    config = model_config_from_hf(gguf_arch.hf_config(read_header(path)))
+    model = _empty_model(config, "cpu")
+    load_gguf_weights(model, path)
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantLinearParts) and [p.fmt.name for p in qkv.parts] == ["Q8_0", "Q8_0", "Q4_1"]
+    assert qkv.bias is not None  # this Llama has attention biases: added after the parts
+    runner = ModelRunner(model.eval(), config, CacheConfig(block_size=4, num_blocks=32), eos_token_ids=())
+    ids = torch.randint(0, 97, (13,)).tolist()
+    with torch.no_grad():
+        expect = hf(torch.tensor([ids])).logits[0]
+    out = run(runner, [entry("a", ids, 0, [3, 0, 7, 9], 1)])["a"]
+    torch.testing.assert_close(out, expect, atol=5e-5, rtol=0)
+    assert held_weight_bytes(read_header(path)) == pytest.approx(weight_bytes(model), rel=0.02)
