@@ -70,10 +70,11 @@ def _rope_rule(hf: dict[str, Any], default_theta: float) -> RopeConfig:
             original_max_position=int(merged.get("original_max_position_embeddings", 8192)),
         )
     if rope_type == "yarn":
-        factor = float(merged.get("factor") or hf["max_position_embeddings"] / merged["original_max_position_embeddings"])
+        # (no original context named: the model's own, as transformers reads such a config)
+        original = int(merged.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 4096))
+        factor = float(merged.get("factor") or int(hf.get("max_position_embeddings", original)) / original)
         return RopeConfig(
-            theta=theta, scaling_type="yarn", factor=factor,
-            original_max_position=int(merged["original_max_position_embeddings"]),
+            theta=theta, scaling_type="yarn", factor=factor, original_max_position=original,
             beta_fast=float(merged.get("beta_fast") or 32.0), beta_slow=float(merged.get("beta_slow") or 1.0),
             attention_factor=_yarn_attention_factor(merged, factor),
         )

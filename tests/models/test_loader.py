@@ -1,6 +1,7 @@
 """Loader and registry: clear errors for unsupported or incomplete models; GGUF q/k row order."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -21,8 +22,15 @@ def test_unsupported_architecture_names_the_supported_ones():
 
 
 def test_unsupported_rope_type_is_refused():
-    with pytest.raises(UnsupportedModelError, match="rope type 'yarn'"):
-        model_config_from_hf({**BASE, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(UnsupportedModelError, match="rope type 'longrope' is not supported; supported: default, linear, llama3, yarn"):
+        model_config_from_hf({**BASE, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
+
+
+def test_yarn_without_an_original_context_takes_the_models():
+    rope = model_config_from_hf({**BASE, "max_position_embeddings": 4096,
+                                 "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}).rope
+    assert (rope.scaling_type, rope.factor, rope.original_max_position) == ("yarn", 4.0, 4096)
+    assert rope.attention_factor == pytest.approx(0.1 * math.log(4.0) + 1)
 
 
 def test_defaults_for_missing_optional_fields():
