@@ -47,19 +47,16 @@ def byte_symbols() -> list[str]:
 
 
 def llama3_rope_freqs(head_dim: int, theta: float) -> np.ndarray:
-    """llama.cpp's converter's factors for Llama 3.2's scaling (factor 32, low 1, high 4, 8192)."""
-    factor, low, high, original = 32.0, 1.0, 4.0, 8192
-    out = []
-    for freq in 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)):
-        wavelen = 2 * np.pi / freq
-        if wavelen < original / high:
-            out.append(1.0)
-        elif wavelen > original / low:
-            out.append(factor)
-        else:
-            smooth = (original / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(out, dtype=np.float32)
+    """What llama.cpp's converter writes as `rope_freqs` for Llama 3.2's scaling (factor 32, low 1,
+    high 4, original context 8192): the tests' converter formula (tests/models/gguf_writer.py)."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.models.gguf_writer import llama3_rope_freqs as converter_factors
+
+    rope = {"rope_type": "llama3", "rope_theta": theta, "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    return converter_factors(SimpleNamespace(rope_parameters=rope), head_dim)
 
 
 def tensors(s: dict) -> list[tuple[str, tuple[int, ...], type]]:
