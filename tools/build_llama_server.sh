@@ -8,7 +8,8 @@ VERSION=0.3.36
 CACHE=${LLAMA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/octavo/llama.cpp}
 PYTHON=${PYTHON:-python3}
 BIN="$CACHE/build-$VERSION/bin/llama-server"
-if [[ -x "$BIN" ]]; then echo "$BIN"; exit 0; fi
+# (a cache built before llama-quantize was added here is built again)
+if [[ -x "$BIN" && -x "$(dirname "$BIN")/llama-quantize" ]]; then echo "$BIN"; exit 0; fi
 mkdir -p "$CACHE"
 cd "$CACHE"
 if [[ ! -d "llama_cpp_python-$VERSION" ]]; then
