@@ -510,10 +510,11 @@ def _gguf_tensors(
 
 
 # Bytes per weight of each format load_gguf_weights keeps in blocks, as the CPU kernels hold it
-# after packing (kernels/cpu: Q4_0 / Q4_1 / Q8_0 tiles keep the block bytes; the K8 formats widen
-# to tiles of 8 bytes of scale and min per G rows and sub-block, quant_linear_k8.cpp's tile_bytes).
-_HELD_BYTES_PER_WEIGHT = {"Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q8_0": 34 / 32, "Q5_1": 40 / 32, "Q4_K": 24 / 32,
-                          "Q5_K": 40 / 32, "Q6_K": 24 / 16}
+# after packing (kernels/cpu: Q4_0 / Q4_1 / Q8_0 tiles keep the block bytes; Q5_1 widens to int8
+# quants with float32 scale and min, quant_linear_k8.cpp; the K-quants keep their fields at the
+# file's widths, a byte each for Q4_K / Q5_K's 6-bit scales and mins, quant_linear_kq.cpp).
+_HELD_BYTES_PER_WEIGHT = {"Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q8_0": 34 / 32, "Q5_1": 40 / 32, "Q4_K": 148 / 256,
+                          "Q5_K": 180 / 256, "Q6_K": 210 / 256}
 _FUSED_PARTS = {"attn_q": "attn_qkv", "attn_k": "attn_qkv", "attn_v": "attn_qkv", "ffn_gate": "ffn_gate_up",
                 "ffn_up": "ffn_gate_up", "ffn_gate_exps": "ffn_gate_up_exps", "ffn_up_exps": "ffn_gate_up_exps",
                 "ffn_gate_shexp": "ffn_gate_up_shexp", "ffn_up_shexp": "ffn_gate_up_shexp"}

@@ -82,9 +82,10 @@ def test_packed_layout_rebuilds_every_weight_bit_for_bit(name, n, k):
     assert torch.equal(cpu.dequantize_transposed(packed, fmt, k, n).contiguous().view(torch.int32), expect.t().contiguous())
     rows = torch.tensor([n - 1, 0, n // 2])
     assert torch.equal(cpu.dequantize_rows(packed, fmt, rows, k, n).view(torch.int32), expect[rows])
-    # bytes per weight and row held: D and M (8 bytes per sub-block) + q as int8, or as nibbles (Q4_K)
-    g, sub = cpu.load().pack_width(), 16 if name == "Q6_K" else 32
-    per_weight = (8 + (sub // 2 if name == "Q4_K" else sub)) / sub
+    # bytes per weight and row held: the K-quants' file blocks with 6-bit scales and mins widened to
+    # a byte each (Q6_K: exactly the file's); Q5_0 / Q5_1: D and M as float32 + q as int8
+    g = cpu.load().pack_width()
+    per_weight = {"Q4_K": 148 / 256, "Q5_K": 180 / 256, "Q6_K": 210 / 256}.get(name, 40 / 32)
     assert packed.numel() == -(-n // g) * g * k * per_weight
 
 

@@ -62,8 +62,22 @@ struct Isa {
   static I low_nibble(I v) { return _mm512_and_si512(v, _mm512_set1_epi32(0x0f)); }
   static I high_nibble(I v) { return _mm512_srli_epi32(v, 4); }
   static I sub8(I v) { return _mm512_sub_epi32(v, _mm512_set1_epi32(8)); }
+  static I and_(I v, int m) { return _mm512_and_si512(v, _mm512_set1_epi32(m)); }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  static I sub(I v, int c) { return _mm512_sub_epi32(v, _mm512_set1_epi32(c)); }
+  template <int N> static I shl(I v) { return _mm512_slli_epi32(v, N); }
+  template <int N> static I shr(I v) { return _mm512_srli_epi32(v, N); }
   static V to_float(I v) { return _mm512_cvtepi32_ps(v); }
   static V halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  // 4 G bytes at once (4 tile rows of G lanes): shifts move bits within 16-bit lanes (mask after)
+  using B = __m512i;
+  static B load4(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static void store4(uint8_t* p, B v) { _mm512_storeu_si512(p, v); }
+  static B and4(B v, uint8_t m) { return _mm512_and_si512(v, _mm512_set1_epi8(static_cast<char>(m))); }
+  static B or4(B a, B b) { return _mm512_or_si512(a, b); }
+  static B sub4(B v, uint8_t c) { return _mm512_sub_epi8(v, _mm512_set1_epi8(static_cast<char>(c))); }
+  template <int N> static B shl4(B v) { return _mm512_slli_epi16(v, N); }
+  template <int N> static B shr4(B v) { return _mm512_srli_epi16(v, N); }
   static constexpr const char* name = "avx512";
 };
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -83,8 +97,21 @@ struct Isa {
   static I low_nibble(I v) { return _mm256_and_si256(v, _mm256_set1_epi32(0x0f)); }
   static I high_nibble(I v) { return _mm256_srli_epi32(v, 4); }
   static I sub8(I v) { return _mm256_sub_epi32(v, _mm256_set1_epi32(8)); }
+  static I and_(I v, int m) { return _mm256_and_si256(v, _mm256_set1_epi32(m)); }
+  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  static I sub(I v, int c) { return _mm256_sub_epi32(v, _mm256_set1_epi32(c)); }
+  template <int N> static I shl(I v) { return _mm256_slli_epi32(v, N); }
+  template <int N> static I shr(I v) { return _mm256_srli_epi32(v, N); }
   static V to_float(I v) { return _mm256_cvtepi32_ps(v); }
   static V halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  using B = __m256i;
+  static B load4(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static void store4(uint8_t* p, B v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+  static B and4(B v, uint8_t m) { return _mm256_and_si256(v, _mm256_set1_epi8(static_cast<char>(m))); }
+  static B or4(B a, B b) { return _mm256_or_si256(a, b); }
+  static B sub4(B v, uint8_t c) { return _mm256_sub_epi8(v, _mm256_set1_epi8(static_cast<char>(c))); }
+  template <int N> static B shl4(B v) { return _mm256_slli_epi16(v, N); }
+  template <int N> static B shr4(B v) { return _mm256_srli_epi16(v, N); }
   static constexpr const char* name = "avx2";
 };
 #else
@@ -104,8 +131,21 @@ struct Isa {  // plain C++ over G-float arrays (the compiler vectorises what it 
   static I low_nibble(I a) { for (auto& e : a.v) e &= 0x0f; return a; }
   static I high_nibble(I a) { for (auto& e : a.v) e >>= 4; return a; }
   static I sub8(I a) { for (auto& e : a.v) e -= 8; return a; }
+  static I and_(I a, int m) { for (auto& e : a.v) e &= m; return a; }
+  static I or_(I a, I b) { for (int i = 0; i < G; ++i) a.v[i] |= b.v[i]; return a; }
+  static I sub(I a, int c) { for (auto& e : a.v) e -= c; return a; }
+  template <int N> static I shl(I a) { for (auto& e : a.v) e = static_cast<int32_t>(static_cast<uint32_t>(e) << N); return a; }
+  template <int N> static I shr(I a) { for (auto& e : a.v) e = static_cast<int32_t>(static_cast<uint32_t>(e) >> N); return a; }
   static V to_float(I a) { V r; for (int i = 0; i < G; ++i) r.v[i] = static_cast<float>(a.v[i]); return r; }
   static V halves(const uint8_t* p) { V r; for (int i = 0; i < G; ++i) r.v[i] = fp16_to_float(load_u16(p + 2 * i)); return r; }
+  struct B { uint8_t v[4 * G]; };  // byte-wise here: the vector paths' 16-bit shifts then masks agree
+  static B load4(const uint8_t* p) { B r; std::memcpy(r.v, p, sizeof r.v); return r; }
+  static void store4(uint8_t* p, B v) { std::memcpy(p, v.v, sizeof v.v); }
+  static B and4(B a, uint8_t m) { for (auto& e : a.v) e &= m; return a; }
+  static B or4(B a, B b) { for (int i = 0; i < 4 * G; ++i) a.v[i] |= b.v[i]; return a; }
+  static B sub4(B a, uint8_t c) { for (auto& e : a.v) e = static_cast<uint8_t>(e - c); return a; }
+  template <int N> static B shl4(B a) { for (auto& e : a.v) e = static_cast<uint8_t>(e << N); return a; }
+  template <int N> static B shr4(B a) { for (auto& e : a.v) e = static_cast<uint8_t>(e >> N); return a; }
   static constexpr const char* name = "scalar";
 };
 #endif

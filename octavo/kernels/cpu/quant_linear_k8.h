@@ -1,5 +1,4 @@
-// Quantized linear layers for the GGUF formats of today's "Q4_K_M"-style files: Q5_0, Q5_1 and the
-// K-quants Q4_K, Q5_K, Q6_K (see quant_linear_k8.cpp). Same entry points as quant_linear.cpp's,
+// Quantized linear layers for Q5_0 and Q5_1 blocks, widened to int8 quants (see quant_linear_k8.cpp). Same entry points as quant_linear.cpp's,
 // which hands these format codes over.
 #pragma once
 
@@ -8,9 +7,9 @@
 
 namespace octavo_k8 {
 
-enum Format : int64_t { kQ5_0 = 3, kQ5_1 = 4, kQ4_K = 5, kQ5_K = 6, kQ6_K = 7 };
+enum Format : int64_t { kQ5_0 = 3, kQ5_1 = 4 };
 
-inline bool handles(int64_t fmt) { return fmt >= kQ5_0 && fmt <= kQ6_K; }
+inline bool handles(int64_t fmt) { return fmt == kQ5_0 || fmt == kQ5_1; }
 
 at::Tensor pack(at::Tensor qweight, int64_t fmt);
 void quant_linear(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t fmt);

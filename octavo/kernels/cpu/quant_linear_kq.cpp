@@ -1,0 +1,398 @@
+// Q4_K, Q5_K and Q6_K weights for the CPU at their file's size: out = x @ W^T, activations float32.
+//
+// A K-quant block holds 256 weights of a row: fp16 super-scales and, per sub-block, small integer
+// scales, the weights' quants split in bit planes. gguf-py rebuilds a weight as
+//   Q4_K / Q5_K: fl(fl(D * q) - fl(dmin * mn)), D = fl(d * sc), q = 4 / 5 bits, sub-blocks of 32
+//   Q6_K:        fl(D * (q - 32)),               D = fl(d * sc), q = 6 bits,     sub-blocks of 16
+// with d, dmin fp16 and sc, mn the sub-block's 6-bit (Q4_K, Q5_K) or int8 (Q6_K) fields.
+//
+// `pack` reorders each block into a tile of G rows (G = the vector width in floats), keeping the
+// same fields at the same widths, so that one vector load gives one field of G rows:
+//   Q4_K (148 G bytes): d[G] fp16 | dmin[G] fp16 | sc[8][G] | mn[8][G] | per sub-block lo[16][G]
+//   Q5_K (180 G bytes): the same, per sub-block lo[16][G] then hi[4][G]
+//   Q6_K (210 G bytes): d[G] fp16 | sc[16][G] int8 | per sub-block lo[8][G] then hi[4][G]
+// lo byte p holds the low 4 bits of weights 2p (low nibble) and 2p + 1 (high nibble) of the
+// sub-block; Q5_K's hi byte h holds the fifth bit of weight 8h + j at bit j; Q6_K's hi byte p
+// (p < 4) the top two bits of weights 2p, 2p + 1, 8 + 2p, 9 + 2p at bits 0, 2, 4, 6: aligned with
+// lo bytes p and 4 + p, so that four rows of G lanes are assembled by one set of byte operations
+// (`for_q6`: about 1/4 of an integer operation per weight instead of 6). Bytes per weight: Q4_K 0.578 (file 0.5625: the 6-bit
+// scales and mins take a byte each), Q5_K 0.703 (0.6875), Q6_K 0.820 (the same). A decode step is
+// bound by these bytes (docs/BENCHMARKS.md); the kernels unpack in registers: a few integer
+// operations per G weights, and D, -dmin * mn once per sub-block.
+//
+// The small-batch kernel factors each sub-block's scale out, as quant_linear.cpp's does:
+//   sum_i (D q_i + M) x_i = D * sum_i q_i x_i + M * sum_i x_i,   M = -(dmin * mn)
+// (Q6_K subtracts its 32 in integers: no M). For many rows the caller rebuilds W^T, each weight
+// bit for bit gguf-py's value (-ffp-contract=off keeps the two roundings), for a float32 GEMM.
+#include "quant_linear_kq.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "quant_isa.h"
+
+namespace octavo_kq {
+namespace {
+
+using octavo_quant::fp16_to_float;
+using octavo_quant::Isa;
+using octavo_quant::load_u16;
+using V = Isa::V;
+using I = Isa::I;
+constexpr int G = Isa::G;
+constexpr int MAX_R = G == 16 ? 8 : 4;
+constexpr int64_t QK = 256;
+
+constexpr int64_t file_block_bytes(int64_t fmt) { return fmt == kQ4_K ? 144 : fmt == kQ5_K ? 176 : 210; }
+constexpr int64_t tile_bytes(int64_t fmt) { return (fmt == kQ4_K ? 148 : fmt == kQ5_K ? 180 : 210) * G; }
+// Q4_K / Q5_K: bytes of one sub-block's quants in a tile, and where the first starts
+constexpr int64_t sub_bytes(int64_t fmt) { return (fmt == kQ5_K ? 20 : fmt == kQ4_K ? 16 : 12) * G; }
+constexpr int64_t q_start(int64_t fmt) { return (fmt == kQ6_K ? 18 : 20) * G; }
+constexpr int64_t num_subs(int64_t fmt) { return fmt == kQ6_K ? 16 : 8; }
+
+// One file block -> its fields: d, dmin (fp16 bits), the sub-blocks' sc, mn, and the 256 quants
+// as unsigned integers (Q6_K: 0..63, before the - 32).
+struct Fields {
+  uint16_t d, dmin;
+  uint8_t sc[16], mn[8];
+  uint8_t q[256];
+};
+
+void read_block(int64_t fmt, const uint8_t* b, Fields& f) {
+  if (fmt == kQ6_K) {  // ql[128], qh[64], int8 scales[16], fp16 d
+    const uint8_t *ql = b, *qh = b + 128;
+    std::memcpy(f.sc, b + 192, 16);
+    f.d = load_u16(b + 208);
+    f.dmin = 0;
+    for (int h = 0; h < 2; ++h)
+      for (int w = 0; w < 128; ++w) {
+        const int low = w < 64 ? (ql[64 * h + w] & 0x0f) : (ql[64 * h + w - 64] >> 4);
+        const int high = (qh[32 * h + w % 32] >> (2 * (w / 32))) & 3;
+        f.q[128 * h + w] = static_cast<uint8_t>(low | (high << 4));
+      }
+    return;
+  }
+  f.d = load_u16(b);
+  f.dmin = load_u16(b + 2);
+  const uint8_t* s = b + 4;  // 12 bytes: 6-bit scales and mins of the 8 sub-blocks
+  const uint8_t* qh = b + 16;  // Q5_K: bit i of byte j is sub-block i's weight j's fifth bit
+  const uint8_t* qs = b + (fmt == kQ4_K ? 16 : 48);
+  for (int i = 0; i < 8; ++i) {
+    f.sc[i] = static_cast<uint8_t>(i < 4 ? (s[i] & 63) : ((s[i + 4] & 0x0f) | ((s[i - 4] >> 2) & 0x30)));
+    f.mn[i] = static_cast<uint8_t>(i < 4 ? (s[i + 4] & 63) : ((s[i + 4] >> 4) | ((s[i] >> 2) & 0x30)));
+    const uint8_t* chunk = qs + 32 * (i / 2);  // sub-blocks 2c and 2c + 1 share 32 bytes
+    for (int j = 0; j < 32; ++j) {
+      int v = i % 2 == 0 ? (chunk[j] & 0x0f) : (chunk[j] >> 4);
+      if (fmt == kQ5_K) v |= ((qh[j] >> i) & 1) << 4;
+      f.q[32 * i + j] = static_cast<uint8_t>(v);
+    }
+  }
+}
+
+// Lane c of a tile <- one row's block.
+void write_lane(int64_t fmt, const Fields& f, uint8_t* t, int64_t c) {
+  std::memcpy(t + 2 * c, &f.d, 2);
+  if (fmt == kQ6_K) {
+    for (int s = 0; s < 16; ++s) {
+      t[2 * G + s * G + c] = f.sc[s];
+      uint8_t* lo = t + q_start(fmt) + s * sub_bytes(fmt);
+      const uint8_t* q = f.q + 16 * s;
+      for (int p = 0; p < 8; ++p) lo[p * G + c] = static_cast<uint8_t>((q[2 * p] & 15) | ((q[2 * p + 1] & 15) << 4));
+      for (int p = 0; p < 4; ++p) {
+        const int v = (q[2 * p] >> 4) | ((q[2 * p + 1] >> 4) << 2) | ((q[8 + 2 * p] >> 4) << 4) | ((q[9 + 2 * p] >> 4) << 6);
+        lo[(8 + p) * G + c] = static_cast<uint8_t>(v);
+      }
+    }
+    return;
+  }
+  std::memcpy(t + 2 * G + 2 * c, &f.dmin, 2);
+  for (int s = 0; s < 8; ++s) {
+    t[4 * G + s * G + c] = f.sc[s];
+    t[12 * G + s * G + c] = f.mn[s];
+    uint8_t* lo = t + q_start(fmt) + s * sub_bytes(fmt);
+    const uint8_t* q = f.q + 32 * s;
+    for (int p = 0; p < 16; ++p) lo[p * G + c] = static_cast<uint8_t>((q[2 * p] & 15) | ((q[2 * p + 1] & 15) << 4));
+    if (fmt == kQ5_K)
+      for (int h = 0; h < 4; ++h) {
+        int v = 0;
+        for (int j = 0; j < 8; ++j) v |= (q[8 * h + j] >> 4) << j;
+        lo[(16 + h) * G + c] = static_cast<uint8_t>(v);
+      }
+  }
+}
+
+// Weight k (< 256) of lane c of a tile, rebuilt as gguf-py does.
+float weight_at(int64_t fmt, const uint8_t* t, int64_t c, int64_t k) {
+  const float d = fp16_to_float(load_u16(t + 2 * c));
+  if (fmt == kQ6_K) {
+    const int64_t s = k / 16, i = k % 16;
+    const float D = d * static_cast<float>(static_cast<int8_t>(t[2 * G + s * G + c]));
+    const uint8_t* lo = t + q_start(fmt) + s * sub_bytes(fmt);
+    const int at = (i / 8) * 2 + i % 2;  // the pair of bits in hi byte (i % 8) / 2
+    const int low = (lo[(i / 2) * G + c] >> (4 * (i % 2))) & 15, high = (lo[(8 + (i % 8) / 2) * G + c] >> (2 * at)) & 3;
+    return D * static_cast<float>((low | (high << 4)) - 32);
+  }
+  const int64_t s = k / 32, i = k % 32;
+  const float D = d * static_cast<float>(t[4 * G + s * G + c]);
+  const float M = fp16_to_float(load_u16(t + 2 * G + 2 * c)) * static_cast<float>(t[12 * G + s * G + c]);
+  const uint8_t* lo = t + q_start(fmt) + s * sub_bytes(fmt);
+  int q = (lo[(i / 2) * G + c] >> (4 * (i % 2))) & 15;
+  if (fmt == kQ5_K) q |= ((lo[(16 + i / 8) * G + c] >> (i % 8)) & 1) << 4;
+  const float w = D * static_cast<float>(q);
+  return w - M;
+}
+
+// Bit B of each lane moved to bit 4 (value 16): Q5_K's fifth bit.
+template <int B>
+inline I bit_to_16(I v) {
+  if constexpr (B < 4) return Isa::and_(Isa::shl<4 - B>(v), 16);
+  else if constexpr (B == 4) return Isa::and_(v, 16);
+  else return Isa::and_(Isa::shr<B - 4>(v), 16);
+}
+
+// The 32 quants of Q4_K / Q5_K sub-block `lo` as 16 pairs, handed to f(pair index, w[2p], w[2p+1]).
+template <bool FIVE, typename F>
+inline void for_pairs(const uint8_t* lo, F&& f) {
+  if constexpr (FIVE) {
+    for (int h = 0; h < 4; ++h) {
+      const I hv = Isa::bytes_u(lo + (16 + h) * G);
+      const auto pair = [&](auto jj) {
+        constexpr int j = decltype(jj)::value;  // pair 4h + j: weights 8h + 2j, 8h + 2j + 1
+        const I v = Isa::bytes_u(lo + (4 * h + j) * G);
+        f(4 * h + j, Isa::to_float(Isa::or_(Isa::low_nibble(v), bit_to_16<2 * j>(hv))),
+          Isa::to_float(Isa::or_(Isa::high_nibble(v), bit_to_16<2 * j + 1>(hv))));
+      };
+      pair(std::integral_constant<int, 0>());
+      pair(std::integral_constant<int, 1>());
+      pair(std::integral_constant<int, 2>());
+      pair(std::integral_constant<int, 3>());
+    }
+  } else {
+    for (int p = 0; p < 16; ++p) {
+      const I v = Isa::bytes_u(lo + p * G);
+      f(p, Isa::to_float(Isa::low_nibble(v)), Isa::to_float(Isa::high_nibble(v)));
+    }
+  }
+}
+
+// The 16 quants (minus 32) of Q6_K sub-block `lo`, assembled four tile rows at a time in bytes
+// (Isa::B), then widened one row of G lanes at a time: f(p, w[2p], w[2p + 1], w[8 + 2p], w[9 + 2p]).
+template <typename F>
+inline void for_q6(const uint8_t* lo, F&& f) {
+  using B = Isa::B;
+  const B l0 = Isa::load4(lo), l1 = Isa::load4(lo + 4 * G), hi = Isa::load4(lo + 8 * G);
+  alignas(64) uint8_t w[4][4 * G];  // weights 2p, 2p + 1, 8 + 2p, 9 + 2p of row p, int8
+  const auto top = [](B h) { return Isa::and4(h, 0x30); };
+  Isa::store4(w[0], Isa::sub4(Isa::or4(Isa::and4(l0, 0x0f), top(Isa::shl4<4>(hi))), 32));
+  Isa::store4(w[1], Isa::sub4(Isa::or4(Isa::and4(Isa::shr4<4>(l0), 0x0f), top(Isa::shl4<2>(hi))), 32));
+  Isa::store4(w[2], Isa::sub4(Isa::or4(Isa::and4(l1, 0x0f), top(hi)), 32));
+  Isa::store4(w[3], Isa::sub4(Isa::or4(Isa::and4(Isa::shr4<4>(l1), 0x0f), top(Isa::shr4<2>(hi))), 32));
+  for (int p = 0; p < 4; ++p)
+    f(p, Isa::to_float(Isa::bytes_s(w[0] + p * G)), Isa::to_float(Isa::bytes_s(w[1] + p * G)),
+      Isa::to_float(Isa::bytes_s(w[2] + p * G)), Isa::to_float(Isa::bytes_s(w[3] + p * G)));
+}
+
+// out[r][0..G) for rows r < R of one group. xs: per-row sums of x per sub-block of 32 (Q4_K, Q5_K).
+template <int64_t F, int R>
+inline void group_small(const float* x, int64_t K, const uint8_t* tiles, const float* xs, int64_t nb, float* out,
+                        int64_t out_stride, int64_t cols) {
+  constexpr int64_t TB = tile_bytes(F), SB = sub_bytes(F), Q0 = q_start(F);
+  V acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = Isa::zero();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* t = tiles + b * TB;
+    // the next tile (in this group or the next one): a layer is streamed once, faster than the
+    // hardware prefetcher ramps up on it
+    for (int64_t l = 0; l < TB; l += 64) __builtin_prefetch(t + TB + l, 0, 3);
+    const V d = Isa::halves(t);
+    if constexpr (F == kQ6_K) {
+      for (int s = 0; s < 16; ++s) {
+        const V D = Isa::mul(d, Isa::to_float(Isa::bytes_s(t + 2 * G + s * G)));
+        const float* xb = x + b * QK + s * 16;
+        V s0[R], s1[R];  // two chains per row: half the latency of one
+        for (int r = 0; r < R; ++r) s0[r] = s1[r] = Isa::zero();
+        for_q6(t + Q0 + s * SB, [&](int p, V w0, V w1, V w8, V w9) {
+          for (int r = 0; r < R; ++r) {  // (two chains, not four: 8 rows' accumulators fill the registers)
+            s0[r] = Isa::fma(w0, Isa::set1(xb[r * K + 2 * p]), s0[r]);
+            s1[r] = Isa::fma(w1, Isa::set1(xb[r * K + 2 * p + 1]), s1[r]);
+            s0[r] = Isa::fma(w8, Isa::set1(xb[r * K + 8 + 2 * p]), s0[r]);
+            s1[r] = Isa::fma(w9, Isa::set1(xb[r * K + 9 + 2 * p]), s1[r]);
+          }
+        });
+        for (int r = 0; r < R; ++r) acc[r] = Isa::fma(D, Isa::add(s0[r], s1[r]), acc[r]);
+      }
+    } else {
+      const V dmin = Isa::halves(t + 2 * G);
+      for (int s = 0; s < 8; ++s) {
+        const V D = Isa::mul(d, Isa::to_float(Isa::bytes_u(t + 4 * G + s * G)));
+        const V M = Isa::mul(Isa::mul(dmin, Isa::to_float(Isa::bytes_u(t + 12 * G + s * G))), Isa::set1(-1.f));
+        const float* xb = x + b * QK + s * 32;
+        V s0[R], s1[R];
+        for (int r = 0; r < R; ++r) s0[r] = s1[r] = Isa::zero();
+        for_pairs<F == kQ5_K>(t + Q0 + s * SB, [&](int p, V w0, V w1) {
+          for (int r = 0; r < R; ++r) {
+            s0[r] = Isa::fma(w0, Isa::set1(xb[r * K + 2 * p]), s0[r]);
+            s1[r] = Isa::fma(w1, Isa::set1(xb[r * K + 2 * p + 1]), s1[r]);
+          }
+        });
+        const int64_t nsub = nb * 8;
+        for (int r = 0; r < R; ++r) {
+          acc[r] = Isa::fma(D, Isa::add(s0[r], s1[r]), acc[r]);
+          acc[r] = Isa::fma(M, Isa::set1(xs[r * nsub + b * 8 + s]), acc[r]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (cols == G) {
+      Isa::store(out + r * out_stride, acc[r]);
+    } else {
+      float tmp[G];
+      Isa::store(tmp, acc[r]);
+      std::copy(tmp, tmp + cols, out + r * out_stride);
+    }
+  }
+}
+
+template <int64_t F, int R = MAX_R>
+inline void group_rows(const float* x, int64_t M, int64_t K, const uint8_t* tiles, const float* xs, int64_t nb,
+                       float* out, int64_t N, int64_t cols) {
+  if constexpr (R > 0) {
+    if (M == R) return group_small<F, R>(x, K, tiles, xs, nb, out, N, cols);
+    return group_rows<F, R - 1>(x, M, K, tiles, xs, nb, out, N, cols);
+  }
+}
+
+template <int64_t F>
+void run(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N, float* out) {
+  const int64_t nb = K / QK, num_groups = (N + G - 1) / G, group_bytes = nb * tile_bytes(F);
+  constexpr bool HAS_M = F != kQ6_K;
+  const std::vector<float> xs = HAS_M ? octavo_quant::block_sums(x, M, K, 32, [](int64_t b, int64_t e, int64_t g, const auto& f) {
+    at::parallel_for(b, e, g, f);
+  }) : std::vector<float>();
+  at::parallel_for(0, num_groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* tiles = packed + g * group_bytes;
+      const int64_t cols = std::min<int64_t>(G, N - g * G);
+      for (int64_t m = 0; m < M; m += MAX_R) {
+        const int64_t rows = std::min<int64_t>(MAX_R, M - m);
+        group_rows<F>(x + m * K, rows, K, tiles, HAS_M ? xs.data() + m * (K / 32) : nullptr, nb, out + m * N + g * G,
+                      N, cols);
+      }
+    }
+  });
+}
+
+// One tile's weights as float32, k-major: w[k * stride + c] = weight k of the group's row c.
+template <int64_t F>
+inline void rebuild_tile(const uint8_t* t, float* w, int64_t stride) {
+  constexpr int64_t SB = sub_bytes(F), Q0 = q_start(F);
+  const V d = Isa::halves(t);
+  if constexpr (F == kQ6_K) {
+    for (int s = 0; s < 16; ++s) {
+      const V D = Isa::mul(d, Isa::to_float(Isa::bytes_s(t + 2 * G + s * G)));
+      float* ws = w + s * 16 * stride;
+      for_q6(t + Q0 + s * SB, [&](int p, V w0, V w1, V w8, V w9) {
+        Isa::store(ws + (2 * p) * stride, Isa::mul(w0, D));
+        Isa::store(ws + (2 * p + 1) * stride, Isa::mul(w1, D));
+        Isa::store(ws + (8 + 2 * p) * stride, Isa::mul(w8, D));
+        Isa::store(ws + (9 + 2 * p) * stride, Isa::mul(w9, D));
+      });
+    }
+  } else {
+    const V dmin = Isa::halves(t + 2 * G);
+    for (int s = 0; s < 8; ++s) {
+      const V D = Isa::mul(d, Isa::to_float(Isa::bytes_u(t + 4 * G + s * G)));
+      const V M = Isa::mul(Isa::mul(dmin, Isa::to_float(Isa::bytes_u(t + 12 * G + s * G))), Isa::set1(-1.f));
+      float* ws = w + s * 32 * stride;
+      for_pairs<F == kQ5_K>(t + Q0 + s * SB, [&](int p, V w0, V w1) {
+        Isa::store(ws + (2 * p) * stride, Isa::add(Isa::mul(w0, D), M));
+        Isa::store(ws + (2 * p + 1) * stride, Isa::add(Isa::mul(w1, D), M));
+      });
+    }
+  }
+}
+
+void check_packed(const at::Tensor& packed, int64_t fmt, int64_t N, int64_t K) {
+  TORCH_CHECK(K % QK == 0, "in_features must be a multiple of 256, got ", K);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(0) == (N + G - 1) / G && packed.size(1) == K / QK && packed.size(2) == tile_bytes(fmt),
+              "packed weight must be uint8 [ceil(N / ", G, "), K / 256, ", tile_bytes(fmt), "] (from `pack`)");
+}
+
+}  // namespace
+
+// GGUF blocks uint8 [N, K / 256 * block bytes] -> packed uint8 [ceil(N / G), K / 256, tile bytes].
+at::Tensor pack(at::Tensor qweight, int64_t fmt) {
+  const int64_t bb = file_block_bytes(fmt);
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
+              "a GGUF-layout weight is a contiguous uint8 tensor [out_features, blocks * block_bytes]");
+  TORCH_CHECK(qweight.size(1) % bb == 0, "row of ", qweight.size(1), " bytes is not whole blocks of ", bb);
+  const int64_t N = qweight.size(0), nb = qweight.size(1) / bb, num_groups = (N + G - 1) / G, tb = tile_bytes(fmt);
+  auto packed = at::zeros({num_groups, nb, tb}, qweight.options());
+  const uint8_t* src = qweight.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, num_groups, 1, [&](int64_t g0, int64_t g1) {
+    Fields f;
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t c = 0; c < G && g * G + c < N; ++c)
+        for (int64_t b = 0; b < nb; ++b) {
+          read_block(fmt, src + ((g * G + c) * nb + b) * bb, f);
+          write_lane(fmt, f, dst + (g * nb + b) * tb, c);
+        }
+  });
+  return packed;
+}
+
+void quant_linear(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t fmt) {
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  check_packed(packed, fmt, N, K);
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  switch (fmt) {
+    case kQ4_K: return run<kQ4_K>(xp, M, K, pp, N, op);
+    case kQ5_K: return run<kQ5_K>(xp, M, K, pp, N, op);
+    default: return run<kQ6_K>(xp, M, K, pp, N, op);
+  }
+}
+
+void dequantize_rows(at::Tensor out, at::Tensor packed, int64_t fmt, at::Tensor rows, int64_t N) {
+  const int64_t K = out.size(1), nb = K / QK, tb = tile_bytes(fmt);
+  check_packed(packed, fmt, N, K);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  for (int64_t j = 0; j < rows.size(0); ++j)
+    TORCH_CHECK(rp[j] >= 0 && rp[j] < N, "row ", rp[j], " out of range [0, ", N, ")");
+  at::parallel_for(0, rows.size(0), 16, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t g = rp[j] / G, c = rp[j] % G;
+      for (int64_t b = 0; b < nb; ++b)
+        for (int64_t k = 0; k < QK; ++k) op[j * K + b * QK + k] = weight_at(fmt, pp + (g * nb + b) * tb, c, k);
+    }
+  });
+}
+
+void dequantize_transposed(at::Tensor out, at::Tensor packed, int64_t fmt) {
+  const int64_t K = out.size(0), N = out.size(1), nb = K / QK, tb = tile_bytes(fmt);
+  check_packed(packed, fmt, N, K);
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N / G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* t = pp + (g * nb + b) * tb;
+        float* w = op + b * QK * N + g * G;
+        if (fmt == kQ4_K) rebuild_tile<kQ4_K>(t, w, N);
+        else if (fmt == kQ5_K) rebuild_tile<kQ5_K>(t, w, N);
+        else rebuild_tile<kQ6_K>(t, w, N);
+      }
+  });
+}
+
+}  // namespace octavo_kq
