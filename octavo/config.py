@@ -32,6 +32,7 @@ class RopeConfig:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     attention_factor: float = 1.0
+    truncate: bool = True  # the blend's ends rounded to whole pairs (llama.cpp always; gpt-oss's HF config: no)
 
     def __post_init__(self) -> None:
         if self.scaling_type not in (None, "llama3", "linear", "yarn"):
@@ -47,8 +48,10 @@ class MoEConfig:
     """A sparse mixture-of-experts feed-forward: each token's router picks `top_k` of `num_experts`
     gated MLPs of `intermediate_size` and sums their outputs with the router's weights. Routing
     "softmax_topk" (Qwen2/3-MoE): softmax over every expert, the top k, renormalised to sum 1 when
-    `norm_topk_prob`. `shared_intermediate_size` > 0: one shared expert every token runs, scaled by
-    sigmoid(a learned gate) (Qwen2-MoE)."""
+    `norm_topk_prob`; "topk_softmax" (gpt-oss): the k largest logits, then a softmax over those k.
+    `shared_intermediate_size` > 0: one shared expert every token runs, scaled by sigmoid(a learned
+    gate) (Qwen2-MoE). `router_bias`, `expert_bias`: the router's and every expert's projections
+    carry biases (gpt-oss)."""
 
     num_experts: int
     top_k: int
@@ -56,14 +59,16 @@ class MoEConfig:
     norm_topk_prob: bool = True
     routing: str = "softmax_topk"
     shared_intermediate_size: int = 0
+    router_bias: bool = False
+    expert_bias: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"experts per token ({self.top_k}) must be in [1, {self.num_experts}] (the experts)")
         if self.intermediate_size < 1 or self.shared_intermediate_size < 0:
             raise ValueError("expert feed-forward sizes must be positive")
-        if self.routing not in ("softmax_topk",):
-            raise ValueError(f"MoE routing {self.routing!r} is not supported; supported: softmax_topk")
+        if self.routing not in ("softmax_topk", "topk_softmax"):
+            raise ValueError(f"MoE routing {self.routing!r} is not supported; supported: softmax_topk, topk_softmax")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +92,11 @@ class ModelConfig:
     qk_norm: bool = False
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
-    hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_tanh"
+    # the gated MLP's activation: "silu", "gelu_tanh" or "swiglu_oai" (gpt-oss: gate clamped above
+    # and up both ways at swiglu_limit, (up + 1) * gate * sigmoid(swiglu_alpha * gate))
+    hidden_act: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     attention_scale: float | None = None  # None: head_dim ** -0.5
     # Sliding-window attention: `sliding_window` keys (the query's own included) for the layers
     # marked "sliding" in `layer_types` (empty: every layer global). `local_rope`: those layers'
@@ -99,14 +108,15 @@ class ModelConfig:
     # Gemma 2's soft-capping: attention scores and final logits become cap * tanh(x / cap) (None: none)
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
+    attn_sinks: bool = False  # a learned sink logit per query head in every softmax (gpt-oss)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
-        if self.hidden_act not in ("silu", "gelu_tanh"):
-            raise ValueError(f"hidden_act must be 'silu' or 'gelu_tanh', got {self.hidden_act!r}")
+        if self.hidden_act not in ("silu", "gelu_tanh", "swiglu_oai"):
+            raise ValueError(f"hidden_act must be 'silu', 'gelu_tanh' or 'swiglu_oai', got {self.hidden_act!r}")
         if self.layer_types and len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types names {len(self.layer_types)} layers; the model has {self.num_layers}")
         if set(self.layer_types) - {"full", "sliding"}:

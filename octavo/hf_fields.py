@@ -9,7 +9,8 @@ from typing import Any
 
 # Gemma configs written before `layer_types` name neither it nor a pattern: the family's own
 # (Gemma 2 alternates local and global layers, Gemma 3 has five local per global), as transformers assumes
-GEMMA_PATTERNS = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
+# every Nth layer global where the config names no pattern (gpt-oss alternates as Gemma 2 does)
+GEMMA_PATTERNS = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6, "gpt_oss": 2}
 
 
 def window_layer_types(cfg: dict[str, Any], num_layers: int, used: dict[str, str] | None = None) -> tuple[int | None, tuple[str, ...]]:

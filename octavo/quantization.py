@@ -148,6 +148,28 @@ def as_q8_0(qweight: torch.Tensor, fmt: QuantFormat, in_features: int) -> torch.
     return torch.cat([blocks[..., 0:2], q.view(torch.uint8)], dim=-1).reshape(n, nb * Q8_0.block_bytes).contiguous()
 
 
+# MXFP4 (gpt-oss's experts in llama.cpp's files): 32 weights share an E8M0 exponent e, each weight a
+# 4-bit e2m1 code; gguf-py rebuilds w = 2^(e - 128) * k[code] with k the doubled e2m1 values. k is a
+# small integer and 2^(e - 128) an fp16 for e in [104, 143]: Q8_0 (fp16 d, int8 q) holds such a
+# block exactly (fl(d * q) is the same product), at twice the file's bytes (34 against 17).
+MXFP4_BLOCK_BYTES = 17
+_MXFP4_K = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8)
+
+
+def mxfp4_as_q8_0(raw: torch.Tensor) -> torch.Tensor | None:
+    """MXFP4 blocks uint8 [N, row_bytes] -> the same weights as Q8_0 blocks, bit for bit; None when
+    a block's exponent has no exact fp16 (then the caller dequantizes)."""
+    n = raw.shape[0]
+    blocks = raw.reshape(n, -1, MXFP4_BLOCK_BYTES)
+    e = blocks[..., 0].to(torch.int32)
+    if bool(((e < 104) | (e > 143)).any()):
+        return None
+    d = torch.pow(2.0, (e - 128).float()).to(torch.float16).view(torch.uint8).reshape(*e.shape, 2)
+    codes = _nibbles(blocks[..., 1:]).long()  # weight j: byte j's low nibble, j + 16: its high one
+    q = _MXFP4_K[codes].view(torch.uint8)
+    return torch.cat([d, q], dim=-1).reshape(n, -1).contiguous()
+
+
 # ---- Q5_0, Q5_1 and the K-quants: read from files, dequantized with gguf-py's arithmetic ----
 
 

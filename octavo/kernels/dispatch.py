@@ -243,10 +243,15 @@ def paged_attention(
     return reference.paged_attention(q, k_cache, v_cache, meta, scale, window, softcap, sinks)
 
 
-def act_and_mul(gate_up: torch.Tensor, act: str, backend: str = "reference") -> torch.Tensor:
-    """act(gate) * up for the gated MLP: "silu" (silu_and_mul) or "gelu_tanh" (GeGLU)."""
+def act_and_mul(gate_up: torch.Tensor, act: str, backend: str = "reference", alpha: float = 1.702,
+                limit: float = 7.0) -> torch.Tensor:
+    """act(gate) * up for the gated MLP: "silu" (silu_and_mul), "gelu_tanh" (GeGLU) or
+    "swiglu_oai" (gpt-oss's clamped form, `alpha` and `limit` its constants; torch ops on every
+    backend: a few elementwise ops on a MoE layer's few rows)."""
     if act == "silu":
         return silu_and_mul(gate_up, backend)
+    if act == "swiglu_oai":
+        return reference.swiglu_oai_and_mul(gate_up, alpha, limit)
     if backend == "triton":
         from octavo.kernels.triton import silu_and_mul as triton_act
 

@@ -74,6 +74,14 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+def swiglu_oai_and_mul(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """[num_tokens, 2 * inter] -> [num_tokens, inter]: gpt-oss's clamped SwiGLU, gate clamped above
+    at `limit`, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -240,10 +248,15 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
         y.index_add_(0, rows, (xs @ lora_a[slot].T) @ lora_b[slot].T)
 
 
-def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax-then-top-k routing (Qwen2/3-MoE): softmax over every expert in float32, the k largest
-    kept, renormalised to sum 1 when `normalize`. [n, E] logits -> (weights [n, k] float32,
-    expert ids [n, k] int64)."""
+def moe_route(
+    router_logits: torch.Tensor, top_k: int, normalize: bool, routing: str = "softmax_topk"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """"softmax_topk" (Qwen2/3-MoE): softmax over every expert in float32, the k largest kept,
+    renormalised to sum 1 when `normalize`; "topk_softmax" (gpt-oss): the k largest logits, then a
+    softmax over those k. [n, E] logits -> (weights [n, k] float32, expert ids [n, k] int64)."""
+    if routing == "topk_softmax":
+        logits, ids = torch.topk(router_logits.float(), top_k, dim=-1)
+        return torch.softmax(logits, dim=-1), ids
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if normalize:

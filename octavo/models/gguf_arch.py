@@ -1,5 +1,5 @@
 """GGUF architectures Octavo reads (llama, and with it Mistral; qwen2, qwen3, gemma2, gemma3, phi3;
-the mixtures of experts qwen2moe and qwen3moe): a file's
+the mixtures of experts qwen2moe, qwen3moe and gpt-oss): a file's
 metadata as a Hugging Face config dict, its tensor names as checkpoint names, and its tensors in
 the checkpoint's conventions (llama.cpp's converter interleaves Llama q/k rows and stores Gemma's
 norm weights as 1 + w; both are undone here, so every loader path sees one convention).
@@ -19,8 +19,8 @@ import numpy as np
 
 from octavo.models.gguf_file import ArrayValue, GGUFFormatError, GGUFHeader, read_header
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe")
-MOE = ("qwen2moe", "qwen3moe")
+SUPPORTED = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe", "gpt-oss")
+MOE = ("qwen2moe", "qwen3moe", "gpt-oss")
 
 _HF_ARCH = {
     "llama": ("LlamaForCausalLM", "llama"),
@@ -31,6 +31,7 @@ _HF_ARCH = {
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
 }
 
 _TOP_NAMES = {
@@ -70,6 +71,9 @@ _GEMMA3_LAYER_NAMES = {
 }
 # Phi-3 keeps q|k|v in one tensor and gate|up in `ffn_up` (gate rows first), as its checkpoints do
 _PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# gpt-oss: `post_attention_norm` is the norm before the feed-forward (llama.cpp's ATTN_POST_NORM),
+# one sink logit per query head (the checkpoint's `sinks`, a parameter without a `.weight`)
+_GPT_OSS_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"}
 # Vocabulary entries that end a chat turn: each one present becomes a stop id.
 END_OF_TURN_TOKENS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>")
 
@@ -140,10 +144,13 @@ def hf_name(gguf_name: str, arch: str) -> str:
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _TOP_NAMES:
         return f"{_TOP_NAMES[stem]}.{suffix}"
-    names = _GEMMA3_LAYER_NAMES if arch in ("gemma2", "gemma3") else _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
+    names = {"gemma2": _GEMMA3_LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES,
+             "gpt-oss": _GPT_OSS_LAYER_NAMES}.get(arch, _LAYER_NAMES)
     parts = stem.split(".")
     if len(parts) != 3 or parts[0] != "blk" or parts[2] not in names:
         raise UnsupportedGGUFError(f"GGUF tensor {gguf_name!r} has no place in a {arch} model")
+    if parts[2] == "attn_sinks":
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
     return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
 
 
@@ -218,7 +225,9 @@ def hf_config(header: GGUFHeader, hp: dict[str, Any] | None = None) -> dict[str,
         config.update(_gemma2_config(get, config))
     if arch == "phi3" and get("attention.sliding_window") is not None:
         config["sliding_window"] = int(get("attention.sliding_window"))  # every layer (llama.cpp, transformers)
-    if arch in MOE:
+    if arch == "gpt-oss":
+        config.update(_gpt_oss_config(get, hp))
+    elif arch in MOE:
         config.update(_moe_config(hp, get("expert_weights_norm", arch == "qwen3moe")))
     scaling = _rope_scaling(header, arch, config)
     if scaling is not None:
@@ -281,7 +290,7 @@ def check_model(header: GGUFHeader) -> dict[str, Any]:
         raise GGUFFormatError(f"{name}: the head size {head_dim} must be even (rotary pairs)")
     if ints["attention.value_length"] not in (None, head_dim):
         raise GGUFFormatError(f"{name}: value heads of {ints['attention.value_length']} differ from key heads of {head_dim}")
-    if arch in ("gemma2", "gemma3") and ints["attention.sliding_window"] is None:
+    if arch in ("gemma2", "gemma3", "gpt-oss") and ints["attention.sliding_window"] is None:
         raise GGUFFormatError(f"{name}: metadata {arch}.attention.sliding_window is missing")
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         value = header.get(f"{arch}.{key}")
@@ -374,6 +383,12 @@ def expected_tensors(header: GGUFHeader, hp: dict[str, Any]) -> dict[str, tuple[
         if hp["ff_shexp"]:
             layer |= {"ffn_gate_inp_shexp.weight": (hidden,), "ffn_gate_shexp.weight": (hidden, hp["ff_shexp"]),
                       "ffn_up_shexp.weight": (hidden, hp["ff_shexp"]), "ffn_down_shexp.weight": (hp["ff_shexp"], hidden)}
+    if arch == "gpt-oss":  # biases on every projection, a sink per head, post_attention_norm before the FFN
+        del layer["ffn_norm.weight"]
+        layer |= {"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,), "attn_output.bias": (hidden,),
+                  "attn_sinks.weight": (hp["heads"],), "post_attention_norm.weight": (hidden,),
+                  "ffn_gate_inp.bias": (hp["experts"],), "ffn_gate_exps.bias": (hp["ff_exp"], hp["experts"]),
+                  "ffn_up_exps.bias": (hp["ff_exp"], hp["experts"]), "ffn_down_exps.bias": (hidden, hp["experts"])}
     for i in range(hp["layers"]):
         out |= {f"blk.{i}.{k}": (shape, True) for k, shape in layer.items()}
     return out
@@ -395,7 +410,7 @@ def _check_tensors(header: GGUFHeader, expected: dict[str, tuple[tuple[int, ...]
         if _squeezed(info.shape) != _squeezed(shape):  # llama.cpp pads shapes with 1s: [n] is [n, 1]
             raise GGUFFormatError(f"{name}: tensor {tname} has shape {list(info.shape)}; the model's hyperparameters "
                                   f"make it {list(shape)}")
-        if len(shape) == 1 and info.type_name not in _FLOAT_TYPES:
+        if (len(shape) == 1 or tname.endswith(".bias")) and info.type_name not in _FLOAT_TYPES:
             raise GGUFFormatError(f"{name}: tensor {tname} is {info.type_name}; norms and biases must be "
                                   f"{', '.join(_FLOAT_TYPES)}")
     missing = [t for t, (_, required) in expected.items() if required and t not in header.tensors]
@@ -457,6 +472,20 @@ def _moe_config(hp: dict[str, Any], normalize: bool) -> dict[str, Any]:
         "moe_intermediate_size": hp["ff_exp"], "norm_topk_prob": bool(normalize),
         "decoder_sparse_step": 1, "mlp_only_layers": [],
         **({"shared_expert_intermediate_size": hp["ff_shexp"]} if hp["ff_shexp"] else {}),
+    }
+
+
+def _gpt_oss_config(get, hp: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's keys: experts of expert_feed_forward_length, the window on even layers (llama.cpp's
+    pattern 2), biases on every attention projection; the clamped SwiGLU's constants are not in the
+    file (llama.cpp: alpha 1.702, limit 7, as the checkpoints' config)."""
+    layers = hp["layers"]
+    return {
+        "num_local_experts": hp["experts"], "num_experts_per_tok": hp["experts_used"],
+        "intermediate_size": hp["ff_exp"], "attention_bias": True,
+        "sliding_window": int(get("attention.sliding_window")),
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        "swiglu_limit": 7.0,
     }
 
 

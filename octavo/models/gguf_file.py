@@ -41,17 +41,18 @@ VALUE_TYPES: dict[int, tuple[str, str | None]] = {
 STRING, ARRAY = 8, 9
 
 # ggml tensor types Octavo reads: code -> (name, weights per block, bytes per block) (ggml.h /
-# ggml.c type traits). The I-quants, ternary and FP4 types are refused by name.
+# ggml.c type traits). The I-quants, ternary types and NVFP4 are refused by name (MXFP4, gpt-oss's
+# experts, is read: quantization.mxfp4_as_q8_0).
 TENSOR_TYPES: dict[int, tuple[str, int, int]] = {
     0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2),
     2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
     10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
-    14: ("Q6_K", 256, 210),
+    14: ("Q6_K", 256, 210), 39: ("MXFP4", 32, 17),
 }
 KNOWN_UNSUPPORTED_TYPES = {
     9: "Q8_1", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S",
     22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 34: "TQ1_0",
-    35: "TQ2_0", 39: "MXFP4", 40: "NVFP4", 41: "Q1_0",
+    35: "TQ2_0", 40: "NVFP4", 41: "Q1_0",
 }
 
 

@@ -144,11 +144,14 @@ def _scaled_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     if rope.scaling_type == "yarn":
         # YaRN (arXiv 2309.00071): pairs that turn fewer than beta_slow times over the original
         # context are interpolated (divided by factor), more than beta_fast extrapolated (kept),
-        # a linear ramp between; the pair bounds rounded outwards, as transformers and llama.cpp
+        # a linear ramp between; the pair bounds rounded outwards (llama.cpp always, transformers
+        # unless the config says `truncate: false`, as gpt-oss's does)
         def pair(rotations: float) -> float:
             return head_dim * math.log(rope.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
-        low = max(math.floor(pair(rope.beta_fast)), 0)
-        high = min(math.ceil(pair(rope.beta_slow)), head_dim - 1)
+        low, high = pair(rope.beta_fast), pair(rope.beta_slow)
+        if rope.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
         ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
         keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate
         return inv_freq / rope.factor * (1 - keep) + inv_freq * keep
@@ -196,6 +199,7 @@ class Attention(nn.Module):
         self.scale = cfg.attention_scale if cfg.attention_scale is not None else cfg.head_dim**-0.5
         self.window = cfg.layer_window(layer_idx)
         self.softcap = cfg.attn_logit_softcap
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads), requires_grad=False) if cfg.attn_sinks else None
         self.kv_group = next(g for g, group in enumerate(cfg.kv_groups()) if layer_idx in group.layers)
 
     def forward(
@@ -212,23 +216,26 @@ class Attention(nn.Module):
             qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads, meta.backend, qk_norm
         )
         q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
-        out = dispatch.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window, self.softcap)  # [n, H, d]
+        out = dispatch.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window, self.softcap,
+                                       self.sinks)  # [n, H, d]
         return self.o_proj(out.reshape(n, self.q_size), meta)
 
 
 class MLP(nn.Module):
     """The gated feed-forward: down(act(gate(x)) * up(x)), gate and up fused in one matmul."""
 
-    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
-        """`intermediate_size`: this MLP's own (an expert's); None: the model's."""
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None, bias: bool = False) -> None:
+        """`intermediate_size`: this MLP's own (an expert's); None: the model's. `bias`: both
+        projections carry one (gpt-oss's experts)."""
         super().__init__()
         inter = intermediate_size or cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=False)
-        self.down_proj = Linear(inter, cfg.hidden_size, bias=False)
-        self.act = cfg.hidden_act
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=bias)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=bias)
+        self.act, self.alpha, self.limit = cfg.hidden_act, cfg.swiglu_alpha, cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.down_proj(dispatch.act_and_mul(self.gate_up_proj(x, meta), self.act, meta.backend), meta)
+        h = dispatch.act_and_mul(self.gate_up_proj(x, meta), self.act, meta.backend, self.alpha, self.limit)
+        return self.down_proj(h, meta)
 
 
 class CausalLM(nn.Module):

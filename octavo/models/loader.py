@@ -42,6 +42,7 @@ from octavo.quantization import (
     QuantFormat,
     as_q8_0,
     can_quantize,
+    mxfp4_as_q8_0,
     dequantize,
     quantize,
 )
@@ -168,12 +169,18 @@ def per_expert(tensors: Iterable[tuple[str, Any, Any]], num: int):
     expert, named as per-expert checkpoints name them (`mlp.experts.3.gate_proj.weight`): GGUF's
     `mlp.experts.gate_proj.weight` (gguf_arch: [experts * rows, ...] of blocks, or [experts, rows,
     cols] of floats) and transformers 5's `mlp.experts.gate_up_proj` [experts, 2 * rows, cols]
-    (gate rows first) and `mlp.experts.down_proj`. `num`: the model's experts (0: none); anything
+    (gate rows first) and `mlp.experts.down_proj`; GGUF's stacked biases (gpt-oss:
+    `mlp.experts.gate_proj.bias` [experts, rows]). `num`: the model's experts (0: none); anything
     else passes through."""
     for name, data, *rest in tensors:
         stem, dot, leaf = name.rpartition(".experts.")
         if not dot or not num or leaf.split(".")[0].isdigit():
             yield (name, data, *rest)
+            continue
+        if leaf.endswith(".bias"):
+            stacked = data.reshape(num, -1)
+            for e in range(num):
+                yield (f"{stem}.experts.{e}.{leaf}", stacked[e], *rest)
             continue
         stacked = data.reshape(num, -1, data.shape[-1])
         if leaf == "gate_up_proj":
@@ -185,6 +192,38 @@ def per_expert(tensors: Iterable[tuple[str, Any, Any]], num: int):
             proj = leaf.removesuffix(".weight")
             for e in range(num):
                 yield (f"{stem}.experts.{e}.{proj}.weight", stacked[e], *rest)
+
+
+def gpt_oss_tensors(tensors: Iterable[tuple[str, torch.Tensor]]):
+    """transformers' GptOss names and layouts -> the per-expert checkpoint names every other MoE
+    uses: the router `mlp.router` -> `mlp.gate`; experts' `gate_up_proj` [experts, hidden, 2 * rows]
+    with gate and up columns interleaved (gate even, up odd) and `down_proj` [experts, rows, hidden]
+    (both x @ W, transposed from a linear's weight), with their biases, split per expert. The
+    published checkpoints keep experts in MXFP4 (`*_blocks`, `*_scales`): refused by name (a
+    llama.cpp GGUF of the same model loads)."""
+    for name, tensor in tensors:
+        stem, dot, leaf = name.rpartition(".mlp.experts.")
+        if leaf.endswith(("_blocks", "_scales")):
+            raise ValueError(f"{name}: gpt-oss experts in MXFP4 safetensors are not supported; "
+                             "load the model's GGUF (llama.cpp's conversion) instead")
+        if ".mlp.router." in name:
+            yield name.replace(".mlp.router.", ".mlp.gate."), tensor
+        elif not dot:
+            yield name, tensor
+        elif leaf in ("gate_up_proj", "gate_up_proj_bias"):
+            suffix = "bias" if leaf.endswith("_bias") else "weight"
+            for e in range(tensor.shape[0]):
+                gate, up = tensor[e][..., ::2], tensor[e][..., 1::2]
+                yield f"{stem}.mlp.experts.{e}.gate_proj.{suffix}", gate if suffix == "bias" else gate.t()
+                yield f"{stem}.mlp.experts.{e}.up_proj.{suffix}", up if suffix == "bias" else up.t()
+        elif leaf in ("down_proj", "down_proj_bias"):
+            for e in range(tensor.shape[0]):
+                if leaf == "down_proj":
+                    yield f"{stem}.mlp.experts.{e}.down_proj.weight", tensor[e].t()
+                else:
+                    yield f"{stem}.mlp.experts.{e}.down_proj.bias", tensor[e]
+        else:
+            yield name, tensor
 
 
 def load_weights(model: CausalLM, model_dir: Path) -> None:
@@ -209,6 +248,8 @@ def load_hf_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     expected_parts: dict[str, int] = {}
+    if cfg.architecture == "GptOssForCausalLM":
+        tensors = gpt_oss_tensors(tensors)
     for hf_name, tensor in per_expert(tensors, _num_experts(cfg)):
         if "rotary_emb" in hf_name:
             continue
@@ -488,7 +529,12 @@ def _gguf_tensors(
             hf_name = gguf_arch.hf_name(t.name, arch)
             fmt = BY_GGUF_TYPE.get(t.ggml_type)
             raw = _tensor_data(buf, t)
-            if fmt is not None:
+            as_q8 = None
+            if t.type_name == "MXFP4":  # gpt-oss's experts: exactly as Q8_0 where every exponent allows
+                as_q8 = mxfp4_as_q8_0(torch.from_numpy(np.array(raw.reshape(-1, raw.shape[-1]))))
+            if as_q8 is not None:
+                data, fmt = as_q8.numpy(), Q8_0
+            elif fmt is not None:
                 data = raw.reshape(-1, raw.shape[-1])  # [rows, row_bytes]
             else:
                 data = np.asarray(gguf_dequantize(raw, GGMLQuantizationType(t.ggml_type)), dtype=np.float32)
@@ -524,7 +570,11 @@ def held_weight_bytes(header: GGUFHeader, dense_bytes: int = 4) -> int:
     """Bytes of weights the engine holds for this file with --quantization auto on a CPU, computed
     from its header alone by load_gguf_weights' rules (a format of FORMATS kept in its blocks,
     Q5_0 as Q8_0; a fused layer's parts in one format kept, all in AS_Q8_0 as Q8_0, else dense;
-    `dense_bytes` per dequantized weight). `octavo plan FILE.gguf` reports it."""
+    `dense_bytes` per dequantized weight; MXFP4 as Q8_0, see `mxfp4_as_q8_0`). `octavo plan
+    FILE.gguf` reports it."""
+    def kind(t) -> str:
+        return Q8_0.name if t.type_name == "MXFP4" else t.type_name
+
     def held(t, fmt: str) -> int:
         if fmt in _HELD_BYTES_PER_WEIGHT:
             return int(t.num_elements * _HELD_BYTES_PER_WEIGHT[fmt])
@@ -540,15 +590,15 @@ def held_weight_bytes(header: GGUFHeader, dense_bytes: int = 4) -> int:
         if suffix == "weight" and len(parts) == 3 and parts[2] in _FUSED_PARTS:
             fused.setdefault(f"{parts[1]}.{_FUSED_PARTS[parts[2]]}", []).append(t)
         else:
-            total += held(t, Q8_0.name if t.type_name == Q5_0.name else t.type_name)
+            total += held(t, Q8_0.name if kind(t) == Q5_0.name else kind(t))
     for tensors in fused.values():
-        types = {t.type_name for t in tensors}
+        types = {kind(t) for t in tensors}
         if len(types) == 1 and types <= set(FORMATS) and Q5_0.name not in types:
-            total += sum(held(t, t.type_name) for t in tensors)
+            total += sum(held(t, kind(t)) for t in tensors)
         elif types <= set(AS_Q8_0):
             total += sum(held(t, Q8_0.name) for t in tensors)
         elif types <= set(FORMATS):  # each part in its own blocks (QuantLinearParts)
-            total += sum(held(t, Q8_0.name if t.type_name == Q5_0.name else t.type_name) for t in tensors)
+            total += sum(held(t, Q8_0.name if kind(t) == Q5_0.name else kind(t)) for t in tensors)
         else:
             total += sum(t.num_elements * dense_bytes for t in tensors)
     return total
@@ -742,6 +792,8 @@ def _write_tokenizer_gguf(header: GGUFHeader, path: Path) -> None:
     for key, value in header.metadata.items():
         if key == "general.architecture" or not (key in _TOKENIZER_KEYS or key.startswith("tokenizer.")
                                                  or key.startswith(f"{header.get('general.architecture')}.")):
+            continue
+        if ".rope.scaling." in key:  # (transformers 5.24 misreads gpt-oss's string keys there; no tokenizer needs them)
             continue
         if isinstance(value, ArrayValue):
             items = header.strings(key) if value.elem_type == gguf.GGUFValueType.STRING else header.numbers(key)

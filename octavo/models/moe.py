@@ -1,4 +1,4 @@
-"""The sparse mixture-of-experts feed-forward (Qwen3-MoE, Qwen2-MoE): a router picks k experts per
+"""The sparse mixture-of-experts feed-forward (Qwen3-MoE, Qwen2-MoE, gpt-oss): a router picks k experts per
 token, each expert is a gated MLP (dense or quantized blocks, like any other), and the outputs are
 summed with the router's weights.
 
@@ -26,15 +26,16 @@ class SparseMoE(nn.Module):
         super().__init__()
         moe = cfg.moe
         assert moe is not None
-        self.num_experts, self.top_k, self.normalize = moe.num_experts, moe.top_k, moe.norm_topk_prob
-        self.gate = Linear(cfg.hidden_size, moe.num_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(cfg, moe.intermediate_size) for _ in range(moe.num_experts))
+        self.num_experts, self.top_k, self.normalize, self.routing = (
+            moe.num_experts, moe.top_k, moe.norm_topk_prob, moe.routing)
+        self.gate = Linear(cfg.hidden_size, moe.num_experts, bias=moe.router_bias)
+        self.experts = nn.ModuleList(MLP(cfg, moe.intermediate_size, moe.expert_bias) for _ in range(moe.num_experts))
         self.shared_expert = MLP(cfg, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False) if moe.shared_intermediate_size else None
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x [n, hidden] -> [n, hidden]."""
-        weights, ids = dispatch.moe_route(self.gate(x, meta), self.top_k, self.normalize)  # [n, k] each
+        weights, ids = dispatch.moe_route(self.gate(x, meta), self.top_k, self.normalize, self.routing)  # [n, k] each
         order, counts = dispatch.group_by_expert(ids, self.num_experts)
         tokens = order // self.top_k  # the token of each routed pair, expert by expert
         pair_weights = weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)

@@ -22,8 +22,9 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool | None, bool]] = {
     "Phi3ForCausalLM": (None, False),
     "Qwen2MoeForCausalLM": (True, False),
     "Qwen3MoeForCausalLM": (None, True),
+    "GptOssForCausalLM": (None, False),
 }
-MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
 
 
 class UnsupportedModelError(ValueError):
@@ -76,7 +77,7 @@ def _rope_rule(hf: dict[str, Any], default_theta: float) -> RopeConfig:
         return RopeConfig(
             theta=theta, scaling_type="yarn", factor=factor, original_max_position=original,
             beta_fast=float(merged.get("beta_fast") or 32.0), beta_slow=float(merged.get("beta_slow") or 1.0),
-            attention_factor=_yarn_attention_factor(merged, factor),
+            attention_factor=_yarn_attention_factor(merged, factor), truncate=bool(merged.get("truncate", True)),
         )
     raise UnsupportedModelError(
         f"rope type {rope_type!r} is not supported; supported: default, linear, llama3, yarn"
@@ -145,8 +146,16 @@ def _softcap(hf: dict[str, Any], key: str, allowed: bool) -> float | None:
 
 
 def _moe_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
-    """Qwen2/3-MoE's experts. Every layer must be sparse (what llama.cpp writes for both): a config
-    with dense layers among them (`mlp_only_layers`, `decoder_sparse_step` > 1) is refused by name."""
+    """Qwen2/3-MoE's or gpt-oss's experts. Every layer must be sparse (what llama.cpp writes for
+    Qwen2/3-MoE): a config with dense layers among them (`mlp_only_layers`, `decoder_sparse_step`
+    > 1) is refused by name."""
+    if arch == "GptOssForCausalLM":  # top-k logits then softmax, biases everywhere, clamped SwiGLU, sinks
+        return {"moe": MoEConfig(
+            num_experts=int(hf["num_local_experts"]), top_k=int(hf["num_experts_per_tok"]),
+            intermediate_size=int(hf["intermediate_size"]), routing="topk_softmax", router_bias=True,
+            expert_bias=True,
+        ), "hidden_act": "swiglu_oai", "swiglu_alpha": float(hf.get("swiglu_alpha", 1.702)),
+            "swiglu_limit": float(hf.get("swiglu_limit", 7.0)), "attn_sinks": True}
     layers = int(hf["num_hidden_layers"])
     dense = set(hf.get("mlp_only_layers") or ()) | {i for i in range(layers) if (i + 1) % int(hf.get("decoder_sparse_step", 1))}
     if dense:
@@ -198,7 +207,7 @@ def model_config_from_hf(hf: dict[str, Any], generation: dict[str, Any] | None =
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         # Llama's attention_bias also puts a bias on o_proj; Qwen2's bias is on q/k/v only.
-        o_bias=qkv_bias and arch in ("LlamaForCausalLM", "MistralForCausalLM"),
+        o_bias=qkv_bias and arch in ("LlamaForCausalLM", "MistralForCausalLM", "GptOssForCausalLM"),
         qk_norm=qk_norm,
         eos_token_ids=eos,
         bos_token_id=hf.get("bos_token_id"),

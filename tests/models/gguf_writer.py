@@ -20,8 +20,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low
 
 
 def hf_model(arch: str):
-    from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig,
-                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GptOssConfig, LlamaConfig,
+                              MistralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     config = {
         "llama": LlamaConfig(**COMMON, num_hidden_layers=2, attention_bias=True, tie_word_embeddings=False),
@@ -58,17 +58,33 @@ def hf_model(arch: str):
         "qwen2moe": Qwen2MoeConfig(**COMMON, num_hidden_layers=2, tie_word_embeddings=False, num_experts=8,
                                    num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
                                    norm_topk_prob=False, initializer_range=0.1),
+        # gpt-oss: biases on q/k/v/o, the router and every expert, a sink logit per head, the
+        # window (5) on even layers, YaRN 4x past 64 positions, top-k logits then softmax, the
+        # clamped SwiGLU at llama.cpp's fixed limit of 7 (the file has no key for it; experts' weights
+        # at 0.5, so that a good share of the random model's gate and up values pass the limit)
+        "gpt-oss": GptOssConfig(**{**COMMON, "intermediate_size": 32}, num_hidden_layers=4, head_dim=16,
+                                num_local_experts=8, num_experts_per_tok=2, sliding_window=5,
+                                layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(4)],
+                                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                 "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0},
+                                tie_word_embeddings=False, initializer_range=0.1, attention_bias=True),
     }[arch]
     torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    extra = {"attn_implementation": "eager"} if arch == "gpt-oss" else {}  # (sinks: eager attention)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **extra).eval()
     with torch.no_grad():  # non-trivial norms and biases, so that every weight matters
         for name, p in hf.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
-            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "mlp.router.weight")):
                 p.normal_(0.0, 0.3)  # decisive routing: no near-tie between a token's k-th and next expert
+            if name.endswith("self_attn.sinks"):
+                p.normal_(0.0, 1.0)  # sinks that take a real share of each softmax
             if ".experts." in name:
                 p.normal_(0.0, hf.config.initializer_range)  # transformers 5 leaves stacked experts at zero
+            if arch == "gpt-oss" and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.normal_(0.0, 0.5)
     return hf
 
 
@@ -88,6 +104,23 @@ LAYER = {
 EXPERTS = {"mlp.experts.gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "mlp.experts.down_proj": ("ffn_down_exps",)}
 GEMMA_LAYER = {**LAYER, "post_attention_layernorm": "post_attention_norm",
                "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+# gpt-oss (llama.cpp's converter): the pre-FFN norm is `post_attention_norm`, the router
+# `ffn_gate_inp` with a bias; experts x @ W with gate / up columns interleaved, split and transposed
+GPT_OSS_LAYER = {**LAYER, "post_attention_layernorm": "post_attention_norm", "mlp.router": "ffn_gate_inp"}
+
+
+def _gpt_oss_experts(layer: str, rest: str, p: torch.Tensor):
+    """(GGUF name, float32 data, the parameter's view) of one gpt-oss stacked-experts parameter."""
+    if rest == "mlp.experts.gate_up_proj":  # [E, hidden, 2 rows] -> gate, up [E, rows, hidden]
+        for kind, view in (("ffn_gate_exps", p[..., 0::2]), ("ffn_up_exps", p[..., 1::2])):
+            yield f"blk.{layer}.{kind}.weight", view.transpose(1, 2).detach().numpy().copy(), view.transpose(1, 2)
+    elif rest == "mlp.experts.gate_up_proj_bias":
+        for kind, view in (("ffn_gate_exps", p[:, 0::2]), ("ffn_up_exps", p[:, 1::2])):
+            yield f"blk.{layer}.{kind}.bias", view.detach().numpy().copy(), view
+    elif rest == "mlp.experts.down_proj":  # [E, rows, hidden] -> [E, hidden, rows]
+        yield f"blk.{layer}.ffn_down_exps.weight", p.transpose(1, 2).detach().numpy().copy(), p.transpose(1, 2)
+    else:
+        yield f"blk.{layer}.ffn_down_exps.bias", p.detach().numpy().copy(), p
 
 
 def llama3_rope_freqs(cfg, head_dim: int) -> np.ndarray | None:
@@ -115,13 +148,15 @@ def llama3_rope_freqs(cfg, head_dim: int) -> np.ndarray | None:
     return np.array(out, dtype=np.float32)
 
 
-def _gguf_name(name: str, gemma: bool) -> str:
+def _gguf_name(name: str, gemma: bool, gpt_oss: bool = False) -> str:
     if not name.startswith("model.layers."):
         return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                 "lm_head.weight": "output.weight"}[name]
     _, _, layer, rest = name.split(".", 3)
+    if rest == "self_attn.sinks":
+        return f"blk.{layer}.attn_sinks.weight"
     module, _, suffix = rest.rpartition(".")
-    return f"blk.{layer}.{(GEMMA_LAYER if gemma else LAYER)[module]}.{suffix}"
+    return f"blk.{layer}.{(GEMMA_LAYER if gemma else GPT_OSS_LAYER if gpt_oss else LAYER)[module]}.{suffix}"
 
 
 def _interleave_rope(w: np.ndarray, heads: int) -> np.ndarray:
@@ -158,7 +193,10 @@ def _tensors(hf, file_arch: str):
             continue
         data = p.detach().numpy().astype(np.float32)
         _, _, layer, rest = name.split(".", 3) if name.startswith("model.layers.") else ("", "", "", "")
-        if rest in EXPERTS:  # stacked experts: gate and up apart
+        if file_arch == "gpt-oss" and rest.startswith("mlp.experts."):
+            for gguf_name, part, view in _gpt_oss_experts(layer, rest, p):
+                yield gguf_name, name, part, view
+        elif rest in EXPERTS:  # stacked experts: gate and up apart
             parts = np.split(data, len(EXPERTS[rest]), axis=1)
             views = torch.chunk(p, len(EXPERTS[rest]), dim=1)
             for gguf_name, part, view in zip(EXPERTS[rest], parts, views):
@@ -166,7 +204,7 @@ def _tensors(hf, file_arch: str):
         elif name.endswith("shared_expert_gate.weight"):
             yield _gguf_name(name, gemma), name, data.reshape(-1), p  # llama.cpp's [hidden]
         else:
-            yield _gguf_name(name, gemma), name, data, p
+            yield _gguf_name(name, gemma, file_arch == "gpt-oss"), name, data, p
 
 
 def write_gguf(hf, file_arch: str, path, types: dict | None = None) -> None:
@@ -199,7 +237,12 @@ def write_gguf(hf, file_arch: str, path, types: dict | None = None) -> None:
     if file_arch == "gemma2":
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    if getattr(cfg, "num_experts", None):
+    if file_arch == "gpt-oss":
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+    elif getattr(cfg, "num_experts", None):
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
@@ -221,7 +264,7 @@ def write_gguf(hf, file_arch: str, path, types: dict | None = None) -> None:
             data = _interleave_rope(data, heads)
         if gemma and name.endswith("norm.weight"):
             data = data + 1.0
-        if data.ndim >= 2 and "embed" not in name and "ffn_gate_inp" not in gguf_name:
+        if data.ndim >= 2 and gguf_name.endswith(".weight") and "embed" not in name and "ffn_gate_inp" not in gguf_name:
             kind = (types or {}).get(gguf_name.split(".")[-2], q8)
             blocks = quantize(data, kind)
             w.add_tensor(gguf_name, blocks, raw_shape=blocks.shape, raw_dtype=kind)

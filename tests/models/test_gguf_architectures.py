@@ -1,5 +1,6 @@
 """GGUF files of every architecture Octavo runs (llama, Llama 3.1+ with its `rope_freqs`, Mistral
-written as llama, qwen2, qwen3, gemma2, gemma3, phi3, the mixtures of experts qwen2moe and qwen3moe), written the way llama.cpp's converter writes them
+written as llama, qwen2, qwen3, gemma2, gemma3, phi3, the mixtures of experts qwen2moe, qwen3moe and
+gpt-oss), written the way llama.cpp's converter writes them
 (tests/models/gguf_writer.py): each loads as the model transformers computes from the same
 (dequantized) weights, logits equal through the paged path, prefill then decode, past Gemma's
 sliding window and past Llama 3's scaling knee."""
@@ -25,6 +26,7 @@ from tests.models.test_tiny_models import entry, run
 @pytest.mark.parametrize("arch, file_arch", [
     ("llama", "llama"), ("llama3", "llama"), ("llama-yarn", "llama"), ("mistral", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"),
     ("gemma3", "gemma3"), ("gemma2", "gemma2"), ("phi3", "phi3"), ("qwen3moe", "qwen3moe"), ("qwen2moe", "qwen2moe"),
+    ("gpt-oss", "gpt-oss"),
 ])
 def test_gguf_of_each_architecture_loads_as_the_transformers_model(tmp_path, arch, file_arch):
     hf = hf_model(arch)

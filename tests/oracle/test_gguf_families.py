@@ -21,9 +21,13 @@ from tests.oracle.reference import compare, hf_greedy
 NUM_NEW = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
 PROMPT_LENGTHS = (5, 40, 100, 150)
-# family -> (transformers model of tests/models/gguf_writer.py, GGUF architecture)
-FAMILIES = {"llama3-rope-freqs": ("llama3", "llama"), "llama-yarn": ("llama-yarn", "llama"), "qwen3moe": ("qwen3moe", "qwen3moe"),
-            "qwen2moe": ("qwen2moe", "qwen2moe"), "gemma2": ("gemma2", "gemma2"), "phi3": ("phi3", "phi3")}
+# family -> (transformers model of tests/models/gguf_writer.py, GGUF architecture, tensor types the
+# converter picks other than Q8_0: gpt-oss's experts are MXFP4 in every published file)
+MXFP4_EXPERTS = {k: "MXFP4" for k in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
+FAMILIES = {"llama3-rope-freqs": ("llama3", "llama", None), "llama-yarn": ("llama-yarn", "llama", None),
+            "qwen3moe": ("qwen3moe", "qwen3moe", None), "qwen2moe": ("qwen2moe", "qwen2moe", None),
+            "gemma2": ("gemma2", "gemma2", None), "phi3": ("phi3", "phi3", None),
+            "gpt-oss": ("gpt-oss", "gpt-oss", MXFP4_EXPERTS)}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -32,10 +36,12 @@ def family(request, tmp_path_factory):
     from octavo.models.loader import load_model, resolve_model, weight_bytes
     from octavo.tokenizer import load_tokenizer
 
-    hf_name, file_arch = FAMILIES[request.param]
+    from gguf import GGMLQuantizationType
+
+    hf_name, file_arch, types = FAMILIES[request.param]
     hf = hf_model(hf_name)
     path = tmp_path_factory.mktemp(request.param) / f"{request.param}.gguf"
-    write_gguf(hf, file_arch, path)
+    write_gguf(hf, file_arch, path, {k: GGMLQuantizationType[v] for k, v in (types or {}).items()})
     model_dir = resolve_model(str(path))
     model, _ = load_model(model_dir, quantization="auto")
     return request.param, model_dir, model, load_tokenizer(model_dir), weight_bytes(model), hf
@@ -143,6 +149,15 @@ def test_the_families_files_are_what_the_converter_writes(family):
         rope = config.rope
         assert (rope.scaling_type, rope.factor, rope.original_max_position) == ("yarn", 4.0, 64)
         assert rope.attention_factor == pytest.approx(0.1 * math.log(4.0) + 1)
+    if name == "gpt-oss":  # top-k then softmax, biases, sinks, the clamped SwiGLU, YaRN rounded as llama.cpp
+        moe, model = config.moe, family[2]
+        assert (moe.routing, moe.router_bias, moe.expert_bias, moe.top_k) == ("topk_softmax", True, True, 2)
+        assert (config.hidden_act, config.swiglu_limit, config.attn_sinks, config.o_bias) == ("swiglu_oai", 7.0, True, True)
+        assert config.layer_types == ("sliding", "full") * 2 and config.sliding_window == 5
+        assert config.rope.scaling_type == "yarn" and config.rope.truncate
+        assert torch.equal(model.layers[1].self_attn.sinks, family[-1].model.layers[1].self_attn.sinks)
+        expert = model.layers[0].mlp.experts[3].gate_up_proj  # MXFP4 blocks held exactly as Q8_0
+        assert expert.fmt.name == "Q8_0"
     if name.endswith("moe"):
         hf = family[-1].config
         moe = config.moe
