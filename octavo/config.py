@@ -109,6 +109,9 @@ class ModelConfig:
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     attn_sinks: bool = False  # a learned sink logit per query head in every softmax (gpt-oss)
+    # LFM2's short convolutions: the layers marked "conv" in `layer_types` mix each channel of
+    # B * x over the last `conv_kernel` positions (their own included) instead of attending
+    conv_kernel: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -119,15 +122,28 @@ class ModelConfig:
             raise ValueError(f"hidden_act must be 'silu', 'gelu_tanh' or 'swiglu_oai', got {self.hidden_act!r}")
         if self.layer_types and len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types names {len(self.layer_types)} layers; the model has {self.num_layers}")
-        if set(self.layer_types) - {"full", "sliding"}:
-            raise ValueError(f"layer_types may hold 'full' and 'sliding' only, got {sorted(set(self.layer_types))}")
+        if set(self.layer_types) - {"full", "sliding", "conv"}:
+            raise ValueError(f"layer_types may hold 'full', 'sliding' and 'conv' only, got {sorted(set(self.layer_types))}")
         if "sliding" in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
             raise ValueError("sliding layers need a sliding_window >= 1")
+        if "conv" in self.layer_types and (self.conv_kernel is None or self.conv_kernel < 2):
+            raise ValueError("short-convolution layers need a conv_kernel >= 2")
+
+    def is_conv(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` is a short convolution (LFM2) rather than attention."""
+        return bool(self.layer_types) and self.layer_types[layer_idx] == "conv"
+
+    def conv_slots(self) -> int:
+        """K/V tensor pairs one short-convolution layer's input takes per token: its `hidden_size`
+        values stored across pairs of [num_kv_heads, head_dim] slots (LFM2-1.2B: 2048 values in 2 pairs of 2 x 512)."""
+        return -(-self.hidden_size // (2 * self.num_kv_heads * self.head_dim))
 
     def layer_window(self, layer_idx: int) -> int | None:
         """The number of keys layer `layer_idx` attends to (None: all earlier tokens)."""
         if self.layer_types and self.layer_types[layer_idx] == "sliding":
             return self.sliding_window
+        if self.is_conv(layer_idx):
+            return self.conv_kernel
         return None
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
@@ -137,26 +153,39 @@ class ModelConfig:
     def kv_groups(self) -> tuple[KVGroup, ...]:
         """The layers grouped by attention kind for the paged KV cache, global groups first.
 
-        Every group has the same number of layers (the gcd of the two kinds' counts), so one
-        block of the pool holds block_size tokens of any one group: Gemma 3 270M's 3 global and
-        15 sliding layers make 1 global and 5 sliding groups of 3 layers. A model whose layers
-        are all of one kind has one group of every layer (the plain paged cache).
+        Every group takes the same number of K/V tensor pairs (the gcd of the kinds' totals), so
+        one block of the pool holds block_size tokens of any one group: Gemma 3 270M's 3 global
+        and 15 sliding layers make 1 global and 5 sliding groups of 3 layers. A model whose
+        layers are all of one kind has one group of every layer (the plain paged cache).
+        Short-convolution layers (LFM2) are a kind of their own ("conv": each token's B * x, read
+        back over the last conv_kernel positions, a window), `conv_slots` pairs a layer.
         """
+        conv = [i for i in range(self.num_layers) if self.is_conv(i)]
         full = [i for i in range(self.num_layers) if self.layer_window(i) is None]
-        sliding = [i for i in range(self.num_layers) if self.layer_window(i) is not None]
-        if not full or not sliding:
+        sliding = [i for i in range(self.num_layers) if self.layer_window(i) is not None and not self.is_conv(i)]
+        m = self.conv_slots()
+        if not conv and (not full or not sliding):
             return (KVGroup(self.sliding_window if sliding else None, tuple(range(self.num_layers))),)
-        size = math.gcd(len(full), len(sliding))
+        size = math.gcd(len(full), len(sliding), len(conv) * m)
+        if conv and size % m:
+            raise ValueError(f"{len(conv)} short-convolution layers of {m} K/V slots each and {len(full) + len(sliding)} "
+                             "attention layers cannot share one block size")
+        kinds = ((None, full, "attention", size), (self.sliding_window, sliding, "attention", size),
+                 (self.conv_kernel, conv, "conv", size // m))
         return tuple(
-            KVGroup(window, tuple(layers[i : i + size]))
-            for window, layers in ((None, full), (self.sliding_window, sliding))
-            for i in range(0, len(layers), size)
+            KVGroup(window, tuple(layers[i : i + per_group]), kind)
+            for window, layers, kind, per_group in kinds
+            for i in range(0, len(layers), per_group)
         )
 
     def kv_bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
         """Bytes of one pool block: block_size tokens of K and V for one KV group's layers."""
-        layers = len(self.kv_groups()[0].layers)
-        return 2 * layers * block_size * self.num_kv_heads * self.head_dim * dtype_bytes
+        return 2 * self.kv_slots_per_block() * block_size * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def kv_slots_per_block(self) -> int:
+        """K/V tensor pairs one pool block spans (a group's layers; a conv layer takes conv_slots)."""
+        group = self.kv_groups()[0]
+        return len(group.layers) * (self.conv_slots() if group.kind == "conv" else 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +194,7 @@ class KVGroup:
 
     window: int | None
     layers: tuple[int, ...]
+    kind: str = "attention"  # or "conv": short convolutions' inputs, read back over `window` positions
 
 
 def blocks_to_hold(

@@ -233,13 +233,14 @@ class EngineArgs:
     def check_model(self, model_config: ModelConfig) -> None:
         """ValueError naming a feature asked for that this model's architecture does not have:
         LoRA adapters and tensor parallelism on a mixture of experts (its experts are neither
-        adapted nor sharded)."""
-        if model_config.moe is not None:
+        adapted nor sharded) or on short convolutions (LFM2: neither is built for its conv layers)."""
+        kind = ("a mixture-of-experts model" if model_config.moe is not None
+                else "a model with short convolutions" if "conv" in model_config.layer_types else None)
+        if kind is not None:
             for asked, what in ((self.enable_lora, "LoRA adapters (--enable-lora)"),
                                 (self.tensor_parallel_size > 1, "tensor parallelism (--tensor-parallel-size)")):
                 if asked:
-                    raise ValueError(f"{what} on a mixture-of-experts model ({model_config.architecture}) are not "
-                                     "supported")
+                    raise ValueError(f"{what} on {kind} ({model_config.architecture}) are not supported")
 
     def to_config(self, model_config: ModelConfig) -> EngineConfig:
         """The engine's configuration; dtype "auto" must have been resolved (the engine does it at load)."""

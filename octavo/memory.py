@@ -62,9 +62,14 @@ def describe_groups(model: ModelConfig) -> str:
     groups = model.kv_groups()
     if len(groups) == 1 and groups[0].window is None:
         return ""
-    num_sliding = sum(g.window is not None for g in groups)
-    return (f"{len(groups) - num_sliding} global + {num_sliding} sliding-window ({model.sliding_window} tokens) "
-            f"group{'s' if len(groups) > 1 else ''} of {len(groups[0].layers)} layers")
+    num_conv = sum(g.kind == "conv" for g in groups)
+    num_sliding = sum(g.window is not None for g in groups) - num_conv
+    kinds = [f"{len(groups) - num_sliding - num_conv} global"]
+    if num_sliding:
+        kinds.append(f"{num_sliding} sliding-window ({model.sliding_window} tokens)")
+    if num_conv:
+        kinds.append(f"{num_conv} short-convolution ({model.conv_kernel} positions)")
+    return f"{' + '.join(kinds)} group{'s' if len(groups) > 1 else ''} of {len(groups[0].layers)} layers"
 
 
 def keep_freed_memory_mapped() -> bool:

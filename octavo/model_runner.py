@@ -52,7 +52,7 @@ def allocate_kv_caches(model_config: ModelConfig, num_blocks: int, block_size: i
     idle `octavo serve` hold ~4.9 GiB resident. On CUDA the memory is taken now: it was budgeted.
     """
     groups = model_config.kv_groups()
-    per_block = len(groups[0].layers)  # layers whose KV one block holds
+    per_block = model_config.kv_slots_per_block()  # K/V pairs one block holds
     shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
     numel = num_blocks * block_size * model_config.num_kv_heads * model_config.head_dim
     num_tensors = 2 * per_block
@@ -63,8 +63,10 @@ def allocate_kv_caches(model_config: ModelConfig, num_blocks: int, block_size: i
         pool = mmap.mmap(-1, max(1, num_tensors * numel * itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         flat = torch.frombuffer(pool, dtype=torch.uint8).view(dtype)  # [num_tensors * numel]; keeps `pool` alive
         views = [flat[i * numel : (i + 1) * numel].view(shape) for i in range(num_tensors)]
-    slot_of = {layer: i for group in groups for i, layer in enumerate(group.layers)}
-    return [(views[2 * slot_of[layer]], views[2 * slot_of[layer] + 1]) for layer in range(model_config.num_layers)]
+    # a short-convolution layer (LFM2) takes conv_slots pairs: its tuple holds all of their tensors
+    width = {layer: model_config.conv_slots() if group.kind == "conv" else 1 for group in groups for layer in group.layers}
+    first = {layer: i * width[layer] for group in groups for i, layer in enumerate(group.layers)}
+    return [tuple(views[2 * first[layer] : 2 * (first[layer] + width[layer])]) for layer in range(model_config.num_layers)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,8 +230,10 @@ class ModelRunner:
             nd = meta.num_decode_tokens
             size = nd * max(context_lens[:nd], default=0) * self.model_config.num_kv_heads * self.model_config.head_dim
             workspace = self._decode_workspace(size) if nd else None
-            for group_meta in meta.group_metas or [meta]:
-                group_meta.gathered = gather_contexts(group_meta, self.block_size, workspace)
+            groups = self.model_config.kv_groups()
+            for g, group_meta in enumerate(meta.group_metas or [meta]):
+                if groups[g].kind == "attention":  # (a convolution reads its few slots itself)
+                    group_meta.gathered = gather_contexts(group_meta, self.block_size, workspace)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos, meta

@@ -38,6 +38,10 @@ class PlanFields:
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    # LFM2's short convolutions: layers that hold no K/V but a state of their last conv_kernel - 1
+    # inputs (hidden values each), kept in the pool as a window of conv_kernel positions
+    num_conv_layers: int = 0
+    conv_kernel: int = 0
 
 
 def _window_layers(cfg: dict[str, Any], num_layers: int, used: dict[str, str]) -> tuple[int | None, int]:
@@ -93,8 +97,26 @@ def read_fields(hf: dict[str, Any]) -> PlanFields:
                 experts["shared_expert_intermediate_size"] = int(cfg["shared_expert_intermediate_size"])
                 used["shared_expert_intermediate_size"] = "shared_expert_intermediate_size"
             break
+    conv = {}
+    if isinstance(cfg.get("layer_types"), list) and "conv" in cfg["layer_types"]:
+        conv["num_conv_layers"], used["num_conv_layers"] = cfg["layer_types"].count("conv"), "layer_types (conv entries)"
+        conv["conv_kernel"], used["conv_kernel"] = int(cfg.get("conv_L_cache", 3)), "conv_L_cache"
     return PlanFields(int(num_layers), int(hidden), int(num_heads), int(num_kv), int(head_dim), int(vocab),
-                      int(inter), gated, tie, used, window, num_window_layers, **experts)
+                      int(inter), gated, tie, used, window, num_window_layers, **experts, **conv)
+
+
+def conv_state_bytes(f: PlanFields, kv_dtype: str, block_size: int) -> tuple[int, int]:
+    """(a request's short-convolution state proper: conv_kernel - 1 inputs of `hidden_size` per
+    conv layer; what the engine holds for it: the conv groups' window blocks at most, each conv
+    layer's input over whole [kv heads x head dim] K/V slots (ModelConfig.conv_slots))."""
+    if not f.num_conv_layers:
+        return 0, 0
+    dtype = DTYPE_BYTES[kv_dtype]
+    state = f.num_conv_layers * (f.conv_kernel - 1) * f.hidden_size * dtype
+    slots = -(-f.hidden_size // (2 * f.num_kv_heads * f.head_dim))
+    per_layer_block = slots * 2 * f.num_kv_heads * f.head_dim * dtype * block_size
+    held = f.num_conv_layers * blocks_to_hold((f.conv_kernel,), f.conv_kernel, block_size, max_chunk=1) * per_layer_block
+    return state, held
 
 
 def estimate_num_params(f: PlanFields, experts: int | None = None) -> int:
@@ -168,6 +190,8 @@ class Plan:
     # (moe_weight_bytes) for n in MOE_STEP_TOKENS: one token's is the "active" weight
     experts: tuple[int, int] | None = None
     weight_bytes_per_step: dict[int, int] = field(default_factory=dict)
+    # short convolutions (LFM2): (conv layers, kernel, state bytes per request, bytes the pool holds for it)
+    conv: tuple[int, int, int, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -196,14 +220,16 @@ def make_plan(
     estimated = weight_bytes is None
     if weight_bytes is None:
         weight_bytes = estimate_num_params(f) * DTYPE_BYTES[weight_dtype or kv_dtype]
-    bytes_per_token = 2 * f.num_layers * f.num_kv_heads * f.head_dim * DTYPE_BYTES[kv_dtype]
+    # (short-convolution layers hold no K/V per token: their state is a fixed amount per request)
+    bytes_per_token = 2 * (f.num_layers - f.num_conv_layers) * f.num_kv_heads * f.head_dim * DTYPE_BYTES[kv_dtype]
     bytes_per_block = bytes_per_token * block_size
     kv_memory = int(device_memory * memory_fraction) - weight_bytes
     num_blocks = max(0, kv_memory // bytes_per_block)
     blocks_max = -(-max_len // block_size)
     blocks_typical = -(-typical_len // block_size)
-    seqs_reserved = num_blocks // blocks_max
-    seqs_paged = num_blocks // blocks_typical
+    state, state_held = conv_state_bytes(f, kv_dtype, block_size)
+    seqs_reserved = max(0, kv_memory) // (blocks_max * bytes_per_block + state_held)
+    seqs_paged = max(0, kv_memory) // (blocks_typical * bytes_per_block + state_held)
     return Plan(
         kv_dtype=kv_dtype,
         bytes_per_token=bytes_per_token,
@@ -234,6 +260,7 @@ def make_plan(
         weight_source=weight_source,
         experts=(f.num_experts, f.experts_per_token) if f.num_experts else None,
         weight_bytes_per_step={n: moe_weight_bytes(f, weight_bytes, n) for n in MOE_STEP_TOKENS} if f.num_experts else {},
+        conv=(f.num_conv_layers, f.conv_kernel, state, state_held) if f.num_conv_layers else None,
     )
 
 
@@ -292,6 +319,10 @@ def format_plan(plan: Plan, model: str) -> str:
         rows.append(("weights read per step", ", ".join(
             f"{n} tokens {_human(b)}" for n, b in plan.weight_bytes_per_step.items() if n > 1)
             + " (tokens routed uniformly: a real router reads fewer)"))
+    if plan.conv:
+        layers, kernel, state, held = plan.conv
+        rows.append(("short-convolution state", f"{_human(state)} per request ({layers} conv layers x the last "
+                                                f"{kernel - 1} inputs), held as up to {_human(held)} of window blocks"))
     if plan.sliding_window:
         rows.append(("sliding window", f"{plan.sliding_window} tokens on {plan.num_window_layers} of the layers"))
         layers = plan.kv_groups[0][2]

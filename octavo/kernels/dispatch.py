@@ -20,6 +20,7 @@ copy_blocks = reference.copy_blocks
 add_lora = reference.add_lora  # grouped shrink/expand in torch everywhere (matmuls dominate it)
 # MoE routing and grouping: a few small ops on [tokens, experts] beside the experts' matmuls
 moe_route = reference.moe_route
+short_conv = reference.short_conv  # (torch ops on every backend: a few gathers per conv layer)
 group_by_expert = reference.group_by_expert
 
 

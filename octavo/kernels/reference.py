@@ -82,6 +82,35 @@ def swiglu_oai_and_mul(gate_up: torch.Tensor, alpha: float, limit: float) -> tor
     return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+def short_conv(
+    bx: torch.Tensor, cache: tuple[torch.Tensor, ...], slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+    query_lens: torch.Tensor, positions: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """LFM2's causal depthwise convolution over the paged cache. `bx` [n, H]: this step's inputs
+    (B * x), written at `slot_mapping` into `cache` (the layer's tensors, [num_blocks, block_size,
+    kv_heads, head_dim] each, a token's H values split across them, zero-padded); then per token
+    at position p of its sequence, out = sum_k weight[:, k] * bx[p - (L - 1) + k] (+ bias) over
+    k < L = weight.shape[1], the earlier positions read back from the cache through the
+    sequence's `block_tables` row (none before position 0), the token's own from `bx`."""
+    n, hidden = bx.shape
+    kernel = weight.shape[1]
+    block_size = cache[0].shape[1]
+    flat = [t.view(-1, t.shape[2] * t.shape[3]) for t in cache]  # [slots, width] each
+    width = flat[0].shape[1]
+    padded = F.pad(bx, (0, len(flat) * width - hidden))
+    for j, t in enumerate(flat):
+        t[slot_mapping] = padded[:, j * width : (j + 1) * width].to(t.dtype)
+    seq = torch.repeat_interleave(torch.arange(len(query_lens), device=bx.device), query_lens.long(), output_size=n)
+    out = bx * weight[:, kernel - 1]
+    for back in range(1, kernel):
+        p = positions - back
+        at = p.clamp(min=0)
+        slots = block_tables[seq, at // block_size].long() * block_size + at % block_size
+        earlier = torch.cat([t[slots] for t in flat], dim=1)[:, :hidden].to(bx.dtype)
+        out = out + weight[:, kernel - 1 - back] * torch.where((p >= 0)[:, None], earlier, 0.0)
+    return out if bias is None else out + bias
+
+
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:

@@ -258,12 +258,25 @@ class SlidingWindow(GroupManager):
         return end
 
 
+class ShortConvState(SlidingWindow):
+    """A short convolution's state (LFM2): each token's input to the convolution (B * x) kept in
+    its slot, read back over the last `window` positions (the kernel's size) by the step that
+    convolves. The recurrent state is thus the window's slots themselves: a chunk, a preempted
+    request's recompute and a fork rebuild it as attention's K/V are rebuilt, and a cached prefix
+    restores it exactly when the blocks of its last window - 1 positions are cached (the sliding
+    window's hit rule), so no snapshot is taken and none can go stale."""
+
+    kind = "conv"
+
+
 # Every attention kind a KV group can have: a new kind is a GroupManager subclass and its entry here.
-GROUP_KINDS: dict[str, type[GroupManager]] = {cls.kind: cls for cls in (FullAttention, SlidingWindow)}
+GROUP_KINDS: dict[str, type[GroupManager]] = {cls.kind: cls for cls in (FullAttention, SlidingWindow, ShortConvState)}
 
 
-def kind_of(window: int | None) -> str:
-    """The attention kind of a KV group from its window (config.KVGroup.window)."""
+def kind_of(window: int | None, layer_kind: str = "attention") -> str:
+    """The manager kind of a KV group from its window and layers' kind (config.KVGroup)."""
+    if layer_kind == "conv":
+        return "conv"
     return "full" if window is None else "sliding"
 
 

@@ -71,6 +71,7 @@ class KVCacheManager:
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
         group_windows: tuple[int | None, ...] = (None,), tier: TierIndex | None = None,
+        group_kinds: tuple[str, ...] | None = None,
     ) -> None:
         """`tier`: the second KV tier's index (needs prefix caching): cached blocks the pool
         evicts are offered to it, and running requests take their next blocks from it."""
@@ -83,7 +84,8 @@ class KVCacheManager:
         self.group_windows = tuple(group_windows)
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.groups: list[GroupManager] = [
-            make_group(g, kind_of(w), self.pool, block_size, w) for g, w in enumerate(self.group_windows)]
+            make_group(g, kind_of(w, kind), self.pool, block_size, w)
+            for g, (w, kind) in enumerate(zip(self.group_windows, group_kinds or ("attention",) * len(group_windows)))]
         self.connector = TierConnector(tier, self.pool) if tier is not None else None
         self._hashes: dict[str, list[bytes]] = {}
         self._num_cached_blocks: dict[str, int] = {}

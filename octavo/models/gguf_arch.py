@@ -1,5 +1,5 @@
 """GGUF architectures Octavo reads (llama, and with it Mistral; qwen2, qwen3, gemma2, gemma3, phi3;
-the mixtures of experts qwen2moe, qwen3moe and gpt-oss): a file's
+the mixtures of experts qwen2moe, qwen3moe and gpt-oss; lfm2, attention beside short convolutions): a file's
 metadata as a Hugging Face config dict, its tensor names as checkpoint names, and its tensors in
 the checkpoint's conventions (llama.cpp's converter interleaves Llama q/k rows and stores Gemma's
 norm weights as 1 + w; both are undone here, so every loader path sees one convention).
@@ -19,7 +19,7 @@ import numpy as np
 
 from octavo.models.gguf_file import ArrayValue, GGUFFormatError, GGUFHeader, read_header
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe", "gpt-oss")
+SUPPORTED = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe", "gpt-oss", "lfm2")
 MOE = ("qwen2moe", "qwen3moe", "gpt-oss")
 
 _HF_ARCH = {
@@ -32,12 +32,14 @@ _HF_ARCH = {
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
+    "lfm2": ("Lfm2ForCausalLM", "lfm2"),
 }
 
 _TOP_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
+    "token_embd_norm": "model.norm",  # LFM2's final norm (llama.cpp keeps the checkpoint's odd name)
 }
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -74,6 +76,10 @@ _PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up":
 # gpt-oss: `post_attention_norm` is the norm before the feed-forward (llama.cpp's ATTN_POST_NORM),
 # one sink logit per query head (the checkpoint's `sinks`, a parameter without a `.weight`)
 _GPT_OSS_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"}
+# LFM2: the operator norm is `attn_norm`; a short-convolution layer's three tensors go straight to
+# models/lfm2.py's names (its kernel [hidden, kernel] as the file holds it)
+_LFM2_LAYER_NAMES = {**_LAYER_NAMES, "shortconv.conv": "conv", "shortconv.in_proj": "conv.in_proj",
+                     "shortconv.out_proj": "conv.out_proj"}
 # Vocabulary entries that end a chat turn: each one present becomes a stop id.
 END_OF_TURN_TOKENS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>")
 
@@ -145,8 +151,8 @@ def hf_name(gguf_name: str, arch: str) -> str:
     if stem in _TOP_NAMES:
         return f"{_TOP_NAMES[stem]}.{suffix}"
     names = {"gemma2": _GEMMA3_LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES,
-             "gpt-oss": _GPT_OSS_LAYER_NAMES}.get(arch, _LAYER_NAMES)
-    parts = stem.split(".")
+             "gpt-oss": _GPT_OSS_LAYER_NAMES, "lfm2": _LFM2_LAYER_NAMES}.get(arch, _LAYER_NAMES)
+    parts = stem.split(".", 2)
     if len(parts) != 3 or parts[0] != "blk" or parts[2] not in names:
         raise UnsupportedGGUFError(f"GGUF tensor {gguf_name!r} has no place in a {arch} model")
     if parts[2] == "attn_sinks":
@@ -225,6 +231,8 @@ def hf_config(header: GGUFHeader, hp: dict[str, Any] | None = None) -> dict[str,
         config.update(_gemma2_config(get, config))
     if arch == "phi3" and get("attention.sliding_window") is not None:
         config["sliding_window"] = int(get("attention.sliding_window"))  # every layer (llama.cpp, transformers)
+    if arch == "lfm2":
+        config.update(_lfm2_config(header, hp))
     if arch == "gpt-oss":
         config.update(_gpt_oss_config(get, hp))
     elif arch in MOE:
@@ -275,8 +283,12 @@ def check_model(header: GGUFHeader) -> dict[str, Any]:
     a type it can have; no other tensor. GGUFFormatError (one line) names what is wrong."""
     name = header.path.name
     arch = architecture(header)
+    conv_layers = _lfm2_conv_layers(header) if arch == "lfm2" else None
     ints = {k: _int_field(header, f"{arch}.{k}", b, True) for k, b in _REQUIRED_INTS.items()}
-    ints |= {k: _int_field(header, f"{arch}.{k}", b, False) for k, b in _OPTIONAL_INTS.items()}
+    optional = {k: b for k, b in _OPTIONAL_INTS.items() if not (conv_layers is not None and k == "attention.head_count_kv")}
+    ints |= {k: _int_field(header, f"{arch}.{k}", b, False) for k, b in optional.items()}
+    if conv_layers is not None:  # LFM2: a KV head count per layer, 0 for a short convolution
+        ints["attention.head_count_kv"] = max(header.numbers("lfm2.attention.head_count_kv"))
     for key in _POSITIVE_FLOATS:
         value = header.get(f"{arch}.{key}")
         if value is not None and (isinstance(value, (bool, str, ArrayValue)) or not math.isfinite(value) or value <= 0):
@@ -303,6 +315,9 @@ def check_model(header: GGUFHeader) -> dict[str, Any]:
           "layers": ints["block_count"], "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
     if arch in MOE:
         hp |= _moe_hyperparameters(name, arch, ints)
+    if conv_layers is not None:
+        hp |= {"conv_layers": conv_layers,
+               "conv_kernel": _int_field(header, "lfm2.shortconv.l_cache", (2, 64), True)}
     longrope = [t for t in ("rope_factors_long.weight", "rope_factors_short.weight") if t in header.tensors]
     if longrope:
         raise UnsupportedGGUFError(f"{name}: LongRoPE scaling ({', '.join(longrope)}: Phi-3 128k, Phi-3.5, Phi-4-mini) "
@@ -389,6 +404,17 @@ def expected_tensors(header: GGUFHeader, hp: dict[str, Any]) -> dict[str, tuple[
                   "attn_sinks.weight": (hp["heads"],), "post_attention_norm.weight": (hidden,),
                   "ffn_gate_inp.bias": (hp["experts"],), "ffn_gate_exps.bias": (hp["ff_exp"], hp["experts"]),
                   "ffn_up_exps.bias": (hp["ff_exp"], hp["experts"]), "ffn_down_exps.bias": (hidden, hp["experts"])}
+    if arch == "lfm2":  # the final norm is token_embd_norm; a conv layer has no attention
+        del out["output_norm.weight"]
+        out["token_embd_norm.weight"] = ((hidden,), True)
+        layer |= {"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)}
+        conv = {"attn_norm.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"}
+        conv_layer = {k: v for k, v in layer.items() if k in conv} | {
+            "shortconv.conv.weight": (hp["conv_kernel"], hidden), "shortconv.in_proj.weight": (hidden, 3 * hidden),
+            "shortconv.out_proj.weight": (hidden, hidden)}
+        for i in range(hp["layers"]):
+            out |= {f"blk.{i}.{k}": (shape, True) for k, shape in (conv_layer if i in hp["conv_layers"] else layer).items()}
+        return out
     for i in range(hp["layers"]):
         out |= {f"blk.{i}.{k}": (shape, True) for k, shape in layer.items()}
     return out
@@ -472,6 +498,29 @@ def _moe_config(hp: dict[str, Any], normalize: bool) -> dict[str, Any]:
         "moe_intermediate_size": hp["ff_exp"], "norm_topk_prob": bool(normalize),
         "decoder_sparse_step": 1, "mlp_only_layers": [],
         **({"shared_expert_intermediate_size": hp["ff_shexp"]} if hp["ff_shexp"] else {}),
+    }
+
+
+def _lfm2_conv_layers(header: GGUFHeader) -> list[int]:
+    """LFM2's short-convolution layers: where `lfm2.attention.head_count_kv` (an array, one per
+    layer, as llama.cpp's converter writes it) is 0; GGUFFormatError when it is not such an array."""
+    key = "lfm2.attention.head_count_kv"
+    counts = header.numbers(key)
+    layers = header.get("lfm2.block_count")
+    if not isinstance(header.get(key), ArrayValue) or len(counts) != layers or any(
+            isinstance(c, float) or not 0 <= c <= 1024 for c in counts) or not any(counts):
+        raise GGUFFormatError(f"{header.path.name}: {key} must be an array of {layers} KV head counts "
+                              "(0 for a short-convolution layer, at least one attention layer)")
+    return [i for i, c in enumerate(counts) if c == 0]
+
+
+def _lfm2_config(header: GGUFHeader, hp: dict[str, Any]) -> dict[str, Any]:
+    """LFM2's keys: which layers convolve, the kernel, the file's feed-forward size as it is (no
+    2/3 adjustment), a tied head unless the file has `output`."""
+    return {
+        "layer_types": ["conv" if i in hp["conv_layers"] else "full_attention" for i in range(hp["layers"])],
+        "conv_L_cache": hp["conv_kernel"], "block_auto_adjust_ff_dim": False,
+        "norm_eps": float(header.get("lfm2.attention.layer_norm_rms_epsilon") or 1e-5),
     }
 
 

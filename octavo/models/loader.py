@@ -226,6 +226,26 @@ def gpt_oss_tensors(tensors: Iterable[tuple[str, torch.Tensor]]):
             yield name, tensor
 
 
+# LFM2's checkpoint names -> the names of the modules models/lfm2.py shares with the other families
+_LFM2_NAMES = ((".self_attn.out_proj.", ".self_attn.o_proj."), (".self_attn.q_layernorm.", ".self_attn.q_norm."),
+               (".self_attn.k_layernorm.", ".self_attn.k_norm."), (".feed_forward.w1.", ".mlp.gate_proj."),
+               (".feed_forward.w3.", ".mlp.up_proj."), (".feed_forward.w2.", ".mlp.down_proj."),
+               (".operator_norm.", ".input_layernorm."), (".ffn_norm.", ".post_attention_layernorm."),
+               ("model.embedding_norm.", "model.norm."))
+
+
+def lfm2_tensors(tensors: Iterable[tuple[str, Any, Any]]):
+    """(name, data, *rest) with LFM2's names as models/lfm2.py names them; the short convolution's
+    Conv1d weight [hidden, 1, kernel] as `conv.weight` [hidden, kernel]."""
+    for name, data, *rest in tensors:
+        if name.endswith(".conv.conv.weight"):
+            yield (name.replace(".conv.conv.weight", ".conv.weight"), data.reshape(data.shape[0], -1), *rest)
+            continue
+        for old, new in _LFM2_NAMES:
+            name = name.replace(old, new)
+        yield (name, data, *rest)
+
+
 def load_weights(model: CausalLM, model_dir: Path) -> None:
     """Copy every tensor of the directory's safetensors into `model`, fusing q/k/v and gate/up.
 
@@ -250,6 +270,8 @@ def load_hf_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]
     expected_parts: dict[str, int] = {}
     if cfg.architecture == "GptOssForCausalLM":
         tensors = gpt_oss_tensors(tensors)
+    if cfg.architecture == "Lfm2ForCausalLM":
+        tensors = lfm2_tensors(tensors)
     for hf_name, tensor in per_expert(tensors, _num_experts(cfg)):
         if "rotary_emb" in hf_name:
             continue

@@ -23,6 +23,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool | None, bool]] = {
     "Qwen2MoeForCausalLM": (True, False),
     "Qwen3MoeForCausalLM": (None, True),
     "GptOssForCausalLM": (None, False),
+    "Lfm2ForCausalLM": (False, True),
 }
 MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
 
@@ -169,6 +170,32 @@ def _moe_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     )}
 
 
+def _lfm2_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """LFM2's extras: which layers are short convolutions (`layer_types` "conv", or every layer not
+    in `full_attn_idxs`), the kernel size, the feed-forward size as transformers derives it
+    (`block_auto_adjust_ff_dim`: 2/3 of it, times `block_ffn_dim_multiplier`, rounded up to
+    `block_multiple_of`), `norm_eps`, a tied head by default."""
+    layers = int(hf["num_hidden_layers"])
+    if hf.get("conv_bias"):
+        raise UnsupportedModelError("LFM2 with conv_bias (biases on the short convolutions) is not supported")
+    names = hf.get("layer_types")
+    if names is None:
+        full = set(hf.get("full_attn_idxs") if hf.get("full_attn_idxs") is not None else range(layers))
+        names = ["full_attention" if i in full else "conv" for i in range(layers)]
+    if set(names) - {"conv", "full_attention"}:
+        raise UnsupportedModelError(f"LFM2 layer types {sorted(set(names))} are not supported; supported: conv, full_attention")
+    inter = int(hf.get("block_ff_dim") or hf["intermediate_size"])
+    if hf.get("block_auto_adjust_ff_dim", True):
+        inter = int(2 * inter / 3)
+        if hf.get("block_ffn_dim_multiplier") is not None:
+            multiple = int(hf.get("block_multiple_of", 256))
+            inter = multiple * -(-int(float(hf["block_ffn_dim_multiplier"]) * inter) // multiple)
+    return {"layer_types": tuple("conv" if n == "conv" else "full" for n in names), "sliding_window": None,
+            "conv_kernel": int(hf.get("conv_L_cache", 3)), "intermediate_size": inter,
+            "rms_norm_eps": float(hf.get("norm_eps", hf.get("rms_norm_eps", 1e-5))),
+            "tie_word_embeddings": bool(hf.get("tie_word_embeddings", hf.get("tie_embedding", True)))}
+
+
 def _window_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """Mistral-style or Qwen sliding windows (see hf_fields.window_layer_types)."""
     window, types = window_layer_types(hf, int(hf["num_hidden_layers"]))
@@ -192,6 +219,8 @@ def model_config_from_hf(hf: dict[str, Any], generation: dict[str, Any] | None =
     extras = _gemma_fields(hf, arch) if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM") else _window_fields(hf)
     if arch in MOE_ARCHITECTURES:
         extras |= _moe_fields(hf, arch)
+    if arch == "Lfm2ForCausalLM":
+        extras |= _lfm2_fields(hf)
     fields: dict[str, Any] = dict(
         architecture=arch,
         vocab_size=int(hf["vocab_size"]),
@@ -229,6 +258,10 @@ def model_class(architecture: str) -> type:
         return Gemma3ForCausalLM
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(f"architecture {architecture!r} is not supported")
+    if architecture == "Lfm2ForCausalLM":
+        from octavo.models.lfm2 import Lfm2ForCausalLM
+
+        return Lfm2ForCausalLM
     from octavo.models.llama import LlamaForCausalLM
 
     return LlamaForCausalLM

@@ -95,3 +95,48 @@ def test_one_8k_gemma3_sequence_holds_under_a_quarter_of_a_window_blind_cache():
     assert 512 + 5 * 32 <= held <= 512 + 5 * 33
     assert held / blind < 0.25 and abs(held / blind - 0.22) < 0.005
     assert held <= blocks_to_hold(windows, 8192, 16, 2032)
+
+
+def test_a_short_convolution_group_is_its_own_kind_with_a_window_of_its_kernel():
+    """LFM2's conv layers: a "conv" group (ShortConvState) keeps the blocks of its last `kernel`
+    positions, gives back the rest as a window does, and a prefix hit restores its state only with
+    the blocks of the kernel - 1 positions before the hit (the state is those slots)."""
+    from octavo.kv_cache.groups import ShortConvState
+
+    kv = KVCacheManager(num_blocks=40, block_size=BS, group_windows=(None, 3), group_kinds=("attention", "conv"))
+    assert type(kv.groups[1]) is ShortConvState and kv.groups[1].kind == "conv"
+    a = make_request("a", list(range(30)))
+    advance(kv, a, 10)
+    for _ in range(20):  # a token at a time: the conv group holds the blocks of 3 positions, 1 or 2
+        advance(kv, a, 1)
+        held_conv = len(kv.view().held_blocks("a")) - -(-a.num_computed_tokens // BS)
+        assert held_conv in (1, 2)
+    kv.free(a)
+    b = make_request("b", list(range(24)) + [7, 7])
+    hit = kv.get_computed_blocks(b)
+    full, conv = hit.groups
+    assert hit.num_blocks == 6 and None not in full
+    # the next token (24) convolves over 22 and 23: block 5 alone; a gave back the older ones
+    assert conv[5] is not None and conv[:5] == [None] * 5
+    assert kv.view().check_invariants() == []
+
+
+def test_lfm2_layers_group_by_kind_with_conv_layers_over_whole_kv_slots():
+    """ModelConfig.kv_groups for LFM2-1.2B's layout: 6 attention and 10 conv layers whose 2048
+    inputs take 2 K/V pairs of 8 x 64 each: pairs of attention layers, conv layers one a group."""
+    types = tuple("full" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16))
+    cfg = ModelConfig("Lfm2ForCausalLM", 65536, 2048, 8192, 16, 32, 8, 64, 1e-5, RopeConfig(), 4096,
+                      layer_types=types, conv_kernel=3)
+    groups = cfg.kv_groups()
+    assert cfg.conv_slots() == 2 and cfg.kv_slots_per_block() == 2
+    assert [g.layers for g in groups if g.kind == "attention"] == [(2, 5), (8, 10), (12, 14)]
+    assert [g.layers for g in groups if g.kind == "conv"] == [(i,) for i in (0, 1, 3, 4, 6, 7, 9, 11, 13, 15)]
+    assert {g.window for g in groups if g.kind == "conv"} == {3}
+    odd = ModelConfig("Lfm2ForCausalLM", 65536, 2048, 8192, 4, 32, 8, 64, 1e-5, RopeConfig(), 4096,
+                      layer_types=("conv", "full", "conv", "conv"), conv_kernel=3)
+    try:  # 1 attention layer against 3 x 2 pairs: no common block
+        odd.kv_groups()
+    except ValueError as exc:
+        assert "cannot share one block size" in str(exc)
+    else:
+        raise AssertionError("an impossible layout was accepted")

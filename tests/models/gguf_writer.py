@@ -21,7 +21,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low
 
 def hf_model(arch: str):
     from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GptOssConfig, LlamaConfig,
-                              MistralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+                              Lfm2Config, MistralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig)
 
     config = {
         "llama": LlamaConfig(**COMMON, num_hidden_layers=2, attention_bias=True, tie_word_embeddings=False),
@@ -69,6 +70,12 @@ def hf_model(arch: str):
                                                  "original_max_position_embeddings": 64, "beta_fast": 32.0,
                                                  "beta_slow": 1.0},
                                 tie_word_embeddings=False, initializer_range=0.1, attention_bias=True),
+        # LFM2: four short-convolution layers (kernel 3) around two attention layers, as its 2:1
+        # ratio; the file's feed-forward size is the real one (no 2/3 adjustment); weights 3x the
+        # usual scale and the kernels' taps at 1, so that the earlier positions move the greedy tokens
+        "lfm2": Lfm2Config(**COMMON, num_hidden_layers=6, conv_L_cache=3, block_auto_adjust_ff_dim=False,
+                           layer_types=["conv", "conv", "full_attention", "conv", "full_attention", "conv"],
+                           tie_word_embeddings=True, initializer_range=0.06),
     }[arch]
     torch.manual_seed(0)
     extra = {"attn_implementation": "eager"} if arch == "gpt-oss" else {}  # (sinks: eager attention)
@@ -85,6 +92,8 @@ def hf_model(arch: str):
                 p.normal_(0.0, hf.config.initializer_range)  # transformers 5 leaves stacked experts at zero
             if arch == "gpt-oss" and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
                 p.normal_(0.0, 0.5)
+            if name.endswith("conv.conv.weight"):
+                p.normal_(0.0, 1.0)  # LFM2: taps that weigh as much as the token's own
     return hf
 
 
@@ -107,6 +116,12 @@ GEMMA_LAYER = {**LAYER, "post_attention_layernorm": "post_attention_norm",
 # gpt-oss (llama.cpp's converter): the pre-FFN norm is `post_attention_norm`, the router
 # `ffn_gate_inp` with a bias; experts x @ W with gate / up columns interleaved, split and transposed
 GPT_OSS_LAYER = {**LAYER, "post_attention_layernorm": "post_attention_norm", "mlp.router": "ffn_gate_inp"}
+# LFM2 (llama.cpp's converter): the final norm is `token_embd_norm`; per layer its own names
+LFM2_LAYER = {"operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "self_attn.q_proj": "attn_q",
+              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.out_proj": "attn_output",
+              "self_attn.q_layernorm": "attn_q_norm", "self_attn.k_layernorm": "attn_k_norm",
+              "conv.conv": "shortconv.conv", "conv.in_proj": "shortconv.in_proj", "conv.out_proj": "shortconv.out_proj",
+              "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down"}
 
 
 def _gpt_oss_experts(layer: str, rest: str, p: torch.Tensor):
@@ -148,15 +163,16 @@ def llama3_rope_freqs(cfg, head_dim: int) -> np.ndarray | None:
     return np.array(out, dtype=np.float32)
 
 
-def _gguf_name(name: str, gemma: bool, gpt_oss: bool = False) -> str:
+def _gguf_name(name: str, gemma: bool, file_arch: str = "") -> str:
     if not name.startswith("model.layers."):
         return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight"}[name]
+                "lm_head.weight": "output.weight", "model.embedding_norm.weight": "token_embd_norm.weight"}[name]
     _, _, layer, rest = name.split(".", 3)
     if rest == "self_attn.sinks":
         return f"blk.{layer}.attn_sinks.weight"
     module, _, suffix = rest.rpartition(".")
-    return f"blk.{layer}.{(GEMMA_LAYER if gemma else GPT_OSS_LAYER if gpt_oss else LAYER)[module]}.{suffix}"
+    names = GEMMA_LAYER if gemma else {"gpt-oss": GPT_OSS_LAYER, "lfm2": LFM2_LAYER}.get(file_arch, LAYER)
+    return f"blk.{layer}.{names[module]}.{suffix}"
 
 
 def _interleave_rope(w: np.ndarray, heads: int) -> np.ndarray:
@@ -203,8 +219,10 @@ def _tensors(hf, file_arch: str):
                 yield f"blk.{layer}.{gguf_name}.weight", name, part, view
         elif name.endswith("shared_expert_gate.weight"):
             yield _gguf_name(name, gemma), name, data.reshape(-1), p  # llama.cpp's [hidden]
+        elif name.endswith("conv.conv.weight"):  # LFM2's Conv1d [hidden, 1, kernel] -> [hidden, kernel]
+            yield _gguf_name(name, gemma, file_arch), name, data.reshape(data.shape[0], -1), p
         else:
-            yield _gguf_name(name, gemma, file_arch == "gpt-oss"), name, data, p
+            yield _gguf_name(name, gemma, file_arch), name, data, p
 
 
 def write_gguf(hf, file_arch: str, path, types: dict | None = None) -> None:
@@ -222,11 +240,15 @@ def write_gguf(hf, file_arch: str, path, types: dict | None = None) -> None:
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    if file_arch == "lfm2":  # a KV head count per layer, 0 for a short convolution; its kernel size
+        w.add_head_count_kv([0 if t == "conv" else cfg.num_key_value_heads for t in cfg.layer_types])
+        w.add_shortconv_l_cache(cfg.conv_L_cache)
+    else:
+        w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_freq_base(1_000_000.0 if file_arch == "gemma3" else float(cfg.rope_parameters["rope_theta"]))
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_layer_norm_rms_eps(cfg.norm_eps if file_arch == "lfm2" else cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_eos_token_id(1)
     add_tiny_tokenizer(w, cfg.vocab_size, gemma)
@@ -264,7 +286,8 @@ def write_gguf(hf, file_arch: str, path, types: dict | None = None) -> None:
             data = _interleave_rope(data, heads)
         if gemma and name.endswith("norm.weight"):
             data = data + 1.0
-        if data.ndim >= 2 and gguf_name.endswith(".weight") and "embed" not in name and "ffn_gate_inp" not in gguf_name:
+        if (data.ndim >= 2 and gguf_name.endswith(".weight") and "embed" not in name and "ffn_gate_inp" not in gguf_name
+                and "shortconv.conv" not in gguf_name):
             kind = (types or {}).get(gguf_name.split(".")[-2], q8)
             blocks = quantize(data, kind)
             w.add_tensor(gguf_name, blocks, raw_shape=blocks.shape, raw_dtype=kind)

@@ -26,7 +26,7 @@ from tests.models.test_tiny_models import entry, run
 @pytest.mark.parametrize("arch, file_arch", [
     ("llama", "llama"), ("llama3", "llama"), ("llama-yarn", "llama"), ("mistral", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"),
     ("gemma3", "gemma3"), ("gemma2", "gemma2"), ("phi3", "phi3"), ("qwen3moe", "qwen3moe"), ("qwen2moe", "qwen2moe"),
-    ("gpt-oss", "gpt-oss"),
+    ("gpt-oss", "gpt-oss"), ("lfm2", "lfm2"),
 ])
 def test_gguf_of_each_architecture_loads_as_the_transformers_model(tmp_path, arch, file_arch):
     hf = hf_model(arch)

@@ -1,4 +1,5 @@
-"""The oracle on every model family Octavo reads from GGUF but has no real file of here: a small
+"""The oracle on every model family Octavo reads from GGUF but has no real file of here (LFM2's
+short-convolution state included: it lives in KV groups of its own, so every mode below covers it): a small
 random-weight model written the way llama.cpp's converter writes the family
 (tests/models/gguf_writer.py), loaded by Octavo from the file and by transformers from the same
 dequantized weights. Greedy tokens must be equal in the five engine modes (one batch, a small
@@ -27,7 +28,7 @@ MXFP4_EXPERTS = {k: "MXFP4" for k in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_
 FAMILIES = {"llama3-rope-freqs": ("llama3", "llama", None), "llama-yarn": ("llama-yarn", "llama", None),
             "qwen3moe": ("qwen3moe", "qwen3moe", None), "qwen2moe": ("qwen2moe", "qwen2moe", None),
             "gemma2": ("gemma2", "gemma2", None), "phi3": ("phi3", "phi3", None),
-            "gpt-oss": ("gpt-oss", "gpt-oss", MXFP4_EXPERTS)}
+            "gpt-oss": ("gpt-oss", "gpt-oss", MXFP4_EXPERTS), "lfm2": ("lfm2", "lfm2", None)}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -91,10 +92,10 @@ def test_one_batch_and_a_small_budget(family):
 def test_a_tiny_pool_preempts_and_recomputes(family):
     asked = prompts(family[-1].config.vocab_size)
     # 12 blocks of 16 = 192 tokens: the longest request (166) fits alone; the three shorter ones are
-    # admitted together and outgrow the pool as they decode. A model with window and global layers
-    # has a second KV group, whose window (5 tokens) holds 2 blocks per request more.
+    # admitted together and outgrow the pool as they decode. Every further KV group (a window of
+    # 5 tokens, a short convolution's 3) holds 2 blocks per request more.
     groups = len(family[2].config.kv_groups())
-    llm = build(family, num_kv_blocks=14 if groups > 1 else 12, enable_prefix_caching=False, admission_headroom_steps=0)
+    llm = build(family, num_kv_blocks=12 + 2 * (groups - 1), enable_prefix_caching=False, admission_headroom_steps=0)
     outs = llm.generate(asked, GREEDY, use_tqdm=False)
     assert llm.engine.get_stats().scheduler.preemption.num_preemptions > 0
     check(family, outs, asked, "tiny pool")
@@ -158,6 +159,10 @@ def test_the_families_files_are_what_the_converter_writes(family):
         assert torch.equal(model.layers[1].self_attn.sinks, family[-1].model.layers[1].self_attn.sinks)
         expert = model.layers[0].mlp.experts[3].gate_up_proj  # MXFP4 blocks held exactly as Q8_0
         assert expert.fmt.name == "Q8_0"
+    if name == "lfm2":  # the short convolutions: which layers, the kernel, their own KV groups (a window of 3)
+        assert config.layer_types == ("conv", "conv", "full", "conv", "full", "conv") and config.conv_kernel == 3
+        assert [(g.kind, g.window, g.layers) for g in config.kv_groups()] == [
+            ("attention", None, (2, 4)), ("conv", 3, (0, 1)), ("conv", 3, (3, 5))]
     if name.endswith("moe"):
         hf = family[-1].config
         moe = config.moe
@@ -167,7 +172,7 @@ def test_the_families_files_are_what_the_converter_writes(family):
 
 
 @pytest.mark.parametrize("option", [{"enable_lora": True}, {"tensor_parallel_size": 2}])
-def test_lora_and_tensor_parallelism_on_experts_are_refused_by_name(family, option):
+def test_lora_and_tensor_parallelism_on_experts_and_convolutions_are_refused_by_name(family, option):
     """Neither is built for a mixture of experts: asked for, the engine refuses before loading."""
     from octavo.engine_args import EngineArgs
     from octavo.engine_setup import load
@@ -177,11 +182,12 @@ def test_lora_and_tensor_parallelism_on_experts_are_refused_by_name(family, opti
     name, model_dir, *_ = family
     config = load_model_config(model_dir)
     args = EngineArgs(model=str(gguf_source(model_dir)), dtype="float32", **option)
-    if config.moe is None:
+    if config.moe is None and "conv" not in config.layer_types:
         args.check_model(config)  # a dense family has both
         return
     what = "LoRA adapters" if "enable_lora" in option else "tensor parallelism"
-    with pytest.raises(ValueError, match=f"{what} .* on a mixture-of-experts model \\({config.architecture}\\)"):
+    kind = "a mixture-of-experts model" if config.moe is not None else "a model with short convolutions"
+    with pytest.raises(ValueError, match=f"{what} .* on {kind} \\({config.architecture}\\)"):
         load(args)
 
 
