@@ -33,12 +33,22 @@ class RopeConfig:
     beta_slow: float = 1.0
     attention_factor: float = 1.0
     truncate: bool = True  # the blend's ends rounded to whole pairs (llama.cpp always; gpt-oss's HF config: no)
+    # LongRoPE ("longrope", Phi-3 128k / Phi-3.5 / Phi-4-mini): each pair's frequency divided by its
+    # factor, the long set when the context served (`long`) passes original_max_position, else the
+    # short one, as llama.cpp decides by its context size; cos and sin times attention_factor
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    long: bool = False
 
     def __post_init__(self) -> None:
-        if self.scaling_type not in (None, "llama3", "linear", "yarn"):
+        if self.scaling_type not in (None, "llama3", "linear", "yarn", "longrope"):
             raise ValueError(
-                f"rope scaling {self.scaling_type!r} is not supported; supported: llama3, linear, yarn, none"
+                f"rope scaling {self.scaling_type!r} is not supported; supported: llama3, linear, yarn, longrope, none"
             )
+        if self.scaling_type == "longrope" and (
+                len(self.short_factor) != len(self.long_factor) or not self.short_factor
+                or not all(math.isfinite(f) and f > 0 for f in self.short_factor + self.long_factor)):
+            raise ValueError("LongRoPE needs short and long factors of one length (one per rotary pair), positive")
         if self.freq_factors is not None and not all(math.isfinite(f) and f > 0 for f in self.freq_factors):
             raise ValueError("rope frequency factors must be positive finite numbers")
 
@@ -109,6 +119,8 @@ class ModelConfig:
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     attn_sinks: bool = False  # a learned sink logit per query head in every softmax (gpt-oss)
+    # partial rotary (Phi-4-mini): RoPE on the first rotary_dim values of each q/k head only (None: all)
+    rotary_dim: int | None = None
     # LFM2's short convolutions: the layers marked "conv" in `layer_types` mix each channel of
     # B * x over the last `conv_kernel` positions (their own included) instead of attending
     conv_kernel: int | None = None
@@ -128,6 +140,13 @@ class ModelConfig:
             raise ValueError("sliding layers need a sliding_window >= 1")
         if "conv" in self.layer_types and (self.conv_kernel is None or self.conv_kernel < 2):
             raise ValueError("short-convolution layers need a conv_kernel >= 2")
+        if self.rotary_dim is not None and not (2 <= self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim must be even and in [2, head_dim {self.head_dim}], got {self.rotary_dim}")
+
+    @property
+    def rotary_width(self) -> int:
+        """The values of each q/k head RoPE rotates (the first ones; the rest pass through)."""
+        return self.rotary_dim or self.head_dim
 
     def is_conv(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` is a short convolution (LFM2) rather than attention."""

@@ -14,6 +14,7 @@ import torch
 
 from octavo.beam_search import BeamGroup
 from octavo.config import EngineConfig
+from octavo.models.registry import for_context
 from octavo.distributed.executor import TensorParallelExecutor, TensorParallelGroup
 from octavo.engine_args import EngineArgs
 from octavo.engine_setup import kv_cache_size, load, open_runner_tier, pin_prefix_files
@@ -36,12 +37,30 @@ from octavo.tokenizer import apply_chat_template, encode_prompt
 logger = logging.getLogger("octavo")
 
 
+def rope_for_context(config: EngineConfig, model: torch.nn.Module, tensor_parallel: bool) -> EngineConfig:
+    """LongRoPE picks its factor set by the context served (registry.for_context): a max_model_len
+    within the original context takes the short set, and the model's tables are rebuilt with it."""
+    rope = for_context(config.model_config.rope, config.scheduler.max_model_len)
+    rotary = getattr(model, "rotary", None)
+    if rotary is None or rotary.rope == rope:  # (the model's tables, which an earlier engine may have set)
+        return dataclasses.replace(config, model_config=dataclasses.replace(config.model_config, rope=rope))
+    if tensor_parallel:
+        raise ValueError("LongRoPE's short factors (a --max-model-len within the original context) under tensor "
+                         "parallelism are not supported; serve the full context or one rank")
+    rotary.rope = rope
+    rotary.reset_tables(next(model.parameters()).device)
+    logger.info("LongRoPE: the %s factors (max_model_len %d, original context %d)", "long" if rope.long else "short",
+                config.scheduler.max_model_len, rope.original_max_position)
+    return dataclasses.replace(config, model_config=dataclasses.replace(config.model_config, rope=rope))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, tokenizer: Any, weight_bytes: int,
                  tensor_parallel: TensorParallelGroup | None = None) -> None:
         """`model` is this process's (for tensor parallelism, rank 0's shard, with `config` holding
         one rank's share of the heads); `tensor_parallel` the group of the other ranks, whose
         runners make every call this one makes (octavo.distributed.executor)."""
+        config = rope_for_context(config, model, tensor_parallel is not None)
         self.tokenizer = tokenizer
         eos = config.model_config.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
         self.eos_token_ids: tuple[int, ...] = tuple(eos)

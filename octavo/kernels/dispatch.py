@@ -84,7 +84,7 @@ def rotary_write_kv(
         from octavo.kernels.triton import kv_write
 
         if qk_norm is not None:  # the norms as their own kernels, into qkv's q and k heads
-            n, head_dim = qkv.shape[0], cos.shape[-1]
+            n, head_dim = qkv.shape[0], k_cache.shape[-1]
             heads = qkv.view(n, -1, head_dim)
             for first, count, weight in ((0, num_heads, qk_norm[0]), (num_heads, num_kv_heads, qk_norm[1])):
                 part = heads[:, first : first + count]

@@ -42,16 +42,17 @@ def rotary_write_kv(
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> None:
     """In place on qkv [n, (num_heads + 2 * num_kv_heads) * head_dim]: with `qk_norm` (q weight,
-    k weight, eps) each q and k head RMSNorm-ed first (Qwen3, Gemma 3); RoPE on the q and k heads,
-    then this step's k and v written to the cache at `slot_mapping`."""
-    n, head_dim = qkv.shape[0], cos.shape[-1]
+    k weight, eps) each q and k head RMSNorm-ed first (Qwen3, Gemma 3); RoPE on the q and k heads
+    (on their first cos.shape[-1] values: all of them, or the rotary part of a partial-rotary
+    model), then this step's k and v written to the cache at `slot_mapping`."""
+    n, head_dim, rot = qkv.shape[0], k_cache.shape[-1], cos.shape[-1]
     heads = qkv.view(n, num_heads + 2 * num_kv_heads, head_dim)
     rotated = num_heads + num_kv_heads
     if qk_norm is not None:
         q_weight, k_weight, eps = qk_norm
         heads[:, :num_heads] = rms_norm(heads[:, :num_heads], q_weight, eps)
         heads[:, num_heads:rotated] = rms_norm(heads[:, num_heads:rotated], k_weight, eps)
-    heads[:, :rotated] = apply_rotary(heads[:, :rotated], cos, sin)
+    heads[:, :rotated, :rot] = apply_rotary(heads[:, :rotated, :rot], cos, sin)
     write_kv(k_cache, v_cache, heads[:, num_heads:rotated], heads[:, rotated:], slot_mapping)
 
 

@@ -124,23 +124,24 @@ def architecture(header: GGUFHeader) -> str:
 # Tensors that are configuration, not weights: read into the config by `hf_config`, never loaded.
 # rope_freqs: Llama 3.1+ RoPE scaling as one divisor per rotary pair (llama.cpp's converter writes
 # it from the checkpoint's rope_scaling and no rope-scaling metadata beside it).
-CONFIG_TENSORS = ("rope_freqs.weight",)
+# rope_factors_long / _short: LongRoPE's two factor sets (Phi-3 128k, Phi-3.5, Phi-4-mini), the same.
+CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
-def rope_freq_factors(header: GGUFHeader) -> list[float] | None:
-    """The file's `rope_freqs` values (F32, one per rotary pair), or None when it has none;
-    GGUFFormatError when they are not positive finite numbers."""
-    info = header.tensors.get("rope_freqs.weight")
+def rope_freq_factors(header: GGUFHeader, name: str = "rope_freqs.weight") -> list[float] | None:
+    """The values of the file's per-pair RoPE factor tensor `name` (F32, one per rotary pair), or
+    None when it has none; GGUFFormatError when they are not positive finite numbers."""
+    info = header.tensors.get(name)
     if info is None:
         return None
     if info.type_name != "F32":
-        raise GGUFFormatError(f"{header.path.name}: tensor rope_freqs.weight is {info.type_name}; llama.cpp writes it F32")
+        raise GGUFFormatError(f"{header.path.name}: tensor {name} is {info.type_name}; llama.cpp writes it F32")
     with open(header.path, "rb") as fh:
         fh.seek(info.offset)
         raw = fh.read(info.num_bytes)
     values = list(struct.unpack(f"<{info.num_elements}f", raw))
     if not all(math.isfinite(v) and v > 0 for v in values):
-        raise GGUFFormatError(f"{header.path.name}: tensor rope_freqs.weight holds a value that is not a positive "
+        raise GGUFFormatError(f"{header.path.name}: tensor {name} holds a value that is not a positive "
                               "finite number (each divides a rotary frequency)")
     return values
 
@@ -229,7 +230,7 @@ def hf_config(header: GGUFHeader, hp: dict[str, Any] | None = None) -> dict[str,
         config.update(_gemma3_config(get, config))
     if arch == "gemma2":
         config.update(_gemma2_config(get, config))
-    if arch == "phi3" and get("attention.sliding_window") is not None:
+    if arch == "phi3" and get("attention.sliding_window"):  # (0: none, as the converter writes for Phi-4)
         config["sliding_window"] = int(get("attention.sliding_window"))  # every layer (llama.cpp, transformers)
     if arch == "lfm2":
         config.update(_lfm2_config(header, hp))
@@ -243,7 +244,35 @@ def hf_config(header: GGUFHeader, hp: dict[str, Any] | None = None) -> dict[str,
     factors = rope_freq_factors(header)
     if factors is not None:
         config["rope_freq_factors"] = factors  # models.registry reads it into RopeConfig.freq_factors
+    if hp["rot"] < hp["head_dim"]:  # partial rotary (Phi-4-mini): rope.dimension_count of each head
+        config["partial_rotary_factor"] = hp["rot"] / hp["head_dim"]
+    longrope = _longrope_config(header, arch, config)
+    if longrope is not None:
+        config["rope_parameters"] = longrope
     return config
+
+
+def _longrope_config(header: GGUFHeader, arch: str, config: dict[str, Any]) -> dict[str, Any] | None:
+    """LongRoPE from the file (llama.cpp's Phi-3 converter): the factor tensors, the original context
+    (`rope.scaling.original_context_length`, required beside them) and the attention factor it
+    computed (`rope.scaling.attn_factor`); None without the tensors."""
+    long, short = (rope_freq_factors(header, f"rope_factors_{k}.weight") for k in ("long", "short"))
+    if long is None and short is None:
+        return None
+    if long is None or short is None:
+        raise GGUFFormatError(f"{header.path.name}: LongRoPE needs both rope_factors_long and rope_factors_short")
+    original = header.get(f"{arch}.rope.scaling.original_context_length")
+    if isinstance(original, (bool, float, str, ArrayValue)) or original is None or original < 1:
+        raise GGUFFormatError(f"{header.path.name}: LongRoPE needs {arch}.rope.scaling.original_context_length "
+                              "(a positive integer)")
+    params = {"rope_type": "longrope", "rope_theta": config["rope_theta"], "long_factor": long, "short_factor": short,
+              "original_max_position_embeddings": int(original)}
+    attn = header.get(f"{arch}.rope.scaling.attn_factor")
+    if attn is not None:
+        if isinstance(attn, (bool, str, ArrayValue)) or not math.isfinite(attn) or attn <= 0:
+            raise GGUFFormatError(f"{header.path.name}: {arch}.rope.scaling.attn_factor must be a positive number")
+        params["attention_factor"] = float(attn)
+    return params
 
 
 # Hyperparameters a file must state (under `ARCH.`), and the range each is read in: a value
@@ -254,7 +283,7 @@ _REQUIRED_INTS = {
 }
 _OPTIONAL_INTS = {
     "attention.head_count_kv": (1, 1024), "attention.key_length": (2, 4096), "attention.value_length": (2, 4096),
-    "rope.dimension_count": (2, 4096), "context_length": (1, 1 << 24), "attention.sliding_window": (1, 1 << 24),
+    "rope.dimension_count": (2, 4096), "context_length": (1, 1 << 24), "attention.sliding_window": (0, 1 << 24),
     "vocab_size": (1, 1 << 24), "expert_count": (1, 1 << 12), "expert_used_count": (1, 1 << 12),
     "expert_feed_forward_length": (1, 1 << 20), "expert_shared_feed_forward_length": (1, 1 << 20),
 }
@@ -297,12 +326,16 @@ def check_model(header: GGUFHeader) -> dict[str, Any]:
     kv_heads = ints["attention.head_count_kv"] or heads
     if heads % kv_heads:
         raise GGUFFormatError(f"{name}: {heads} attention heads are not a multiple of {kv_heads} KV heads")
-    head_dim = ints["attention.key_length"] or ints["rope.dimension_count"] or hidden // heads
-    if head_dim < 2 or head_dim % 2:
-        raise GGUFFormatError(f"{name}: the head size {head_dim} must be even (rotary pairs)")
+    # the head size is key_length, else hidden / heads; rope.dimension_count the values each head
+    # rotates (fewer than the head: partial rotary, Phi-4-mini), as llama.cpp reads them
+    head_dim = ints["attention.key_length"] or hidden // heads
+    rot = ints["rope.dimension_count"] or head_dim
+    if head_dim < 2 or head_dim % 2 or rot % 2 or rot > head_dim:
+        raise GGUFFormatError(f"{name}: the head size {head_dim} and its rotary part {rot} must be even, the "
+                              "second no larger")
     if ints["attention.value_length"] not in (None, head_dim):
         raise GGUFFormatError(f"{name}: value heads of {ints['attention.value_length']} differ from key heads of {head_dim}")
-    if arch in ("gemma2", "gemma3", "gpt-oss") and ints["attention.sliding_window"] is None:
+    if arch in ("gemma2", "gemma3", "gpt-oss") and not ints["attention.sliding_window"]:
         raise GGUFFormatError(f"{name}: metadata {arch}.attention.sliding_window is missing")
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         value = header.get(f"{arch}.{key}")
@@ -312,16 +345,12 @@ def check_model(header: GGUFHeader) -> dict[str, Any]:
     if ints["vocab_size"] not in (None, vocab):
         raise GGUFFormatError(f"{name}: {arch}.vocab_size {ints['vocab_size']} differs from the {vocab} tokens")
     hp = {"arch": arch, "vocab": vocab, "hidden": hidden, "ff": ints["feed_forward_length"],
-          "layers": ints["block_count"], "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
+          "layers": ints["block_count"], "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "rot": rot}
     if arch in MOE:
         hp |= _moe_hyperparameters(name, arch, ints)
     if conv_layers is not None:
         hp |= {"conv_layers": conv_layers,
                "conv_kernel": _int_field(header, "lfm2.shortconv.l_cache", (2, 64), True)}
-    longrope = [t for t in ("rope_factors_long.weight", "rope_factors_short.weight") if t in header.tensors]
-    if longrope:
-        raise UnsupportedGGUFError(f"{name}: LongRoPE scaling ({', '.join(longrope)}: Phi-3 128k, Phi-3.5, Phi-4-mini) "
-                                   "is not supported yet")
     _check_tensors(header, expected_tensors(header, hp))
     return hp
 
@@ -376,7 +405,9 @@ def expected_tensors(header: GGUFHeader, hp: dict[str, Any]) -> dict[str, tuple[
     }
     arch = hp["arch"]
     if arch == "llama":  # Llama 3.1+: the RoPE scaling as per-pair factors (CONFIG_TENSORS)
-        out["rope_freqs.weight"] = ((head_dim // 2,), False)
+        out["rope_freqs.weight"] = ((hp["rot"] // 2,), False)
+    if arch == "phi3":  # LongRoPE's factor sets (CONFIG_TENSORS)
+        out |= {f"rope_factors_{k}.weight": ((hp["rot"] // 2,), False) for k in ("long", "short")}
     if arch in ("qwen2", "qwen2moe") or "blk.0.attn_q.bias" in header.tensors:
         layer |= {"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)}
         if arch == "llama":  # Llama's attention_bias: the output projection too

@@ -126,7 +126,13 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 def _scaled_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    base_pow = rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    if rope.scaling_type == "longrope":  # each pair's frequency divided by its factor (one rounding, as transformers)
+        factors = torch.tensor(rope.long_factor if rope.long else rope.short_factor, dtype=torch.float32)
+        if factors.numel() != base_pow.numel():
+            raise ValueError(f"LongRoPE has {factors.numel()} factors for {base_pow.numel()} rotary pairs")
+        return 1.0 / (factors * base_pow)
+    inv_freq = 1.0 / base_pow
     if rope.scaling_type == "linear":
         return inv_freq / rope.factor
     if rope.scaling_type == "llama3":
@@ -175,7 +181,7 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(self.rope, self.head_dim)
         t = torch.arange(self.max_position, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq)  # [max_position, head_dim / 2]
-        scale = self.rope.attention_factor if self.rope.scaling_type == "yarn" else 1.0  # YaRN scales both
+        scale = self.rope.attention_factor if self.rope.scaling_type in ("yarn", "longrope") else 1.0  # both scale
         self.cos, self.sin = (freqs.cos() * scale).to(device), (freqs.sin() * scale).to(device)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -72,7 +72,7 @@ class Lfm2ForCausalLM(CausalLM):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # the checkpoint's embedding_norm (applied last)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.rotary_width, cfg.max_position)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:

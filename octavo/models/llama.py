@@ -46,7 +46,7 @@ class LlamaForCausalLM(CausalLM):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.rotary_width, cfg.max_position)
 
     def forward(
         self,

@@ -52,10 +52,6 @@ def _rope_rule(hf: dict[str, Any], default_theta: float) -> RopeConfig:
     params = dict(hf.get("rope_parameters") or {})
     scaling = dict(hf.get("rope_scaling") or {})
     merged = {**scaling, **params}
-    partial = float(merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
-    if partial != 1.0:
-        raise UnsupportedModelError(f"partial rotary embeddings (partial_rotary_factor {partial}, as in Phi-4-mini) "
-                                    "are not supported; every head dimension must rotate")
     theta = float(merged.get("rope_theta", hf.get("rope_theta", default_theta)))
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     if rope_type in (None, "default"):
@@ -80,9 +76,38 @@ def _rope_rule(hf: dict[str, Any], default_theta: float) -> RopeConfig:
             beta_fast=float(merged.get("beta_fast") or 32.0), beta_slow=float(merged.get("beta_slow") or 1.0),
             attention_factor=_yarn_attention_factor(merged, factor), truncate=bool(merged.get("truncate", True)),
         )
+    if rope_type in ("longrope", "su"):
+        return _longrope(hf, merged, theta)
     raise UnsupportedModelError(
-        f"rope type {rope_type!r} is not supported; supported: default, linear, llama3, yarn"
+        f"rope type {rope_type!r} is not supported; supported: default, linear, llama3, yarn, longrope"
     )
+
+
+def _longrope(hf: dict[str, Any], params: dict[str, Any], theta: float) -> RopeConfig:
+    """Phi-3 128k / Phi-3.5 / Phi-4-mini's LongRoPE, as transformers computes it: per-pair factors,
+    cos and sin times sqrt(1 + ln(factor) / ln(original context)) (factor: the contexts' ratio
+    unless given). transformers picks the long factors per forward when the sequence passes the
+    original context; a paged cache keeps keys rotated once, so the set is picked once by the
+    context served, as llama.cpp does: long when the model's context passes the original (the
+    engine switches to the short set for a --max-model-len within it: see `for_context`)."""
+    original = int(params.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+                   or hf.get("max_position_embeddings", 4096))
+    max_position = int(hf.get("max_position_embeddings", original))
+    factor = float(params.get("factor") or max_position / original)
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeConfig(theta=theta, scaling_type="longrope", factor=factor, original_max_position=original,
+                      attention_factor=float(attention), short_factor=tuple(float(f) for f in params["short_factor"]),
+                      long_factor=tuple(float(f) for f in params["long_factor"]), long=max_position > original)
+
+
+def for_context(rope: RopeConfig, max_len: int) -> RopeConfig:
+    """The RoPE to serve contexts of up to `max_len` tokens with: LongRoPE's short factors when they
+    fit the original context (transformers' choice for every such sequence), else as configured."""
+    if rope.scaling_type != "longrope":
+        return rope
+    return dataclasses.replace(rope, long=max_len > rope.original_max_position)
 
 
 def _yarn_attention_factor(params: dict[str, Any], factor: float) -> float:
@@ -96,6 +121,18 @@ def _yarn_attention_factor(params: dict[str, Any], factor: float) -> float:
     if params.get("mscale") and params.get("mscale_all_dim"):
         return mscale(factor, float(params["mscale"])) / mscale(factor, float(params["mscale_all_dim"]))
     return mscale(factor)
+
+
+def _rotary_dim(hf: dict[str, Any], head_dim: int) -> int | None:
+    """The rotary part of each head where `partial_rotary_factor` < 1 (Phi-4-mini: 0.75 of 128),
+    as transformers rounds it; None when all of it rotates."""
+    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    partial = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    if partial == 1.0:
+        return None
+    if not 0 < partial < 1:
+        raise UnsupportedModelError(f"partial_rotary_factor must be in (0, 1], got {partial}")
+    return int(head_dim * partial) // 2 * 2
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:
@@ -230,6 +267,7 @@ def model_config_from_hf(hf: dict[str, Any], generation: dict[str, Any] | None =
         num_heads=num_heads,
         num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
         head_dim=int(hf.get("head_dim") or hidden // num_heads),
+        rotary_dim=_rotary_dim(hf, int(hf.get("head_dim") or hidden // num_heads)),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope=_rope_config(hf),
         max_position=int(hf.get("max_position_embeddings", 4096)),

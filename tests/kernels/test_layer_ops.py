@@ -20,11 +20,13 @@ def test_rms_norm_and_fused_residual_add(n, dim):
     torch.testing.assert_close(h, expect_h, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("n,heads,kv_heads,d", [(1, 9, 3, 64), (7, 4, 4, 32), (33, 8, 2, 128)])
-def test_rotary_and_kv_write_in_place(n, heads, kv_heads, d):
+@pytest.mark.parametrize("n,heads,kv_heads,d,rot", [(1, 9, 3, 64, 64), (7, 4, 4, 32, 32), (33, 8, 2, 128, 128),
+                                                    (5, 4, 2, 128, 96), (3, 2, 1, 64, 16)])
+def test_rotary_and_kv_write_in_place(n, heads, kv_heads, d, rot):
+    """(rot < d: a partial-rotary model, Phi-4-mini's 96 of 128: the rest of each head passes through)"""
     torch.manual_seed(n)
     qkv = torch.randn(n, (heads + 2 * kv_heads) * d)
-    angles = torch.rand(n, d // 2) * 6
+    angles = torch.rand(n, rot // 2) * 6
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     slots = torch.randperm(10 * 4)[:n]
     caches = [(torch.zeros(10, 4, kv_heads, d), torch.zeros(10, 4, kv_heads, d)) for _ in range(2)]
@@ -35,9 +37,10 @@ def test_rotary_and_kv_write_in_place(n, heads, kv_heads, d):
     torch.testing.assert_close(got, expect, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(caches[1][0], caches[0][0], atol=1e-6, rtol=1e-6)
     assert torch.equal(caches[1][1], caches[0][1])  # values are copied, not rotated
-    # and the reference is the unfused sequence the model used before
+    # and the reference is the unfused sequence the model used before (on the rotary part)
     q = qkv.view(n, -1, d)[:, :heads]
-    torch.testing.assert_close(expect.view(n, -1, d)[:, :heads], reference.apply_rotary(q, cos, sin))
+    torch.testing.assert_close(expect.view(n, -1, d)[:, :heads, :rot], reference.apply_rotary(q[..., :rot], cos, sin))
+    assert torch.equal(expect.view(n, -1, d)[:, :heads, rot:], q[..., rot:])
 
 
 @pytest.mark.parametrize("n,heads,kv_heads,d", [(1, 4, 1, 256), (6, 16, 8, 128), (40, 4, 2, 64)])

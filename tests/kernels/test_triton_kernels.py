@@ -155,13 +155,14 @@ def test_write_kv_matches_reference(dtype, block_size, kv_heads, d):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads, kv_heads, d", [(4, 4, 64), (9, 3, 64), (8, 1, 128)])
-def test_rotary_write_kv_matches_reference(dtype, heads, kv_heads, d):
+@pytest.mark.parametrize("heads, kv_heads, d, rot", [(4, 4, 64, 64), (9, 3, 64, 64), (8, 1, 128, 128), (4, 2, 128, 96)])
+def test_rotary_write_kv_matches_reference(dtype, heads, kv_heads, d, rot):
+    """(rot < d: partial rotary, Phi-4-mini's 96 of 128: a non-power-of-two number of pairs)"""
     kv_write = kernels()[1]
     torch.manual_seed(1)
     n, bs = 13, 16
     qkv = torch.randn(n, (heads + 2 * kv_heads) * d, device=DEVICE).to(dtype)
-    angles = torch.rand(n, d // 2, device=DEVICE) * 50
+    angles = torch.rand(n, rot // 2, device=DEVICE) * 50
     cos, sin = (torch.cat((f, f), -1).to(dtype) for f in (angles.cos(), angles.sin()))
     caches = [torch.zeros(4, bs, kv_heads, d, device=DEVICE, dtype=dtype) for _ in range(2)]
     ref_caches = [c.clone() for c in caches]

@@ -5,6 +5,8 @@ transformers model each holds: the oracle of tests/models and tests/oracle on ev
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -52,6 +54,16 @@ def hf_model(arch: str):
         # (96: shorter than the longest prompts, long enough that a tiny pool still preempts)
         "phi3": Phi3Config(**COMMON, num_hidden_layers=2, sliding_window=96, tie_word_embeddings=False,
                            bos_token_id=2, eos_token_id=1, pad_token_id=0),
+        # Phi-3 128k / Phi-4-mini style: LongRoPE past an original context of 64 (4x: 256) with short
+        # and long factor sets far apart, and partial rotary (Phi-4-mini's 0.75: 12 of 16 values)
+        "phi3-longrope": Phi3Config(**COMMON, num_hidden_layers=2, tie_word_embeddings=False, bos_token_id=2,
+                                    eos_token_id=1, pad_token_id=0, initializer_range=0.1,
+                                    original_max_position_embeddings=64,
+                                    rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                     "partial_rotary_factor": 0.75,
+                                                     "original_max_position_embeddings": 64,
+                                                     "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                                     "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}),
         # eight experts, two per token; Qwen3-MoE renormalises the two weights, Qwen2-MoE does not
         # and adds a shared expert behind a sigmoid gate
         "qwen3moe": Qwen3MoeConfig(**COMMON, num_hidden_layers=2, head_dim=32, tie_word_embeddings=False, num_experts=8,
@@ -278,6 +290,16 @@ def write_gguf(hf, file_arch: str, path, types: dict | None = None) -> None:
     factors = llama3_rope_freqs(cfg, head_dim)
     if factors is not None:  # Llama 3.1+: the converter writes the scaling as this tensor, no metadata
         w.add_tensor("rope_freqs.weight", factors)
+    partial = rope.get("partial_rotary_factor", 1.0)
+    if partial != 1.0:  # the rotary part of each head (llama.cpp: int(partial * hidden) // heads)
+        w.add_rope_dimension_count(int(partial * cfg.hidden_size) // cfg.num_attention_heads)
+    if rope.get("rope_type") == "longrope":  # llama.cpp's Phi-3 converter: two factor tensors, the
+        original = rope["original_max_position_embeddings"]  # original context and its attention factor
+        scale = cfg.max_position_embeddings / original
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     q8 = gguf.GGMLQuantizationType.Q8_0
     for gguf_name, name, data, p in _tensors(hf, file_arch):
         rotary = file_arch == "llama" and any(name.endswith(f"{p}_proj.{k}") for p in "qk" for k in ("weight", "bias"))

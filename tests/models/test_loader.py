@@ -22,8 +22,8 @@ def test_unsupported_architecture_names_the_supported_ones():
 
 
 def test_unsupported_rope_type_is_refused():
-    with pytest.raises(UnsupportedModelError, match="rope type 'longrope' is not supported; supported: default, linear, llama3, yarn"):
-        model_config_from_hf({**BASE, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
+    with pytest.raises(UnsupportedModelError, match="rope type 'dynamic' is not supported; supported: default, linear, llama3, yarn, longrope"):
+        model_config_from_hf({**BASE, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
 
 
 def test_yarn_without_an_original_context_takes_the_models():

@@ -99,9 +99,12 @@ void rotary_write_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor 
   check_rows(qkv, "qkv");
   check_rows(cos, "cos");
   check_rows(sin, "sin");
-  const int64_t n = qkv.size(0), head_dim = cos.size(1), half = head_dim / 2;
+  // RoPE on the first `rot` values of each q and k head (all of them, or a partial-rotary model's part)
+  TORCH_CHECK(k_cache.dim() == 4, "caches: [blocks, block_size, num_kv_heads, head_dim]");
+  const int64_t n = qkv.size(0), head_dim = k_cache.size(3), rot = cos.size(1), half = rot / 2;
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "qkv width does not match the heads");
-  TORCH_CHECK(cos.size(0) == n && sin.sizes() == cos.sizes() && head_dim % 2 == 0, "cos, sin: [n, even head_dim]");
+  TORCH_CHECK(cos.size(0) == n && sin.sizes() == cos.sizes() && rot % 2 == 0 && rot <= head_dim,
+              "cos, sin: [n, an even rotary width <= head_dim]");
   TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
                   v_cache.is_contiguous() && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.size(2) == num_kv_heads && k_cache.size(3) == head_dim,
@@ -126,8 +129,8 @@ void rotary_write_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor 
     std::vector<float> normed(norm ? head_dim : 0);
     for (int64_t t = t0; t < t1; ++t) {
       float* row = qp + t * width;
-      const float* c = cp + t * head_dim;
-      const float* s = snp + t * head_dim;
+      const float* c = cp + t * rot;
+      const float* s = snp + t * rot;
       for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {  // q heads, then k heads
         float* x = row + h * head_dim;
         if (norm) {

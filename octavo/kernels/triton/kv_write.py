@@ -50,21 +50,22 @@ def write_kv(
 def _rotary_write_kv_kernel(
     qkv_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_t, stride_cos, stride_sin, stride_cs, stride_ch,
-    num_heads, num_kv_heads, HEAD_DIM: tl.constexpr, ROT_P: tl.constexpr, KV_P: tl.constexpr,
+    num_heads, num_kv_heads, half, HEAD_DIM: tl.constexpr, HALF_P: tl.constexpr, ROT_P: tl.constexpr,
+    KV_P: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    half: tl.constexpr = HEAD_DIM // 2
     h = tl.arange(0, ROT_P)[:, None]  # q heads then k heads, rotated in place
-    i = tl.arange(0, half)[None, :]
-    ok = h < num_heads + num_kv_heads
+    i = tl.arange(0, HALF_P)[None, :]  # the rotary pairs (i, half + i): all the head, or its first 2 * half values
+    in_pairs = i < half
+    ok = (h < num_heads + num_kv_heads) & in_pairs
     row = qkv_ptr + t * stride_t + h * HEAD_DIM
     x1 = tl.load(row + i, mask=ok, other=0.0)
     x2 = tl.load(row + half + i, mask=ok, other=0.0)
     dt = x1.dtype
-    c1 = tl.load(cos_ptr + t * stride_cos + i).to(tl.float32)
-    c2 = tl.load(cos_ptr + t * stride_cos + half + i).to(tl.float32)
-    s1 = tl.load(sin_ptr + t * stride_sin + i).to(tl.float32)
-    s2 = tl.load(sin_ptr + t * stride_sin + half + i).to(tl.float32)
+    c1 = tl.load(cos_ptr + t * stride_cos + i, mask=in_pairs, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + t * stride_cos + half + i, mask=in_pairs, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + t * stride_sin + i, mask=in_pairs, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + t * stride_sin + half + i, mask=in_pairs, other=0.0).to(tl.float32)
     f1 = x1.to(tl.float32)
     f2 = x2.to(tl.float32)
     # reference: x * cos + cat(-x2, x1) * sin, each product rounded to the dtype, then the sum
@@ -81,6 +82,10 @@ def _rotary_write_kv_kernel(
         # the rotated k heads, straight from registers
         tl.store(k_cache_ptr + slot * stride_cs + (h - num_heads) * stride_ch + i, o1, mask=is_k)
         tl.store(k_cache_ptr + slot * stride_cs + (h - num_heads) * stride_ch + half + i, o2, mask=is_k)
+        # a partial-rotary head's values past the rotary part, as they are (never rotated: no race)
+        rest = kv_ok & (d >= 2 * half)
+        k_rest = tl.load(qkv_ptr + t * stride_t + (num_heads + kh) * HEAD_DIM + d, mask=rest)
+        tl.store(k_cache_ptr + slot * stride_cs + kh * stride_ch + d, k_rest, mask=rest)
         v = tl.load(qkv_ptr + t * stride_t + (num_heads + num_kv_heads + kh) * HEAD_DIM + d, mask=kv_ok)
         tl.store(v_cache_ptr + slot * stride_cs + kh * stride_ch + d, v, mask=kv_ok)
 
@@ -95,10 +100,10 @@ def rotary_write_kv(
     num_heads: int,
     num_kv_heads: int,
 ) -> None:
-    """In place on qkv [n, (num_heads + 2 * num_kv_heads) * head_dim]: RoPE on the q and k heads,
-    then k and v into the cache at `slot_mapping` (reference.rotary_write_kv). head_dim must be a
-    power of two (every Llama-family size is)."""
-    n, head_dim = qkv.shape[0], cos.shape[-1]
+    """In place on qkv [n, (num_heads + 2 * num_kv_heads) * head_dim]: RoPE on the q and k heads
+    (their first cos.shape[-1] values), then k and v into the cache at `slot_mapping`
+    (reference.rotary_write_kv). head_dim must be a power of two (every Llama-family size is)."""
+    n, head_dim, rot = qkv.shape[0], k_cache.shape[-1], cos.shape[-1]
     if head_dim & (head_dim - 1) or head_dim < 2:
         raise ValueError(f"the Triton rotary kernel needs a power-of-two head_dim, got {head_dim}")
     if not qkv.is_contiguous() or not k_cache.is_contiguous() or not v_cache.is_contiguous():
@@ -107,6 +112,6 @@ def rotary_write_kv(
         _rotary_write_kv_kernel[(n,)](
             qkv, cos, sin, k_cache, v_cache, slot_mapping,
             qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(1), k_cache.stride(2),
-            num_heads, num_kv_heads, HEAD_DIM=head_dim,
+            num_heads, num_kv_heads, rot // 2, HEAD_DIM=head_dim, HALF_P=next_pow2(rot // 2),
             ROT_P=next_pow2(num_heads + num_kv_heads), KV_P=next_pow2(num_kv_heads),
         )
