@@ -5,6 +5,7 @@ for half the down projections and the head, as llama.cpp picks them).
 
     .venv/bin/python tools/random_gguf.py qwen3-30b-a3b --layers 12 --out /tmp/q3moe-12l.gguf
     .venv/bin/python tools/random_gguf.py llama-3.2-1b --out /tmp/llama1b.gguf
+    .venv/bin/python tools/random_gguf.py lfm2-1.2b --out /tmp/lfm2-1.2b.gguf
 
 The vocabulary is byte-level (the 256 byte symbols, one merge, fillers up to the model's size):
 the benchmark workloads send token ids. Needs tools/build_llama_server.sh's llama-quantize (found
@@ -30,6 +31,10 @@ SHAPES = {
                          vocab=128256, tied=True, theta=500000.0, rope_freqs=True),
     "llama-3.2-3b": dict(arch="llama", layers=28, hidden=3072, heads=24, kv_heads=8, head_dim=128, ff=8192,
                          vocab=128256, tied=True, theta=500000.0, rope_freqs=True),
+    # LFM2-1.2B: 10 short-convolution layers (kernel 3) and 6 attention layers (q/k norm)
+    "lfm2-1.2b": dict(arch="lfm2", layers=16, hidden=2048, heads=32, kv_heads=8, head_dim=64, ff=8192,
+                      vocab=65536, tied=True, theta=1e6, qk_norm=True, attention_layers=(2, 5, 8, 10, 12, 14),
+                      conv_kernel=3),
 }
 
 
@@ -67,6 +72,13 @@ def tensors(s: dict) -> list[tuple[str, tuple[int, ...], type]]:
         out.append(("rope_freqs.weight", (s["head_dim"] // 2,), np.float32))
     for i in range(s["layers"]):
         b = f"blk.{i}."
+        if i not in s.get("attention_layers", range(s["layers"])):  # LFM2's short convolution
+            out += [(b + "attn_norm.weight", (h,), np.float32), (b + "shortconv.conv.weight", (h, s["conv_kernel"]), np.float32),
+                    (b + "shortconv.in_proj.weight", (3 * h, h), np.float16),
+                    (b + "shortconv.out_proj.weight", (h, h), np.float16), (b + "ffn_norm.weight", (h,), np.float32),
+                    (b + "ffn_gate.weight", (s["ff"], h), np.float16), (b + "ffn_up.weight", (s["ff"], h), np.float16),
+                    (b + "ffn_down.weight", (h, s["ff"]), np.float16)]
+            continue
         out += [(b + "attn_norm.weight", (h,), np.float32), (b + "attn_q.weight", (q, h), np.float16),
                 (b + "attn_k.weight", (kv, h), np.float16), (b + "attn_v.weight", (kv, h), np.float16),
                 (b + "attn_output.weight", (h, q), np.float16), (b + "ffn_norm.weight", (h,), np.float32)]
@@ -80,7 +92,7 @@ def tensors(s: dict) -> list[tuple[str, tuple[int, ...], type]]:
         else:
             out += [(b + "ffn_gate.weight", (s["ff"], h), np.float16), (b + "ffn_up.weight", (s["ff"], h), np.float16),
                     (b + "ffn_down.weight", (h, s["ff"]), np.float16)]
-    out.append(("output_norm.weight", (h,), np.float32))
+    out.append(("token_embd_norm.weight" if s["arch"] == "lfm2" else "output_norm.weight", (h,), np.float32))
     if not s["tied"]:
         out.append(("output.weight", (s["vocab"], h), np.float16))
     return out
@@ -96,7 +108,11 @@ def write_f16(name: str, s: dict, path: Path) -> None:
     w.add_embedding_length(s["hidden"])
     w.add_feed_forward_length(s["ff"])
     w.add_head_count(s["heads"])
-    w.add_head_count_kv(s["kv_heads"])
+    if s.get("attention_layers"):  # LFM2: a KV head count per layer, 0 for a convolution
+        w.add_head_count_kv([s["kv_heads"] if i in s["attention_layers"] else 0 for i in range(s["layers"])])
+        w.add_shortconv_l_cache(s["conv_kernel"])
+    else:
+        w.add_head_count_kv(s["kv_heads"])
     w.add_key_length(s["head_dim"])
     w.add_value_length(s["head_dim"])
     w.add_rope_dimension_count(s["head_dim"])

@@ -99,7 +99,12 @@ def test_kernel_matches_reference(name, n, k, m):
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     expect = reference.quant_linear(x, q, fmt, k)
     got = dispatch.quant_linear(x, cpu.pack(q, fmt), "packed", fmt, k, n)  # m >= 128: the rebuild + GEMM path
-    torch.testing.assert_close(got, expect, atol=2e-5 * k**0.5, rtol=1e-4)
+    # random blocks give weights up to ~100 whose products cancel: the summation order (the kernel
+    # sums each sub-block in two chains, GEMM libraries otherwise) moves a result by float32
+    # rounding of the terms' size, |x| @ |w|^T, not of the result's; a wrong block is off by that size
+    size = x.abs() @ dequantize_k(q, fmt, k).abs().t()
+    err = (got - expect).abs()
+    assert bool((err <= 1e-5 * size + 1e-5).all()), float((err / size).max())
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q5_0", "Q8_0"])
