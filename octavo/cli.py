@@ -11,7 +11,7 @@ import signal
 import sys
 import time
 
-from octavo.config import DEFAULT_MAX_WAIT_STEPS
+from octavo.config import ACTIVATION_DTYPES, DEFAULT_MAX_WAIT_STEPS
 from octavo.server.tools import TOOL_CALL_PARSERS
 
 DEFAULT_CHATS = [
@@ -642,6 +642,49 @@ def _add_simulate(sub) -> None:
     sim.set_defaults(func=cmd_simulate)
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from pathlib import Path
+
+    from octavo.bench.accuracy import DEFAULT_TEXT, Scorer, evaluate, format_table, windows
+    from octavo.models.loader import load_model, resolve_model
+    from octavo.tokenizer import load_tokenizer
+
+    model_dir = resolve_model(args.model)
+    text = Path(args.text).read_text() if args.text else DEFAULT_TEXT.read_text()
+    token_ids = load_tokenizer(model_dir).encode(text)
+    num_windows = len(windows(token_ids, args.ctx, args.max_windows))  # refuses a text too short first
+    modes = ["float32", *[m for m in args.modes.split(",") if m and m != "float32"]]
+    scorers = {}
+    for mode in modes:
+        if mode not in ACTIVATION_DTYPES:
+            raise ValueError(f"unknown mode {mode!r}: choose from {', '.join(ACTIVATION_DTYPES)}")
+        model, cfg = load_model(model_dir, dtype=torch.float32, activation_dtype=mode, quantization="auto")
+        scorers[mode] = Scorer(model, cfg, args.ctx)
+    with tqdm(total=num_windows, desc="Scoring windows", unit="window") as bar:
+        result = evaluate(scorers, token_ids, args.ctx, max_windows=args.max_windows, progress=bar)
+    print(f"{model_dir.name}: {format_table(result)}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"model": str(model_dir), "num_tokens": result.num_tokens, "ctx": result.ctx,
+                       "scores": [dataclasses.asdict(s) for s in result.scores]}, fh, indent=2)
+    return 0
+
+
+def _add_eval(sub) -> None:
+    ev = sub.add_parser("eval", help="accuracy of int8 activations against the exact float32 path: KL divergence, "
+                                      "same top token, perplexity over a fixed text")
+    ev.add_argument("model", nargs="?", default=None, help="HF directory, .gguf file or packaged name (default: the embedded model)")
+    ev.add_argument("--modes", default="int8", help="comma-separated modes to score against float32 (default int8)")
+    ev.add_argument("--text", default=None, help="a UTF-8 text file (default: octavo/bench/data/eval_text.txt, ~2k tokens)")
+    ev.add_argument("--ctx", type=int, default=512, help="window length; its second half is scored (llama-perplexity's -c)")
+    ev.add_argument("--max-windows", type=int, default=None, help="score at most this many windows")
+    ev.add_argument("--json", default=None, help="write the scores to this JSON file")
+    ev.set_defaults(func=cmd_eval)
+
+
 def _add_bench(sub) -> None:
     """`octavo bench throughput` and `octavo bench serve`."""
     bench = sub.add_parser("bench", help="benchmarks: offline throughput, online serving latency")
@@ -676,7 +719,7 @@ def _add_bench(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="octavo", description="Serve LLMs with a paged KV cache and continuous batching.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_generate, _add_serve, _add_router, _add_plan, _add_simulate, _add_bench):
+    for add in (_add_generate, _add_serve, _add_router, _add_plan, _add_simulate, _add_bench, _add_eval):
         add(sub)
     return parser
 
@@ -699,7 +742,8 @@ def _torchrun_worker(args: argparse.Namespace) -> bool:
     device = resolve_device(args.device)
     dtype = ("bfloat16" if device.startswith("cuda") else "float32") if args.dtype == "auto" else args.dtype
     quantization = "none" if device.startswith("cuda") and args.quantization == "auto" else args.quantization
-    run_worker_from_env(str(resolve_model(args.model)), dtype, args.tensor_parallel_size, device, quantization)
+    run_worker_from_env(str(resolve_model(args.model)), dtype, args.tensor_parallel_size, device, quantization,
+                        getattr(args, "activation_dtype", "float32"))
     # The worker left the group cleanly. Skip the interpreter's teardown: gloo's C++ threads can
     # abort the process in static destructors, and under torchrun a worker that exits non-zero makes
     # its node's agent skip the exit barrier, leaving the other nodes waiting for it (300 s).

@@ -273,6 +273,11 @@ class CacheConfig:
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "cache-aware")
+# What --activation-dtype accepts: float32 (the exact path: each quantized weight rebuilt exactly and
+# met by float32 activations) or int8 (activations quantized per 32 values, integer dot products:
+# kernels/cpu/quant_linear_i8.cpp; not exact, `octavo eval` measures the cost).
+ACTIVATION_DTYPES = ("float32", "int8")
+
 # What --quantization accepts: auto (a GGUF's own formats, else float), none (dense), and the
 # schemes quantization.HF_SCHEMES quantizes float weights into (a test keeps the two in step)
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
@@ -386,6 +391,7 @@ class EngineConfig:
     grammar_cache_bytes: int = 256 << 20  # compiled structured-output grammars kept
     model_path: str | None = None  # the weights' resolved folder or file (the KV tier's fingerprint)
     quantization: str = "auto"
+    activation_dtype: str = "float32"  # what quantized layers' activations meet their weights in (ACTIVATION_DTYPES)
     # whether scheduler.max_model_len is the user's (a pool that cannot hold it is an error) or the
     # model's (capped to what the pool holds)
     max_model_len_explicit: bool = True

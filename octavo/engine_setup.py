@@ -62,9 +62,10 @@ def load(args: EngineArgs) -> LoadedModel:
     args.check_model(load_model_config(model_dir))  # before any rank starts or weight loads
     if args.tensor_parallel_size > 1:
         model, model_config, group = start_tensor_parallel(args.tensor_parallel_size, model_dir, WorkerSpec(
-            str(model_dir), dtype, device=device, quantization=quantization))
+            str(model_dir), dtype, device=device, quantization=quantization, activation_dtype=args.activation_dtype))
     else:
-        model, model_config = load_model(model_dir, dtype=DTYPES[dtype], device=device, quantization=quantization)
+        model, model_config = load_model(model_dir, dtype=DTYPES[dtype], device=device, quantization=quantization,
+                                         activation_dtype=args.activation_dtype)
         if args.dtype == "auto":
             dtype, why = auto_dtype(model, device, stored_dtype(model_dir))
             logger.info("dtype auto: %s (%s)", dtype, why)

@@ -45,6 +45,7 @@ class WorkerSpec:
     threads: int = 1
     device: str = "cpu"  # "cuda": NCCL, one GPU per rank (rank r on cuda:r of its node)
     quantization: str = "none"  # "auto": a GGUF's quantized blocks, sharded by whole blocks
+    activation_dtype: str = "float32"  # quantized layers' activations (config.ACTIVATION_DTYPES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +77,7 @@ def load_shard(spec: WorkerSpec, rank: int, world: int) -> tuple[CausalLM, Model
                             quantization=spec.quantization, prepare_quantized=False)
     check_divisible(cfg, world)
     shard_model(model, rank, world)
-    prepare_quantized_layers(model)
+    prepare_quantized_layers(model, spec.activation_dtype)
     return model, local_config(cfg, world)
 
 
@@ -228,12 +229,13 @@ def torchrun_rank() -> tuple[int, int] | None:
 
 
 def run_worker_from_env(model_dir: str, dtype: str, tensor_parallel_size: int, device: str = "cpu",
-                        quantization: str = "none") -> None:
+                        quantization: str = "none", activation_dtype: str = "float32") -> None:
     """A rank > 0 started by torchrun (on this node or another): be a worker of rank 0's engine."""
     rank, world = torchrun_rank()
     if world != tensor_parallel_size:
         raise ValueError(f"torchrun started {world} ranks but --tensor-parallel-size is {tensor_parallel_size}")
-    serve_rank(rank, world, "env://", WorkerSpec(model_dir, dtype, torch.get_num_threads(), device, quantization))
+    serve_rank(rank, world, "env://", WorkerSpec(model_dir, dtype, torch.get_num_threads(), device, quantization,
+                                                            activation_dtype))
 
 
 def start_tensor_parallel(world: int, model_dir: Path, spec: WorkerSpec) -> tuple[CausalLM, ModelConfig, TensorParallelGroup]:

@@ -118,12 +118,17 @@ REBUILD_MIN_ROWS = 128
 REBUILD_MAX_WEIGHTS = 4 << 20
 
 
-def prepare_quant_weight(qweight: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, str]:
-    """GGUF-layout blocks -> (the tensor the kernels will read, its layout): "packed" for the C++
-    kernels (a CPU tensor, kernels built), else "gguf" as given (the reference reads it)."""
-    if qweight.device.type == "cpu" and _cpu_kernels():
-        return cpu.pack(qweight, fmt), "packed"
-    return qweight, "gguf"
+def prepare_quant_weight(qweight: torch.Tensor, fmt: QuantFormat, activations: str = "float32") -> tuple[torch.Tensor, str]:
+    """GGUF-layout blocks -> (the tensor the kernels will read, its layout). `activations` float32:
+    "packed" for the C++ kernels (a CPU tensor, kernels built), else "gguf" as given (the reference
+    reads it). int8: "packed_i8" for the int8-activation kernels, else "gguf_i8" (the reference's
+    `quant_linear_int8`, same numbers)."""
+    if activations not in ("float32", "int8"):
+        raise ValueError(f"activations must be float32 or int8, got {activations!r}")
+    kernels = qweight.device.type == "cpu" and _cpu_kernels()
+    if activations == "int8":
+        return (cpu.pack_i8(qweight, fmt), "packed_i8") if kernels else (qweight, "gguf_i8")
+    return (cpu.pack(qweight, fmt), "packed") if kernels else (qweight, "gguf")
 
 
 def quant_linear(
@@ -147,6 +152,14 @@ def quant_linear(
         else:
             out = cpu.quant_linear(xf, qweight, fmt, out_features, bf)
         return out if x.dtype == torch.float32 else out.to(x.dtype)
+    if layout == "packed_i8":
+        xf = x.reshape(-1, in_features).float()
+        out = cpu.quant_linear_i8(xf, qweight, fmt, out_features, None if bias is None else bias.float())
+        return out.reshape(*x.shape[:-1], out_features).to(x.dtype)
+    if layout == "gguf_i8":
+        xf = x.reshape(-1, in_features).float()
+        out = reference.quant_linear_int8(xf, qweight, fmt, in_features, None if bias is None else bias.float())
+        return out.reshape(*x.shape[:-1], out_features).to(x.dtype)
     if layout == "packed":
         rows = torch.arange(out_features)
         return reference.linear(x, cpu.dequantize_rows(qweight, fmt, rows, in_features, out_features).to(x.dtype), bias)
@@ -159,12 +172,19 @@ def quant_embedding(
     """Rows `ids` of a quantized weight, rebuilt exactly, in `dtype`: [len(ids), dim]."""
     if layout == "packed":
         return cpu.dequantize_rows(qweight, fmt, ids, dim, num_rows).to(dtype)
+    if layout == "packed_i8":
+        return cpu.dequantize_rows_i8(qweight, fmt, ids, dim, num_rows).to(dtype)
     return dequantize(qweight[ids], fmt, dim).to(dtype)
 
 
-def quant_kernel_name(dtype: torch.dtype, device: torch.device) -> str:
+def quant_kernel_name(dtype: torch.dtype, device: torch.device, activations: str = "float32") -> str:
     """What `quant_linear` runs for activations of this dtype on this device (for the start-up line)."""
-    if dtype == torch.float32 and device.type == "cpu" and _cpu_kernels():
+    kernels = device.type == "cpu" and _cpu_kernels()
+    if activations == "int8":
+        if not kernels:
+            return "int8 activations, reference (rebuild + matmul)"
+        return f"int8 activations, octavo-cpu/{cpu.quant_isa()} {'VNNI' if cpu.quant_vnni() else 'vpmaddubsw'}"
+    if dtype == torch.float32 and kernels:
         return f"octavo-cpu/{cpu.quant_isa()}"
     return "reference (rebuild + matmul)"
 

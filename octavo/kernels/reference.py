@@ -269,6 +269,40 @@ def quant_linear(
     return F.linear(x, dequantize(qweight, fmt, in_features).to(x.dtype), bias)
 
 
+ACT_CHUNK = 32  # activations quantized to int8 per run of this many values (every format's chunk)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [M, K] -> (xq int8 [M, K], dx float32 [M, K / 32]): per run of 32, dx = max|x| / 127
+    and xq = round(x / dx) (ties to even; a run of zeros: dx 0, xq 0), as the int8 kernels do."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // ACT_CHUNK, ACT_CHUNK)
+    dx = xb.abs().amax(-1) / 127
+    inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+    xq = torch.round(xb * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    return xq.reshape(m, k), dx
+
+
+def quant_linear_int8(
+    x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, in_features: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ W.T + bias as the int8-activation kernels compute it (up to the order of float sums): each
+    weight's scaled quant meets x rebuilt from its int8 (dx * xq), a format's min term meets x itself
+    (W = S + Mn: S the scaled quants, Mn the per-chunk mins, `quantization.chunk_mins`)."""
+    from octavo.quantization import chunk_mins
+
+    xq, dx = quantize_activations(x)
+    x_hat = (xq.float().reshape(*dx.shape, ACT_CHUNK) * dx[..., None]).reshape(x.shape)
+    w = dequantize(qweight, fmt, in_features)
+    mins = chunk_mins(qweight, fmt, in_features)  # [out, in / 32] or None
+    if mins is None:
+        out = x_hat @ w.T
+    else:
+        mn = mins.repeat_interleave(ACT_CHUNK, dim=1)
+        out = x_hat @ (w - mn).T + x.float() @ mn.T
+    return out if bias is None else out + bias
+
+
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, mapping) -> None:
     """y[rows] += (x[rows] @ A[slot].T) @ B[slot].T for each (slot, rows) of `mapping.groups`,
     in place: one shrink and one expand per adapter of the step (the Punica/S-LoRA grouping), not

@@ -40,10 +40,11 @@ class QuantLinear(nn.Module):
         if prepare:
             self.prepare()
 
-    def prepare(self) -> None:
-        """Put the blocks in the layout the kernels read (dispatch.prepare_quant_weight); idempotent."""
+    def prepare(self, activations: str = "float32") -> None:
+        """Put the blocks in the layout the kernels for `activations` (float32 or int8) read
+        (dispatch.prepare_quant_weight); idempotent."""
         if self.layout == "gguf":
-            self.qweight, self.layout = dispatch.prepare_quant_weight(self.qweight, self.fmt)
+            self.qweight, self.layout = dispatch.prepare_quant_weight(self.qweight, self.fmt, activations)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
         return dispatch.quant_linear(x, self.qweight, self.layout, self.fmt, self.in_features, self.out_features, self.bias)

@@ -321,7 +321,7 @@ def model_from_hf(hf_model: torch.nn.Module, dtype: torch.dtype, device: str) ->
 
 def load_model(
     model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu", quantization: str = "none",
-    prepare_quantized: bool = True,
+    prepare_quantized: bool = True, activation_dtype: str = "float32",
 ) -> tuple[CausalLM, ModelConfig]:
     """The model of `model_dir` in `dtype` on `device`.
 
@@ -330,6 +330,7 @@ def load_model(
     same as "none"); "int8" / "int4" = quantize every linear layer at load to Q8_0 / Q4_1 (the
     token embedding, and a tied LM head, to Q8_0). prepare_quantized False leaves quantized
     layers' blocks in GGUF layout (to be sharded, then `prepare_quantized_layers`).
+    activation_dtype: what quantized layers' activations are computed in (float32: exact; int8).
     """
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}")
@@ -347,15 +348,16 @@ def load_model(
         if isinstance(module, QuantEmbedding):
             module.dtype = dtype
     if prepare_quantized:
-        prepare_quantized_layers(model)
+        prepare_quantized_layers(model, activation_dtype)
     return model, cfg
 
 
-def prepare_quantized_layers(model: torch.nn.Module) -> None:
-    """Every quantized layer's blocks into the layout the kernels read (see QuantLinear.prepare)."""
+def prepare_quantized_layers(model: torch.nn.Module, activations: str = "float32") -> None:
+    """Every quantized layer's blocks into the layout the kernels for `activations` (float32 or
+    int8: config.ACTIVATION_DTYPES) read (see QuantLinear.prepare)."""
     for module in model.modules():
         if isinstance(module, QuantLinear):
-            module.prepare()
+            module.prepare(activations)
 
 
 def stored_dtype(model_dir: Path) -> str | None:
@@ -426,7 +428,9 @@ def describe_weights(model: torch.nn.Module) -> str:
         line += " [exact rewrites of the file's: " + ", ".join(f"{n} x {k}" for k, n in sorted(rewritten.items())) + "]"
     if any(name != "dense" for name in counts):
         act = next(p.dtype for p in model.parameters() if p.is_floating_point())
-        line += f"; quantized linear kernel: {quant_kernel_name(act, next(model.buffers()).device)}"
+        int8 = any(getattr(m, "layout", "").endswith("_i8") for m in model.modules() if isinstance(m, QuantLinear))
+        kernel = quant_kernel_name(act, next(model.buffers()).device, "int8" if int8 else "float32")
+        line += f"; quantized linear kernel: {kernel}"
     return line
 
 

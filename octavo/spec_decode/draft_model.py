@@ -107,7 +107,8 @@ def load_draft_model(config: EngineConfig, attention_backend: str) -> DraftModel
     draft_dir = resolve_model(spec.draft_model)
     quantization = "none" if config.device.startswith("cuda") else "auto"
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[config.dtype]
-    model, model_config = load_model(draft_dir, dtype=dtype, device=config.device, quantization=quantization)
+    model, model_config = load_model(draft_dir, dtype=dtype, device=config.device, quantization=quantization,
+                                     activation_dtype=config.activation_dtype)
     logger.info("draft model %s: %s", draft_dir.name, describe_weights(model))
     return DraftModel(model, model_config, config.model_config.vocab_size, config.scheduler.max_model_len,
                       spec.max_batch + 1, config.cache.block_size, config.device, dtype, attention_backend)

@@ -80,6 +80,53 @@ def quant_linear(x, packed, fmt, out_features: int, bias=None):
     return out
 
 
+def pack_i8(qweight, fmt):
+    """GGUF-layout blocks [N, row_bytes] -> the layout `quant_linear_i8` reads (same bytes per
+    weight, reordered: see quant_linear_i8.cpp)."""
+    return _module().pack_i8(qweight.contiguous(), fmt.code)
+
+
+def quant_linear_i8(x, packed, fmt, out_features: int, bias=None):
+    """Same contract as `octavo.kernels.reference.quant_linear_int8` (up to the order of float
+    sums), W packed by `pack_i8`; float32 x, quantized to int8 per 32 inside."""
+    import torch
+
+    x = x.contiguous()
+    out = torch.empty((x.shape[0], out_features), dtype=torch.float32)  # [num_tokens, out]
+    _module().quant_linear_i8(out, x, packed, fmt.code)
+    if bias is not None:
+        out += bias
+    return out
+
+
+def quantize_activations_i8(x):
+    """(xq int8 [M, K], dx float32 [M, K / 32]): x as `quant_linear_i8` quantizes it."""
+    import torch
+
+    x = x.contiguous()
+    xq = torch.empty(x.shape, dtype=torch.int8)
+    dx = torch.empty((x.shape[0], x.shape[1] // 32), dtype=torch.float32)
+    _module().quantize_activations_i8(xq, dx, x)
+    return xq, dx
+
+
+def dequantize_rows_i8(packed, fmt, rows, in_features: int, out_features: int):
+    """Rows `rows` of a `pack_i8` W as float32 [len(rows), in_features], bit for bit as
+    `octavo.quantization.dequantize` rebuilds them (the embedding lookup)."""
+    import torch
+
+    rows = rows.to(torch.long).contiguous()
+    out = torch.empty((rows.shape[0], in_features), dtype=torch.float32)
+    _module().dequantize_rows_i8(out, packed, fmt.code, rows, out_features)
+    return out
+
+
+def quant_vnni() -> bool:
+    """Whether the int8-activation kernels use VNNI dot products here (else vpmaddubsw pairs)."""
+    module = load()
+    return module is not None and module.quant_vnni()
+
+
 def dequantize_transposed(packed, fmt, in_features: int, out_features: int):
     """W^T as float32 [in_features, out_features] (a view of a padded buffer), each weight bit for
     bit as `octavo.quantization.dequantize` rebuilds it."""

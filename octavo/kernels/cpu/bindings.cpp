@@ -10,6 +10,11 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int6
 void dequantize_rows(torch::Tensor out, torch::Tensor packed, int64_t fmt, torch::Tensor rows, int64_t N);
 void dequantize_transposed(torch::Tensor out, torch::Tensor packed, int64_t fmt);
 const char* quant_isa();
+torch::Tensor pack_i8(torch::Tensor qweight, int64_t fmt);
+void quant_linear_i8(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t fmt);
+void quantize_activations_i8(torch::Tensor xq, torch::Tensor dx, torch::Tensor x);
+void dequantize_rows_i8(torch::Tensor out, torch::Tensor packed, int64_t fmt, torch::Tensor rows, int64_t N);
+bool quant_vnni();
 void silu_and_mul(torch::Tensor out, torch::Tensor gate_up);
 void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
@@ -27,6 +32,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "out = x @ W^T, W packed, x float32", nogil);
   m.def("dequantize_rows", &dequantize_rows, "rows of a packed W -> float32, as gguf-py rebuilds them", nogil);
   m.def("dequantize_transposed", &dequantize_transposed, "packed W -> float32 W^T (padded), as gguf-py rebuilds it", nogil);
+  m.def("pack_i8", &pack_i8, "GGUF blocks (any format) -> the int8-activation kernels' layout (same size)", nogil);
+  m.def("quant_linear_i8", &quant_linear_i8, "out = x @ W^T, W from pack_i8, x quantized to int8 per 32", nogil);
+  m.def("quantize_activations_i8", &quantize_activations_i8, "x -> (int8 xq, float dx per 32) as quant_linear_i8 does", nogil);
+  m.def("dequantize_rows_i8", &dequantize_rows_i8, "rows of a pack_i8 W -> float32, as gguf-py rebuilds them", nogil);
+  m.def("quant_vnni", &quant_vnni, "whether the int8 kernels were built with VNNI dot products");
   m.def("quant_isa", &quant_isa, "the vector instructions the quantized kernels were built for");
   m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight (float32)", nogil);
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rms_norm(residual) * weight, in place (float32)", nogil);

@@ -31,7 +31,7 @@ MODULE_NAME = "octavo_cpu_kernels"
 _HERE = Path(__file__).parent
 SOURCES = tuple(_HERE / name for name in (
     "bindings.cpp", "layer_ops.cpp", "paged_attention.cpp", "quant_linear.cpp", "quant_linear_k8.cpp",
-    "quant_linear_kq.cpp"))
+    "quant_linear_kq.cpp", "quant_linear_i8.cpp"))
 # Only bindings.cpp includes torch's Python bindings (<torch/python.h>); the kernels include ATen's
 # tensor and parallel headers alone: <torch/extension.h> cost ~20 s of compile per file, and the
 # first start compiled in 56 s rather than 23 s here (two cores).
@@ -43,10 +43,11 @@ HEADERS = tuple(_HERE / name for name in ("vec_math.h", "quant_isa.h", "quant_li
 # d * q + m with two roundings, as gguf-py does; a fused multiply-add would round once.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]
 # OCTAVO_CPU_ISA narrows what the build may use, to test the other code paths on a bigger CPU:
-# "avx2" (no AVX-512) or "generic" (no AVX2, FMA or F16C: the plain C++ paths). Default "native".
+# "avx2" (no AVX-512), "avx2-novnni" (nor AVX-VNNI) or "generic" (no AVX2, FMA or F16C: the plain C++ paths). Default "native".
 ISA_FLAGS = {
     "native": [],
     "avx2": ["-mno-avx512f"],
+    "avx2-novnni": ["-mno-avx512f", "-mno-avxvnni"],  # the int8 kernels' vpmaddubsw fallback
     "generic": ["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c"],
 }
 

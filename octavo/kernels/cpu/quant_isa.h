@@ -78,6 +78,24 @@ struct Isa {
   static B sub4(B v, uint8_t c) { return _mm512_sub_epi8(v, _mm512_set1_epi8(static_cast<char>(c))); }
   template <int N> static B shl4(B v) { return _mm512_slli_epi16(v, N); }
   template <int N> static B shr4(B v) { return _mm512_srli_epi16(v, N); }
+  // int8 activations (quant_linear_i8.cpp): 32-bit lanes of 4 bytes; dot4 adds to each lane the
+  // sum of its 4 products u (unsigned) x s (signed). With VNNI one vpdpbusd; without, vpmaddubsw
+  // (pairs to int16, saturating: fine for u < 64, see dot4_wide) then vpmaddwd.
+  static I load_i(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I bcast4(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+  static I zero_i() { return _mm512_setzero_si512(); }
+  static I set1_i(int32_t v) { return _mm512_set1_epi32(v); }
+  static I add_i(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I sub_i(I a, I b) { return _mm512_sub_epi32(a, b); }
+#if defined(__AVX512VNNI__)
+  static constexpr bool vnni = true;
+  static I dot4(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
+#else
+  static constexpr bool vnni = false;
+  static I dot4(I acc, I u, I s) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+  }
+#endif
   static constexpr const char* name = "avx512";
 };
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -112,6 +130,21 @@ struct Isa {
   static B sub4(B v, uint8_t c) { return _mm256_sub_epi8(v, _mm256_set1_epi8(static_cast<char>(c))); }
   template <int N> static B shl4(B v) { return _mm256_slli_epi16(v, N); }
   template <int N> static B shr4(B v) { return _mm256_srli_epi16(v, N); }
+  static I load_i(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I bcast4(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+  static I zero_i() { return _mm256_setzero_si256(); }
+  static I set1_i(int32_t v) { return _mm256_set1_epi32(v); }
+  static I add_i(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I sub_i(I a, I b) { return _mm256_sub_epi32(a, b); }
+#if defined(__AVXVNNI__)
+  static constexpr bool vnni = true;
+  static I dot4(I acc, I u, I s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
+  static constexpr bool vnni = false;
+  static I dot4(I acc, I u, I s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+  }
+#endif
   static constexpr const char* name = "avx2";
 };
 #else
@@ -146,9 +179,37 @@ struct Isa {  // plain C++ over G-float arrays (the compiler vectorises what it 
   static B sub4(B a, uint8_t c) { for (auto& e : a.v) e = static_cast<uint8_t>(e - c); return a; }
   template <int N> static B shl4(B a) { for (auto& e : a.v) e = static_cast<uint8_t>(e << N); return a; }
   template <int N> static B shr4(B a) { for (auto& e : a.v) e = static_cast<uint8_t>(e >> N); return a; }
+  static I load_i(const uint8_t* p) { I r; std::memcpy(r.v, p, sizeof r.v); return r; }
+  static I bcast4(const int8_t* p) { I r; int32_t v; std::memcpy(&v, p, 4); for (auto& e : r.v) e = v; return r; }
+  static I zero_i() { I z{}; return z; }
+  static I set1_i(int32_t x) { I r; for (auto& e : r.v) e = x; return r; }
+  static I add_i(I a, I b) { for (int i = 0; i < G; ++i) a.v[i] += b.v[i]; return a; }
+  static I sub_i(I a, I b) { for (int i = 0; i < G; ++i) a.v[i] -= b.v[i]; return a; }
+  static constexpr bool vnni = false;
+  static I dot4(I acc, I u, I s) {  // exact, no int16 step: the vector fallbacks' saturation cannot happen here
+    for (int i = 0; i < G; ++i) {
+      uint8_t ub[4];
+      int8_t sb[4];
+      std::memcpy(ub, &u.v[i], 4);
+      std::memcpy(sb, &s.v[i], 4);
+      for (int j = 0; j < 4; ++j) acc.v[i] += static_cast<int32_t>(ub[j]) * sb[j];
+    }
+    return acc;
+  }
   static constexpr const char* name = "scalar";
 };
 #endif
+
+// dot4 for u of a full byte (Q8_0's q + 128): vpmaddubsw's int16 pairs could saturate (255 x 127
+// x 2 > 32767), so without VNNI the nibbles go in separately, the high one's sum times 16.
+inline Isa::I dot4_wide(Isa::I acc, Isa::I u, Isa::I s) {
+  if constexpr (Isa::vnni) {
+    return Isa::dot4(acc, u, s);
+  } else {
+    const Isa::I lo = Isa::and_(u, 0x0f0f0f0f), hi = Isa::and_(Isa::shr<4>(u), 0x0f0f0f0f);
+    return Isa::add_i(Isa::dot4(acc, lo, s), Isa::shl<4>(Isa::dot4(Isa::zero_i(), hi, s)));
+  }
+}
 
 // Per row of x [M, K], the sum of each run of S values: the kernels' min / offset term
 // (sum_i (d q_i + m) x_i = d sum_i q_i x_i + m sum_i x_i). Summed in order, so every kernel that

@@ -54,13 +54,7 @@ constexpr int64_t sub_bytes(int64_t fmt) { return (fmt == kQ5_K ? 20 : fmt == kQ
 constexpr int64_t q_start(int64_t fmt) { return (fmt == kQ6_K ? 18 : 20) * G; }
 constexpr int64_t num_subs(int64_t fmt) { return fmt == kQ6_K ? 16 : 8; }
 
-// One file block -> its fields: d, dmin (fp16 bits), the sub-blocks' sc, mn, and the 256 quants
-// as unsigned integers (Q6_K: 0..63, before the - 32).
-struct Fields {
-  uint16_t d, dmin;
-  uint8_t sc[16], mn[8];
-  uint8_t q[256];
-};
+}  // namespace
 
 void read_block(int64_t fmt, const uint8_t* b, Fields& f) {
   if (fmt == kQ6_K) {  // ql[128], qh[64], int8 scales[16], fp16 d
@@ -92,6 +86,8 @@ void read_block(int64_t fmt, const uint8_t* b, Fields& f) {
     }
   }
 }
+
+namespace {
 
 // Lane c of a tile <- one row's block.
 void write_lane(int64_t fmt, const Fields& f, uint8_t* t, int64_t c) {

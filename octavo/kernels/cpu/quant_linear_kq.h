@@ -5,11 +5,23 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/zeros.h>
 
+#include <cstdint>
+
 namespace octavo_kq {
 
 enum Format : int64_t { kQ4_K = 5, kQ5_K = 6, kQ6_K = 7 };
 
 inline bool handles(int64_t fmt) { return fmt == kQ4_K || fmt == kQ5_K || fmt == kQ6_K; }
+
+// One file block -> its fields: d, dmin (fp16 bits), the sub-blocks' sc, mn, and the 256 quants
+// as unsigned integers (Q6_K: 0..63, before the - 32; sc its int8 scales' bytes). Also read by
+// quant_linear_i8.cpp's packing.
+struct Fields {
+  uint16_t d, dmin;
+  uint8_t sc[16], mn[8];
+  uint8_t q[256];
+};
+void read_block(int64_t fmt, const uint8_t* b, Fields& f);
 
 at::Tensor pack(at::Tensor qweight, int64_t fmt);
 void quant_linear(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t fmt);

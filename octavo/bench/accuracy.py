@@ -1,0 +1,115 @@
+"""`octavo eval`: what a computation mode costs in accuracy against the exact float32 path on the
+same weights (int8 activations, --activation-dtype int8): over a fixed text, per token the KL
+divergence of the mode's next-token distribution from the exact one and whether both put the same
+token first, and each mode's perplexity.
+
+The text is cut into windows of `ctx` tokens; each window is computed from scratch and only its
+second half is scored (every scored token sees at least ctx / 2 tokens before it), as
+llama.cpp's `llama-perplexity` does, so its perplexity on the same text, file and ctx is the
+figure to set beside these (tools/compare_llama_cpp.sh prints it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from octavo.config import CacheConfig, ModelConfig
+from octavo.model_runner import ModelRunner
+from octavo.models.layers import CausalLM
+from octavo.outputs import ScheduledRequest
+from octavo.sampling.params import SamplingParams
+
+DEFAULT_TEXT = Path(__file__).parent / "data" / "eval_text.txt"
+LOGIT_ROWS = 128  # positions whose [rows, vocab] logits are held at once per mode
+
+
+@dataclass(frozen=True, slots=True)
+class ModeScore:
+    mode: str
+    perplexity: float
+    mean_kl: float  # nats per token, against the exact path (0 for the exact path itself)
+    max_kl: float
+    same_top_token: float  # share of scored tokens whose most likely next token is the exact path's
+
+
+@dataclass(frozen=True, slots=True)
+class EvalResult:
+    num_tokens: int  # scored
+    ctx: int
+    scores: list[ModeScore]
+
+
+def windows(token_ids: list[int], ctx: int, max_windows: int | None = None) -> list[list[int]]:
+    """Consecutive windows of `ctx` tokens (the last partial one dropped), at most `max_windows`."""
+    if ctx < 4:
+        raise ValueError(f"ctx must be at least 4 tokens, got {ctx}")
+    out = [token_ids[i : i + ctx] for i in range(0, len(token_ids) - ctx + 1, ctx)]
+    if not out:
+        raise ValueError(f"the text has {len(token_ids)} tokens: fewer than one window of {ctx}")
+    return out[:max_windows] if max_windows else out
+
+
+class Scorer:
+    """One model behind a runner of its own, one window at a time, for its hidden states."""
+
+    def __init__(self, model: CausalLM, model_config: ModelConfig, ctx: int, attention_backend: str = "auto") -> None:
+        self.model, self.block_size = model, 16
+        self.num_groups = len(model_config.kv_groups())
+        self.num_blocks = -(-ctx // self.block_size)
+        self.runner = ModelRunner(model, model_config, CacheConfig(block_size=self.block_size), (),
+                                  attention_backend=attention_backend, max_num_seqs=1, max_model_len=ctx)
+        self.runner.init_kv_cache(self.num_blocks)
+
+    @torch.inference_mode()
+    def hidden(self, tokens: list[int]) -> torch.Tensor:
+        """The last layer's hidden states of `tokens` computed from scratch: [len(tokens), hidden]."""
+        blocks = list(range(self.num_blocks))
+        entry = ScheduledRequest("eval", tokens, 0, [blocks] * self.num_groups, SamplingParams(), [], tokens)
+        ids, positions, meta = self.runner.prepare([entry])
+        return self.model(ids, positions, self.runner.kv_caches, meta)
+
+    @torch.inference_mode()
+    def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
+
+
+def evaluate(scorers: dict[str, Scorer], token_ids: list[int], ctx: int, exact: str = "float32",
+             max_windows: int | None = None, progress=None) -> EvalResult:
+    """Score every mode of `scorers` (name -> Scorer; `exact` names the reference) over the text."""
+    nll = {m: 0.0 for m in scorers}
+    kl_sum = {m: 0.0 for m in scorers}
+    kl_max = {m: 0.0 for m in scorers}
+    same = {m: 0 for m in scorers}
+    count = 0
+    for window in windows(token_ids, ctx, max_windows):
+        hidden = {m: s.hidden(window) for m, s in scorers.items()}
+        first = ctx // 2  # position p predicts token p + 1; score p in [ctx / 2 - 1, ctx - 1)
+        for lo in range(first - 1, ctx - 1, LOGIT_ROWS):
+            hi = min(ctx - 1, lo + LOGIT_ROWS)
+            targets = torch.tensor(window[lo + 1 : hi + 1], dtype=torch.long)
+            ref = scorers[exact].logprobs(hidden[exact][lo:hi])
+            ref_top = ref.argmax(-1)
+            for m, s in scorers.items():
+                lp = ref if m == exact else s.logprobs(hidden[m][lo:hi])
+                nll[m] -= float(lp.gather(1, targets[:, None]).sum())
+                kl = (ref.exp() * (ref - lp)).sum(-1)  # [rows]
+                kl_sum[m] += float(kl.sum())
+                kl_max[m] = max(kl_max[m], float(kl.max()))
+                same[m] += int((lp.argmax(-1) == ref_top).sum())
+            count += hi - lo
+        if progress is not None:
+            progress.update(1)
+    scores = [ModeScore(m, math.exp(nll[m] / count), kl_sum[m] / count, kl_max[m], same[m] / count) for m in scorers]
+    return EvalResult(count, ctx, scores)
+
+
+def format_table(result: EvalResult) -> str:
+    lines = [f"{result.num_tokens} tokens scored (windows of {result.ctx}, second halves)",
+             f"{'mode':<10} {'perplexity':>11} {'mean KL':>10} {'max KL':>9} {'same top':>9}"]
+    for s in result.scores:
+        lines.append(f"{s.mode:<10} {s.perplexity:>11.4f} {s.mean_kl:>10.5f} {s.max_kl:>9.4f} {s.same_top_token:>9.2%}")
+    return "\n".join(lines)

@@ -1,0 +1,439 @@
+// Quantized linear layers with int8 activations: out = x @ W^T where x is first quantized per run
+// of 32 values (a float32 scale dx = max|x| / 127 and int8 xq = round(x / dx), as llama.cpp's Q8_0
+// activations) and every 4 weights x 4 activations go through one integer dot product (VNNI's
+// vpdpbusd: 64 multiply-adds an instruction with AVX-512, where a float32 FMA does 16). Not exact:
+// the activations' rounding is the cost (measured by `octavo eval`); the float32 kernels
+// (quant_linear.cpp, _k8, _kq) stay the exact path.
+//
+// Every format (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) is a run of 32-weight chunks of
+// unsigned quants u with scales:
+//   offset  w = d * (u - o)               Q4_0 (o = 8), Q5_0 (16), Q8_0 (u = q + 128, o = 128)
+//   min     w = d * u + m                 Q4_1, Q5_1
+//   K min   w = (d * sc) * u - dmin * mn  Q4_K, Q5_K (sc, mn per chunk; d, dmin per 256)
+//   Q6_K    w = (d * sc) * (u - 32)       sc per 16 weights, d per 256
+// so that, per chunk and output row, sum_k w_k x_k = D * dx * sum_k u_k xq_k - D * o * dx * sum xq
+// + M * sum_k x_k: an integer dot product, an integer correction and the chunk's exact float sum
+// of x for the min (so a min term costs no accuracy).
+//
+// `pack` lays each format's blocks out again at the file's size: rows in groups of G (the vector
+// width in floats), per group and block (32 weights, or 256 for the K-quants) one tile:
+//   header   d[G] fp16 | m or dmin[G] fp16 (min, K min) | sc[8][G], mn[8][G] (K min) | sc[16][G] (Q6_K)
+//   chunks   per 32 weights: nib[4][G][4] | hi5[G][4] (5-bit) | hi6[2][G][4] (6-bit); 8-bit: u[8][G][4]
+// 32-bit lane c of a vector holds 4 consecutive weights of row c, the unit vpdpbusd multiplies by
+// one broadcast of 4 activations: vector v (k = 4v .. 4v + 3) is nib[v / 2]'s low nibbles (v even)
+// or high ones (v odd); a 5-bit weight's fifth bit is bit v of its lane byte in hi5, a 6-bit
+// weight's two top bits are bits 2 (v % 4), + 1 of hi6[v / 4]. Bytes per tile: 18, 20, 34, 22, 24,
+// 148, 180, 210 x G: the file's bytes (the K-quants' 6-bit scales take a byte each).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "quant_isa.h"
+#include "quant_linear_kq.h"
+
+namespace {
+
+using octavo_quant::fp16_to_float;
+using octavo_quant::Isa;
+using octavo_quant::load_u16;
+using V = Isa::V;
+using I = Isa::I;
+constexpr int G = Isa::G;
+constexpr int MAX_R = G == 16 ? 8 : 4;
+constexpr int64_t PREFETCH_TILES = 2;
+
+enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ5_0 = 3, kQ5_1 = 4, kQ4_K = 5, kQ5_K = 6, kQ6_K = 7 };
+enum Kind { kOffset, kMin, kKMin, kK6 };
+
+struct Spec {
+  int64_t block;       // weights per block (file and tile)
+  int64_t file_bytes;  // bytes of a file block
+  int bits;            // of a quant
+  Kind kind;
+  int offset;          // o of the offset kind
+  int64_t head;        // header bytes of a tile, in units of G
+};
+
+constexpr Spec spec(int64_t fmt) {
+  switch (fmt) {
+    case kQ4_0: return {32, 18, 4, kOffset, 8, 2};
+    case kQ4_1: return {32, 20, 4, kMin, 0, 4};
+    case kQ8_0: return {32, 34, 8, kOffset, 128, 2};
+    case kQ5_0: return {32, 22, 5, kOffset, 16, 2};
+    case kQ5_1: return {32, 24, 5, kMin, 0, 4};
+    case kQ4_K: return {256, 144, 4, kKMin, 0, 20};
+    case kQ5_K: return {256, 176, 5, kKMin, 0, 20};
+    default: return {256, 210, 6, kK6, 32, 18};
+  }
+}
+constexpr int64_t chunk_units(int bits) { return bits == 8 ? 32 : bits == 6 ? 24 : bits == 5 ? 20 : 16; }
+constexpr int64_t tile_bytes(int64_t fmt) { return (spec(fmt).head + spec(fmt).block / 32 * chunk_units(spec(fmt).bits)) * G; }
+
+bool valid_format(int64_t fmt) { return fmt >= kQ4_0 && fmt <= kQ6_K; }
+
+// ---- packing -------------------------------------------------------------------------------------
+
+// One file block as fields: fp16 bits d and m (min, K min: dmin), per-chunk sc / mn (Q6_K: 16 int8
+// scales' bytes), the block's unsigned quants.
+struct Block {
+  uint16_t d = 0, m = 0;
+  uint8_t sc[16] = {}, mn[8] = {};
+  uint8_t u[256] = {};
+};
+
+void read_block(int64_t fmt, const uint8_t* b, Block& f) {
+  if (fmt >= kQ4_K) {
+    octavo_kq::Fields k;
+    octavo_kq::read_block(fmt, b, k);
+    f.d = k.d;
+    f.m = k.dmin;
+    std::memcpy(f.sc, k.sc, 16);
+    std::memcpy(f.mn, k.mn, 8);
+    std::memcpy(f.u, k.q, 256);
+    return;
+  }
+  f.d = load_u16(b);
+  const bool has_min = fmt == kQ4_1 || fmt == kQ5_1;
+  if (has_min) f.m = load_u16(b + 2);
+  const uint8_t* p = b + (has_min ? 4 : 2);
+  if (fmt == kQ8_0) {
+    for (int j = 0; j < 32; ++j) f.u[j] = static_cast<uint8_t>(p[j] ^ 0x80);  // q + 128
+    return;
+  }
+  uint32_t qh = 0;
+  if (fmt == kQ5_0 || fmt == kQ5_1) {
+    std::memcpy(&qh, p, 4);  // bit j: weight j's fifth bit
+    p += 4;
+  }
+  for (int j = 0; j < 16; ++j) {
+    f.u[j] = static_cast<uint8_t>((p[j] & 0x0f) | (((qh >> j) & 1) << 4));
+    f.u[j + 16] = static_cast<uint8_t>((p[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
+  }
+}
+
+// Lane c of a tile <- one row's block.
+void write_lane(int64_t fmt, const Block& f, uint8_t* t, int64_t c) {
+  const Spec s = spec(fmt);
+  std::memcpy(t + 2 * c, &f.d, 2);
+  if (s.kind == kMin || s.kind == kKMin) std::memcpy(t + 2 * G + 2 * c, &f.m, 2);
+  if (s.kind == kKMin)
+    for (int i = 0; i < 8; ++i) {
+      t[(4 + i) * G + c] = f.sc[i];
+      t[(12 + i) * G + c] = f.mn[i];
+    }
+  if (s.kind == kK6)
+    for (int i = 0; i < 16; ++i) t[(2 + i) * G + c] = f.sc[i];
+  for (int64_t ch = 0; ch < s.block / 32; ++ch) {
+    uint8_t* q = t + (s.head + ch * chunk_units(s.bits)) * G;
+    const uint8_t* u = f.u + 32 * ch;
+    if (s.bits == 8) {
+      for (int v = 0; v < 8; ++v)
+        for (int b = 0; b < 4; ++b) q[v * 4 * G + 4 * c + b] = u[4 * v + b];
+      continue;
+    }
+    for (int j = 0; j < 4; ++j)
+      for (int b = 0; b < 4; ++b)
+        q[j * 4 * G + 4 * c + b] = static_cast<uint8_t>((u[8 * j + b] & 15) | ((u[8 * j + 4 + b] & 15) << 4));
+    for (int v = 0; v < 8; ++v)
+      for (int b = 0; b < 4; ++b) {
+        if (s.bits == 5) q[16 * G + 4 * c + b] |= static_cast<uint8_t>(((u[4 * v + b] >> 4) & 1) << v);
+        if (s.bits == 6)
+          q[16 * G + (v / 4) * 4 * G + 4 * c + b] |= static_cast<uint8_t>(((u[4 * v + b] >> 4) & 3) << (2 * (v % 4)));
+      }
+  }
+}
+
+// Weight k (< block) of lane c of a tile, rebuilt with gguf-py's arithmetic.
+float weight_at(int64_t fmt, const uint8_t* t, int64_t c, int64_t k) {
+  const Spec s = spec(fmt);
+  const int64_t ch = k / 32, i = k % 32, v = i / 4, b = i % 4;
+  const uint8_t* q = t + (s.head + ch * chunk_units(s.bits)) * G;
+  int u;
+  if (s.bits == 8) {
+    u = q[v * 4 * G + 4 * c + b];
+  } else {
+    const uint8_t byte = q[(v / 2) * 4 * G + 4 * c + b];
+    u = v % 2 ? byte >> 4 : byte & 15;
+    if (s.bits == 5) u |= ((q[16 * G + 4 * c + b] >> v) & 1) << 4;
+    if (s.bits == 6) u |= ((q[16 * G + (v / 4) * 4 * G + 4 * c + b] >> (2 * (v % 4))) & 3) << 4;
+  }
+  const float d = fp16_to_float(load_u16(t + 2 * c));
+  switch (s.kind) {
+    case kOffset: return d * static_cast<float>(u - s.offset);
+    case kMin: return d * static_cast<float>(u) + fp16_to_float(load_u16(t + 2 * G + 2 * c));
+    case kKMin: {
+      const float D = d * static_cast<float>(t[(4 + ch) * G + c]);
+      const float M = fp16_to_float(load_u16(t + 2 * G + 2 * c)) * static_cast<float>(t[(12 + ch) * G + c]);
+      const float w = D * static_cast<float>(u);
+      return w - M;
+    }
+    default: {
+      const float D = d * static_cast<float>(static_cast<int8_t>(t[(2 + 2 * ch + i / 16) * G + c]));
+      return D * static_cast<float>(u - 32);
+    }
+  }
+}
+
+// ---- activations ---------------------------------------------------------------------------------
+
+// x [M, K] quantized per chunk of 32: xq int8 [M, K], dx [M, K / 32] (0 for a chunk of zeros),
+// s16 the int sums of xq per 16 [M, K / 16], sx the float sums of x per 32 (in order) [M, K / 32].
+struct Act {
+  int64_t M, K;
+  std::vector<int8_t> xq;
+  std::vector<float> dx, sx;
+  std::vector<int32_t> s16;
+};
+
+void quantize_chunk(const float* x, int8_t* q, float& dx, float& sx, int32_t* s16) {
+  float amax = 0.f, sum = 0.f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
+  for (int i = 0; i < 32; ++i) sum += x[i];
+  const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+  int32_t s[2] = {0, 0};
+  for (int i = 0; i < 32; ++i) {
+    const float r = std::nearbyint(x[i] * inv);  // ties to even (the default rounding mode), as torch.round
+    const int v = static_cast<int>(std::min(127.f, std::max(-127.f, r)));
+    q[i] = static_cast<int8_t>(v);
+    s[i / 16] += v;
+  }
+  dx = d;
+  sx = sum;
+  s16[0] = s[0];
+  s16[1] = s[1];
+}
+
+Act quantize(const float* x, int64_t M, int64_t K) {
+  Act a{M, K, std::vector<int8_t>(M * K), std::vector<float>(M * K / 32), std::vector<float>(M * K / 32),
+        std::vector<int32_t>(M * K / 16)};
+  const int64_t nc = K / 32;
+  at::parallel_for(0, M * nc, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) quantize_chunk(x + i * 32, a.xq.data() + i * 32, a.dx[i], a.sx[i], a.s16.data() + 2 * i);
+  });
+  return a;
+}
+
+// ---- the kernel ----------------------------------------------------------------------------------
+
+// Vector v (k = 4v .. 4v + 3 of the chunk at q) of G lanes' unsigned quants.
+template <int BITS, int VV>
+inline I quants(const uint8_t* q) {
+  if constexpr (BITS == 8) {
+    return Isa::load_i(q + VV * 4 * G);
+  } else {
+    const I n = Isa::load_i(q + (VV / 2) * 4 * G);
+    I u = VV % 2 == 0 ? Isa::and_(n, 0x0f0f0f0f) : Isa::and_(Isa::shr<4>(n), 0x0f0f0f0f);
+    if constexpr (BITS == 5) {  // bit VV of each byte -> bit 4
+      const I h = Isa::load_i(q + 16 * G);
+      if constexpr (VV < 4) u = Isa::or_(u, Isa::and_(Isa::shl<4 - VV>(h), 0x10101010));
+      else if constexpr (VV == 4) u = Isa::or_(u, Isa::and_(h, 0x10101010));
+      else u = Isa::or_(u, Isa::and_(Isa::shr<VV - 4>(h), 0x10101010));
+    }
+    if constexpr (BITS == 6) {  // bits 2m, 2m + 1 of each byte -> bits 4, 5
+      constexpr int S = 2 * (VV % 4);
+      const I h = Isa::load_i(q + 16 * G + (VV / 4) * 4 * G);
+      if constexpr (S < 4) u = Isa::or_(u, Isa::and_(Isa::shl<4 - S>(h), 0x30303030));
+      else if constexpr (S == 4) u = Isa::or_(u, Isa::and_(h, 0x30303030));
+      else u = Isa::or_(u, Isa::and_(Isa::shr<S - 4>(h), 0x30303030));
+    }
+    return u;
+  }
+}
+
+// For rows r < R: s0[r] (and s1[r]: the chunk's second 16 weights, Q6_K) += the chunk's integer
+// dot products, xq pointing at row 0's chunk.
+template <int BITS, bool SPLIT, int R, int VV = 0>
+inline void chunk_dots(const uint8_t* q, const int8_t* xq, int64_t K, I* s0, I* s1) {
+  if constexpr (VV < 8) {
+    const I u = quants<BITS, VV>(q);
+    for (int r = 0; r < R; ++r) {
+      const I xb = Isa::bcast4(xq + r * K + 4 * VV);
+      I& s = SPLIT && VV >= 4 ? s1[r] : s0[r];
+      s = BITS == 8 ? octavo_quant::dot4_wide(s, u, xb) : Isa::dot4(s, u, xb);
+    }
+    chunk_dots<BITS, SPLIT, R, VV + 1>(q, xq, K, s0, s1);
+  }
+}
+
+// out[r][0..cols) for rows r < R (from row0 of the activations) of one group of G output rows.
+template <int64_t F, int R>
+void group_i8(const Act& a, int64_t row0, const uint8_t* tiles, float* out, int64_t out_stride, int64_t cols) {
+  constexpr Spec S = spec(F);
+  constexpr int64_t TB = tile_bytes(F), NCH = S.block / 32, CU = chunk_units(S.bits) * G;
+  const int64_t K = a.K, nb = K / S.block, nc = K / 32;
+  V acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = Isa::zero();
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const uint8_t* t = tiles + blk * TB;
+    for (int64_t l = 0; l < TB; l += 64) __builtin_prefetch(t + PREFETCH_TILES * TB + l, 0, 3);
+    const V d = Isa::halves(t);
+    [[maybe_unused]] const V m = S.kind == kMin || S.kind == kKMin ? Isa::halves(t + 2 * G) : Isa::zero();
+    for (int64_t ch = 0; ch < NCH; ++ch) {
+      const int64_t kc = blk * NCH + ch;  // the chunk's index in the row
+      I s0[R], s1[R];
+      for (int r = 0; r < R; ++r) s0[r] = s1[r] = Isa::zero_i();
+      chunk_dots<S.bits, S.kind == kK6, R>(t + S.head * G + ch * CU, a.xq.data() + row0 * K + kc * 32, K, s0, s1);
+      const int64_t at = row0 * nc + kc;
+      if constexpr (S.kind == kOffset) {
+        for (int r = 0; r < R; ++r) {
+          const int32_t sum = a.s16[2 * (at + r * nc)] + a.s16[2 * (at + r * nc) + 1];
+          const V isum = Isa::to_float(Isa::sub_i(s0[r], Isa::set1_i(S.offset * sum)));
+          acc[r] = Isa::fma(Isa::mul(d, Isa::set1(a.dx[at + r * nc])), isum, acc[r]);
+        }
+      } else if constexpr (S.kind == kMin) {
+        for (int r = 0; r < R; ++r) {
+          acc[r] = Isa::fma(Isa::mul(d, Isa::set1(a.dx[at + r * nc])), Isa::to_float(s0[r]), acc[r]);
+          acc[r] = Isa::fma(m, Isa::set1(a.sx[at + r * nc]), acc[r]);
+        }
+      } else if constexpr (S.kind == kKMin) {
+        const V D = Isa::mul(d, Isa::to_float(Isa::bytes_u(t + (4 + ch) * G)));
+        const V Mn = Isa::mul(m, Isa::to_float(Isa::bytes_u(t + (12 + ch) * G)));
+        for (int r = 0; r < R; ++r) {
+          acc[r] = Isa::fma(Isa::mul(D, Isa::set1(a.dx[at + r * nc])), Isa::to_float(s0[r]), acc[r]);
+          acc[r] = Isa::fma(Mn, Isa::set1(-a.sx[at + r * nc]), acc[r]);
+        }
+      } else {
+        const V D0 = Isa::mul(d, Isa::to_float(Isa::bytes_s(t + (2 + 2 * ch) * G)));
+        const V D1 = Isa::mul(d, Isa::to_float(Isa::bytes_s(t + (3 + 2 * ch) * G)));
+        for (int r = 0; r < R; ++r) {
+          const int32_t* s16 = a.s16.data() + 2 * (at + r * nc);
+          const V dx = Isa::set1(a.dx[at + r * nc]);
+          acc[r] = Isa::fma(Isa::mul(D0, dx), Isa::to_float(Isa::sub_i(s0[r], Isa::set1_i(32 * s16[0]))), acc[r]);
+          acc[r] = Isa::fma(Isa::mul(D1, dx), Isa::to_float(Isa::sub_i(s1[r], Isa::set1_i(32 * s16[1]))), acc[r]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (cols == G) {
+      Isa::store(out + r * out_stride, acc[r]);
+    } else {
+      float tmp[G];
+      Isa::store(tmp, acc[r]);
+      std::copy(tmp, tmp + cols, out + r * out_stride);
+    }
+  }
+}
+
+template <int64_t F, int R = MAX_R>
+void group_rows(const Act& a, int64_t row0, int64_t rows, const uint8_t* tiles, float* out, int64_t N, int64_t cols) {
+  if constexpr (R > 0) {
+    if (rows == R) return group_i8<F, R>(a, row0, tiles, out, N, cols);
+    return group_rows<F, R - 1>(a, row0, rows, tiles, out, N, cols);
+  }
+}
+
+template <int64_t F>
+void run(const Act& a, const uint8_t* packed, int64_t N, float* out) {
+  const int64_t M = a.M, nb = a.K / spec(F).block, num_groups = (N + G - 1) / G, group_bytes = nb * tile_bytes(F);
+  // Each group's tiles (a few KB to a few tens of KB) stay in L1 / L2 while every row chunk uses them.
+  at::parallel_for(0, num_groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t cols = std::min<int64_t>(G, N - g * G);
+      for (int64_t m = 0; m < M; m += MAX_R)
+        group_rows<F>(a, m, std::min<int64_t>(MAX_R, M - m), packed + g * group_bytes, out + m * N + g * G, N, cols);
+    }
+  });
+}
+
+void check_packed(const at::Tensor& packed, int64_t fmt, int64_t N, int64_t K) {
+  TORCH_CHECK(valid_format(fmt), "unknown quantization format ", fmt);
+  const int64_t block = spec(fmt).block;
+  TORCH_CHECK(K % block == 0, "in_features must be a multiple of ", block, ", got ", K);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(0) == (N + G - 1) / G && packed.size(1) == K / block && packed.size(2) == tile_bytes(fmt),
+              "packed weight must be uint8 [ceil(N / ", G, "), K / ", block, ", ", tile_bytes(fmt), "] (from `pack_i8`)");
+}
+
+}  // namespace
+
+// GGUF blocks uint8 [N, K / block * file_bytes] -> the int8-activation layout uint8
+// [ceil(N / G), K / block, tile_bytes].
+at::Tensor pack_i8(at::Tensor qweight, int64_t fmt) {
+  TORCH_CHECK(valid_format(fmt), "unknown quantization format ", fmt);
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
+              "a GGUF-layout weight is a contiguous uint8 tensor [out_features, blocks * block_bytes]");
+  const int64_t bb = spec(fmt).file_bytes;
+  TORCH_CHECK(qweight.size(1) % bb == 0, "row of ", qweight.size(1), " bytes is not whole blocks of ", bb);
+  const int64_t N = qweight.size(0), nb = qweight.size(1) / bb, num_groups = (N + G - 1) / G, tb = tile_bytes(fmt);
+  auto packed = at::zeros({num_groups, nb, tb}, qweight.options());
+  const uint8_t* src = qweight.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, num_groups, 1, [&](int64_t g0, int64_t g1) {
+    Block f;
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < nb; ++b)
+        for (int64_t c = 0; c < G && g * G + c < N; ++c) {
+          read_block(fmt, src + ((g * G + c) * nb + b) * bb, f);
+          write_lane(fmt, f, dst + (g * nb + b) * tb, c);
+        }
+  });
+  return packed;
+}
+
+// out [M, N] float32 = x [M, K] float32 (quantized to int8 here) @ W^T, W from `pack_i8`.
+void quant_linear_i8(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t fmt) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "quant_linear_i8 takes float32 x and out");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.dim() == 2 && out.is_contiguous(), "x, out: contiguous 2-D");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  TORCH_CHECK(out.size(0) == M, "out must have as many rows as x");
+  check_packed(packed, fmt, N, K);
+  const Act a = quantize(x.data_ptr<float>(), M, K);
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  switch (fmt) {
+    case kQ4_0: return run<kQ4_0>(a, pp, N, op);
+    case kQ4_1: return run<kQ4_1>(a, pp, N, op);
+    case kQ8_0: return run<kQ8_0>(a, pp, N, op);
+    case kQ5_0: return run<kQ5_0>(a, pp, N, op);
+    case kQ5_1: return run<kQ5_1>(a, pp, N, op);
+    case kQ4_K: return run<kQ4_K>(a, pp, N, op);
+    case kQ5_K: return run<kQ5_K>(a, pp, N, op);
+    default: return run<kQ6_K>(a, pp, N, op);
+  }
+}
+
+// x [M, K] float32 -> (xq int8 [M, K], dx float32 [M, K / 32]): the activations as the kernel
+// quantizes them (for tests against the plain reference).
+void quantize_activations_i8(at::Tensor xq, at::Tensor dx, at::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) % 32 == 0,
+              "x: contiguous float32 [M, K], K a multiple of 32");
+  TORCH_CHECK(xq.scalar_type() == at::kChar && xq.sizes() == x.sizes() && xq.is_contiguous(), "xq: int8 like x");
+  TORCH_CHECK(dx.scalar_type() == at::kFloat && dx.dim() == 2 && dx.size(0) == x.size(0) && dx.size(1) == x.size(1) / 32 &&
+                  dx.is_contiguous(), "dx: float32 [M, K / 32]");
+  const Act a = quantize(x.data_ptr<float>(), x.size(0), x.size(1));
+  std::memcpy(xq.data_ptr<int8_t>(), a.xq.data(), a.xq.size());
+  std::memcpy(dx.data_ptr<float>(), a.dx.data(), a.dx.size() * sizeof(float));
+}
+
+// out [len(rows), K] float32 = rows `rows` of a `pack_i8` weight, exactly as gguf-py rebuilds them.
+void dequantize_rows_i8(at::Tensor out, at::Tensor packed, int64_t fmt, at::Tensor rows, int64_t N) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous(), "out: contiguous float32");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous() && rows.size(0) == out.size(0),
+              "rows: int64 [len(out)]");
+  const int64_t K = out.size(1);
+  check_packed(packed, fmt, N, K);
+  const int64_t block = spec(fmt).block, nb = K / block, tb = tile_bytes(fmt);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t j = 0; j < rows.size(0); ++j) TORCH_CHECK(rp[j] >= 0 && rp[j] < N, "row ", rp[j], " out of range [0, ", N, ")");
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows.size(0), 16, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t g = rp[j] / G, c = rp[j] % G;
+      for (int64_t b = 0; b < nb; ++b)
+        for (int64_t k = 0; k < block; ++k) op[j * K + b * block + k] = weight_at(fmt, pp + (g * nb + b) * tb, c, k);
+    }
+  });
+}
+
+bool quant_vnni() { return Isa::vnni; }

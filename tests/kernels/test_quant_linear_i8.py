@@ -1,0 +1,126 @@
+"""The int8-activation kernels (kernels/cpu/quant_linear_i8.cpp) against the plain reference
+(`reference.quant_linear_int8`), for every block format: the repacked layout holds every weight bit
+for bit at the file's size, the activations are quantized exactly as the reference does, and the
+products agree up to float32 summation order. The int8 path's distance from the exact float32 one
+is bounded here on random data and measured on real models by `octavo eval` (tests/oracle)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from octavo.kernels import cpu, dispatch, reference
+from octavo.quantization import FORMATS, dequantize
+from tests.kernels.test_k_quants import FP16_AT
+
+needs_kernels = pytest.mark.skipif(cpu.load() is None, reason="the C++ CPU kernels are not built on this machine")
+
+ALL = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+FP16 = {**FP16_AT, "Q4_0": [(0, 1)], "Q4_1": [(0, 2)], "Q8_0": [(0, 1)]}
+
+
+def random_blocks(name: str, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Blocks of every bit pattern a file may hold (fp16 fields kept finite and small)."""
+    fmt = FORMATS[name]
+    g = np.random.default_rng(seed)
+    nb = cols // fmt.block_size
+    blocks = g.integers(0, 256, size=(rows, nb, fmt.block_bytes), dtype=np.uint8)
+    for offset, count in FP16[name]:
+        values = g.uniform(-0.05, 0.05, size=(rows, nb, count)).astype(np.float16)
+        blocks[..., offset : offset + 2 * count] = values.view(np.uint8)
+    return torch.from_numpy(blocks.reshape(rows, nb * fmt.block_bytes))
+
+
+def check_against_reference(name: str, n: int, k: int, ms=(1, 2, 5, 9, 17)) -> None:
+    """Everything the int8 kernels promise for one format and shape (also run by the narrower ISA
+    builds: tests/kernels/test_quant_isa_paths.py)."""
+    fmt = FORMATS[name]
+    q = random_blocks(name, n, k, seed=n * k + fmt.code)
+    packed = cpu.pack_i8(q, fmt)
+    exact = dequantize(q, fmt, k)
+    assert torch.equal(cpu.dequantize_rows_i8(packed, fmt, torch.arange(n), k, n), exact), (name, n, k)
+    for m in ms:
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+        x[0, :32] = 0.0  # a chunk of zeros: dx 0
+        xq, dx = cpu.quantize_activations_i8(x)
+        rxq, rdx = reference.quantize_activations(x)
+        assert torch.equal(xq, rxq) and torch.equal(dx, rdx), (name, m)
+        got = cpu.quant_linear_i8(x, packed, fmt, n)
+        expect = reference.quant_linear_int8(x, q, fmt, k)
+        # weights of random blocks reach ~100 and cancel: compare by the size of the terms
+        size = x.abs() @ exact.abs().t()
+        err = (got - expect).abs()
+        assert bool((err <= 1e-5 * size + 1e-5).all()), (name, n, k, m, float((err / size).max()))
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("n,k", [(1, 256), (17, 512), (40, 1024)])
+def test_kernel_matches_reference(name, n, k):
+    check_against_reference(name, n, k)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ALL)
+def test_layout_is_the_files_size(name):
+    fmt = FORMATS[name]
+    n, k = 64, 1024  # whole groups: no padding rows
+    q = random_blocks(name, n, k, seed=1)
+    held = cpu.pack_i8(q, fmt).numel()
+    extra = {"Q4_K": 4 / 144, "Q5_K": 4 / 176}.get(name, 0.0)  # 6-bit scales and mins: a byte each
+    assert held == pytest.approx(q.numel() * (1 + extra), rel=1e-9)
+
+
+@needs_kernels
+def test_batch_rows_do_not_change_a_rows_result():
+    """A row's output is the same bits alone or among others (batch invariance of the int8 path)."""
+    fmt = FORMATS["Q4_K"]
+    q = random_blocks("Q4_K", 48, 512, seed=3)
+    packed = cpu.pack_i8(q, fmt)
+    x = torch.randn(13, 512, generator=torch.Generator().manual_seed(4))
+    together = cpu.quant_linear_i8(x, packed, fmt, 48)
+    for i in (0, 5, 12):
+        assert torch.equal(cpu.quant_linear_i8(x[i : i + 1], packed, fmt, 48)[0], together[i])
+
+
+def test_int8_reference_is_close_to_the_exact_product():
+    """The reference itself: quantizing activations per 32 to int8 moves a product by about
+    max|x| / 254 per term (half a step), so by well under 1% of the terms' size on random data."""
+    fmt = FORMATS["Q4_1"]
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(5))
+    from octavo.quantization import quantize
+
+    q = quantize(w, fmt)
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(6))
+    exact = reference.quant_linear(x, q, fmt, 256)
+    approx = reference.quant_linear_int8(x, q, fmt, 256)
+    size = x.abs() @ dequantize(q, fmt, 256).abs().t()
+    rel = ((approx - exact).abs() / size).max()
+    assert 0 < rel < 0.01
+
+
+@needs_kernels
+def test_dispatch_takes_the_int8_layout_with_bias_and_3d_input():
+    fmt = FORMATS["Q6_K"]
+    q = random_blocks("Q6_K", 24, 256, seed=7)
+    weight, layout = dispatch.prepare_quant_weight(q, fmt, "int8")
+    assert layout == "packed_i8"
+    bias = torch.randn(24)
+    x = torch.randn(2, 3, 256)
+    got = dispatch.quant_linear(x, weight, layout, fmt, 256, 24, bias)
+    expect = reference.quant_linear_int8(x.reshape(6, 256), q, fmt, 256, bias).reshape(2, 3, 24)
+    torch.testing.assert_close(got, expect, atol=1e-3, rtol=1e-4)
+    ids = torch.tensor([0, 23, 5])
+    assert torch.equal(dispatch.quant_embedding(ids, weight, layout, fmt, 256, 24, torch.float32),
+                       dequantize(q[ids], fmt, 256))
+    with pytest.raises(ValueError, match="float32 or int8"):
+        dispatch.prepare_quant_weight(q, fmt, "int4")
+
+
+def test_reference_layout_without_kernels_computes_the_same_numbers():
+    fmt = FORMATS["Q4_0"]
+    q = random_blocks("Q4_0", 8, 64, seed=8)
+    x = torch.randn(3, 64)
+    got = dispatch.quant_linear(x, q, "gguf_i8", fmt, 64, 8)
+    torch.testing.assert_close(got, reference.quant_linear_int8(x, q, fmt, 64))
