@@ -648,13 +648,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from pathlib import Path
 
-    from octavo.bench.accuracy import DEFAULT_TEXT, Scorer, evaluate, format_table, windows
+    from octavo.bench.accuracy import DEFAULT_TEXT, Scorer, evaluate, format_table, text_tokens, windows
     from octavo.models.loader import load_model, resolve_model
     from octavo.tokenizer import load_tokenizer
 
     model_dir = resolve_model(args.model)
     text = Path(args.text).read_text() if args.text else DEFAULT_TEXT.read_text()
-    token_ids = load_tokenizer(model_dir).encode(text)
+    token_ids, bos = text_tokens(load_tokenizer(model_dir), text)
     num_windows = len(windows(token_ids, args.ctx, args.max_windows))  # refuses a text too short first
     modes = ["float32", *[m for m in args.modes.split(",") if m and m != "float32"]]
     scorers = {}
@@ -664,7 +664,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         model, cfg = load_model(model_dir, dtype=torch.float32, activation_dtype=mode, quantization="auto")
         scorers[mode] = Scorer(model, cfg, args.ctx)
     with tqdm(total=num_windows, desc="Scoring windows", unit="window") as bar:
-        result = evaluate(scorers, token_ids, args.ctx, max_windows=args.max_windows, progress=bar)
+        result = evaluate(scorers, token_ids, args.ctx, max_windows=args.max_windows, progress=bar, bos=bos)
     print(f"{model_dir.name}: {format_table(result)}")
     if args.json:
         with open(args.json, "w") as fh:

@@ -49,13 +49,13 @@ def smol_tokenizer(smol_dir):
     return load_tokenizer(smol_dir)
 
 
-def _load_smol(smol_dir, smol_tokenizer, quantization: str):
+def _load_smol(smol_dir, smol_tokenizer, quantization: str, activation_dtype: str = "float32"):
     import torch
 
     from octavo.models.loader import load_model, weight_bytes
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    model, _ = load_model(smol_dir, quantization=quantization)
+    model, _ = load_model(smol_dir, quantization=quantization, activation_dtype=activation_dtype)
     return model, smol_tokenizer, weight_bytes(model)
 
 
@@ -63,7 +63,14 @@ def _load_smol(smol_dir, smol_tokenizer, quantization: str):
 def smol(smol_dir, smol_tokenizer):
     """(model, tokenizer, weight_bytes) of the embedded model as the engine loads it by default (the
     GGUF's Q4_1 / Q8_0 blocks, float32 activations), shared by every engine in the session."""
-    return _load_smol(smol_dir, smol_tokenizer, "auto")
+    return _load_smol(smol_dir, smol_tokenizer, "auto", "float32")
+
+
+@pytest.fixture(scope="session")
+def smol_int8(smol_dir, smol_tokenizer):
+    """The GGUF's blocks through the int8-activation kernels (--activation-dtype int8): not exact,
+    checked by tolerance (tests/oracle/test_int8_activations.py)."""
+    return _load_smol(smol_dir, smol_tokenizer, "auto", "int8")
 
 
 @pytest.fixture(scope="session")
@@ -89,7 +96,8 @@ def hf_smol():
 @pytest.fixture(scope="session")
 def make_llm(smol, smol_dir, request):
     """Build an LLM over the shared weights with any EngineArgs fields; weights="dense" for the
-    dequantized copy."""
+    dequantized copy, "int8" for the blocks behind int8-activation kernels. Every other engine runs
+    the exact float32 path, pinned here (whatever the default becomes)."""
     from octavo.engine import LLMEngine
     from octavo.engine_args import EngineArgs
     from octavo.llm import LLM
@@ -98,7 +106,9 @@ def make_llm(smol, smol_dir, request):
     model_config = load_model_config(smol_dir)
 
     def build(weights: str = "quantized", **kwargs):
-        model, tokenizer, weight_bytes = smol if weights == "quantized" else request.getfixturevalue("smol_dense")
+        fixture = {"quantized": None, "dense": "smol_dense", "int8": "smol_int8"}[weights]
+        model, tokenizer, weight_bytes = smol if fixture is None else request.getfixturevalue(fixture)
+        kwargs["activation_dtype"] = "int8" if weights == "int8" else "float32"
         kwargs.setdefault("kv_cache_memory", 256 << 20)
         kwargs.setdefault("dtype", "float32")
         config = EngineArgs(**kwargs).to_config(model_config)

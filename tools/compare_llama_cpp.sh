@@ -8,7 +8,9 @@
 # Env: OUT (results dir, default bench-results), ROUNDS (default 3), OCTAVO_FLAGS (extra serve flags),
 #      WORKLOAD (default ../shared/workloads/random_n64.json), MODEL (a packaged model name or a
 #      .gguf path; default the embedded SmolLM2), LOADS (default one_user,concurrency16: either or both),
-#      ONE_USER_REQUESTS, ONE_USER_LEN (default 8 and 128: the one-user load's requests and lengths).
+#      ONE_USER_REQUESTS, ONE_USER_LEN (default 8 and 128: the one-user load's requests and lengths),
+#      PERPLEXITY=1 (after the loads: `octavo eval` of int8 against float32 and llama-perplexity on the
+#      same text, windows of 512, the servers stopped first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -53,5 +55,15 @@ fi
 if [[ ",$LOADS," == *",concurrency16,"* ]]; then
   echo "## concurrency 16: $WORKLOAD"
   "${BENCH[@]}" replay "$WORKLOAD" --max-concurrency 16 --json "$OUT/concurrency16.json" || status=1
+fi
+if [[ "${PERPLEXITY:-0}" == 1 ]]; then
+  kill $LLAMA_PID $OCTAVO_PID 2>/dev/null || true; wait 2>/dev/null || true
+  TEXT=octavo/bench/data/eval_text.txt
+  echo "## accuracy on $TEXT (windows of 512, second halves scored)"
+  OMP_NUM_THREADS=$THREADS .venv/bin/octavo eval ${MODEL:+"$GGUF"} --modes int8 --json "$OUT/eval.json" 2>"$OUT/eval.log" || status=1
+  # llama-perplexity's own figure on the same file and text (its tokenizer's BOS per window)
+  "$(dirname "$LLAMA")/llama-perplexity" -m "$GGUF" -f "$TEXT" -c 512 -b 512 -t "$THREADS" >"$OUT/llama-perplexity.log" 2>&1 \
+    || status=1
+  grep -h "Final estimate" "$OUT/llama-perplexity.log" | sed 's/^/llama.cpp (Q8 activations): /' || true
 fi
 exit "${status:-0}"

@@ -3,10 +3,11 @@ same weights (int8 activations, --activation-dtype int8): over a fixed text, per
 divergence of the mode's next-token distribution from the exact one and whether both put the same
 token first, and each mode's perplexity.
 
-The text is cut into windows of `ctx` tokens; each window is computed from scratch and only its
-second half is scored (every scored token sees at least ctx / 2 tokens before it), as
-llama.cpp's `llama-perplexity` does, so its perplexity on the same text, file and ctx is the
-figure to set beside these (tools/compare_llama_cpp.sh prints it).
+The text is cut into windows of `ctx` tokens as llama.cpp's `llama-perplexity` cuts it: each
+window computed from scratch, its first token replaced by BOS where the tokenizer starts a text
+with one, and only positions ctx / 2 .. ctx - 2 scored (each predicting the next token, with at
+least ctx / 2 tokens before it). So its perplexity on the same text, file and ctx is the figure to
+set beside these (tools/compare_llama_cpp.sh PERPLEXITY=1 prints both).
 """
 
 from __future__ import annotations
@@ -43,11 +44,14 @@ class EvalResult:
     scores: list[ModeScore]
 
 
-def windows(token_ids: list[int], ctx: int, max_windows: int | None = None) -> list[list[int]]:
-    """Consecutive windows of `ctx` tokens (the last partial one dropped), at most `max_windows`."""
+def windows(token_ids: list[int], ctx: int, max_windows: int | None = None, bos: int | None = None) -> list[list[int]]:
+    """Consecutive windows of `ctx` tokens (the last partial one dropped), at most `max_windows`;
+    with `bos`, each window's first token replaced by it."""
     if ctx < 4:
         raise ValueError(f"ctx must be at least 4 tokens, got {ctx}")
     out = [token_ids[i : i + ctx] for i in range(0, len(token_ids) - ctx + 1, ctx)]
+    if bos is not None:
+        out = [[bos, *w[1:]] for w in out]
     if not out:
         raise ValueError(f"the text has {len(token_ids)} tokens: fewer than one window of {ctx}")
     return out[:max_windows] if max_windows else out
@@ -77,18 +81,25 @@ class Scorer:
         return torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
 
 
+def text_tokens(tokenizer, text: str) -> tuple[list[int], int | None]:
+    """(the text's token ids, the BOS id each window starts with: None where the tokenizer adds none)."""
+    ids = tokenizer.encode(text)
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return ids, bos if bos is not None and ids and ids[0] == bos else None
+
+
 def evaluate(scorers: dict[str, Scorer], token_ids: list[int], ctx: int, exact: str = "float32",
-             max_windows: int | None = None, progress=None) -> EvalResult:
+             max_windows: int | None = None, progress=None, bos: int | None = None) -> EvalResult:
     """Score every mode of `scorers` (name -> Scorer; `exact` names the reference) over the text."""
     nll = {m: 0.0 for m in scorers}
     kl_sum = {m: 0.0 for m in scorers}
     kl_max = {m: 0.0 for m in scorers}
     same = {m: 0 for m in scorers}
     count = 0
-    for window in windows(token_ids, ctx, max_windows):
+    for window in windows(token_ids, ctx, max_windows, bos):
         hidden = {m: s.hidden(window) for m, s in scorers.items()}
-        first = ctx // 2  # position p predicts token p + 1; score p in [ctx / 2 - 1, ctx - 1)
-        for lo in range(first - 1, ctx - 1, LOGIT_ROWS):
+        first = ctx // 2  # position p predicts token p + 1; score p in [ctx / 2, ctx - 1)
+        for lo in range(first, ctx - 1, LOGIT_ROWS):
             hi = min(ctx - 1, lo + LOGIT_ROWS)
             targets = torch.tensor(window[lo + 1 : hi + 1], dtype=torch.long)
             ref = scorers[exact].logprobs(hidden[exact][lo:hi])
@@ -108,7 +119,7 @@ def evaluate(scorers: dict[str, Scorer], token_ids: list[int], ctx: int, exact: 
 
 
 def format_table(result: EvalResult) -> str:
-    lines = [f"{result.num_tokens} tokens scored (windows of {result.ctx}, second halves)",
+    lines = [f"{result.num_tokens} tokens scored (windows of {result.ctx}, positions {result.ctx // 2}..{result.ctx - 2})",
              f"{'mode':<10} {'perplexity':>11} {'mean KL':>10} {'max KL':>9} {'same top':>9}"]
     for s in result.scores:
         lines.append(f"{s.mode:<10} {s.perplexity:>11.4f} {s.mean_kl:>10.5f} {s.max_kl:>9.4f} {s.same_top_token:>9.2%}")
