@@ -127,6 +127,8 @@ def prepare_quant_weight(qweight: torch.Tensor, fmt: QuantFormat, activations: s
         raise ValueError(f"activations must be float32 or int8, got {activations!r}")
     kernels = qweight.device.type == "cpu" and _cpu_kernels()
     if activations == "int8":
+        if kernels:
+            cpu.amx_enabled()  # probed once per process (a child's self-test), before the first step
         return (cpu.pack_i8(qweight, fmt), "packed_i8") if kernels else (qweight, "gguf_i8")
     return (cpu.pack(qweight, fmt), "packed") if kernels else (qweight, "gguf")
 
@@ -183,7 +185,8 @@ def quant_kernel_name(dtype: torch.dtype, device: torch.device, activations: str
     if activations == "int8":
         if not kernels:
             return "int8 activations, reference (rebuild + matmul)"
-        return f"int8 activations, octavo-cpu/{cpu.quant_isa()} {'VNNI' if cpu.quant_vnni() else 'vpmaddubsw'}"
+        amx = " + AMX-INT8 tiles (16+ rows)" if cpu.amx_enabled() else ""
+        return f"int8 activations, octavo-cpu/{cpu.quant_isa()} {'VNNI' if cpu.quant_vnni() else 'vpmaddubsw'}{amx}"
     if dtype == torch.float32 and kernels:
         return f"octavo-cpu/{cpu.quant_isa()}"
     return "reference (rebuild + matmul)"

@@ -124,3 +124,28 @@ def test_reference_layout_without_kernels_computes_the_same_numbers():
     x = torch.randn(3, 64)
     got = dispatch.quant_linear(x, q, "gguf_i8", fmt, 64, 8)
     torch.testing.assert_close(got, reference.quant_linear_int8(x, q, fmt, 64))
+
+
+@needs_kernels
+def test_amx_tiles_give_the_vector_paths_bits(monkeypatch):
+    """Where the build has AMX-INT8 and a child's self-test passes, the tile path (steps of 16+
+    rows) gives the same bits as the vector dot products: exact integers, the same float scaling."""
+    if not cpu.load().amx_built():
+        pytest.skip("this build has no AMX-INT8 (the CPU does not list it)")
+    monkeypatch.setenv("OCTAVO_AMX", "1")
+    cpu.disable_amx()
+    try:
+        if not cpu.amx_enabled():
+            pytest.skip("AMX-INT8 listed but its self-test failed in a child process (logged)")
+        for name in ALL:
+            fmt = FORMATS[name]
+            q = random_blocks(name, 40, 512, seed=9)
+            packed = cpu.pack_i8(q, fmt)
+            x = torch.randn(33, 512, generator=torch.Generator().manual_seed(10))
+            tiles = cpu.quant_linear_i8(x, packed, fmt, 40)
+            cpu.load().amx_enable(False)
+            vectors = cpu.quant_linear_i8(x, packed, fmt, 40)
+            cpu.load().amx_enable(True)
+            assert torch.equal(tiles, vectors), name
+    finally:
+        cpu.disable_amx()

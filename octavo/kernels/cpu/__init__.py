@@ -121,6 +121,53 @@ def dequantize_rows_i8(packed, fmt, rows, in_features: int, out_features: int):
     return out
 
 
+# A child's AMX self-test: a CPU (or a hypervisor) can list AMX and still fault on its first tile
+# instruction (llama.cpp's AMX build dies of SIGILL on some of this project's machines), so the
+# instructions run first in a process whose death costs nothing.
+_AMX_PROBE = "from octavo.kernels import cpu; import sys; sys.exit(0 if cpu.load().amx_selftest() else 3)"
+AMX_PROBE_TIMEOUT_S = 180.0  # a child importing torch on a busy machine: seconds, 3x that and more
+
+
+@functools.cache
+def amx_enabled() -> bool:
+    """Whether the int8 kernels use AMX-INT8 tiles for steps of 16+ rows: asked for (OCTAVO_AMX=1:
+    off by default, measured no faster than VNNI here, docs/BENCHMARKS.md), built with them, and a
+    child process's self-test passed (then this process asks the kernel for the tile state).
+    Decided once per process, with a log line when asked for."""
+    module = load()
+    if module is None or not module.amx_built() or os.environ.get("OCTAVO_AMX", "0") != "1":
+        return False
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    try:
+        done = subprocess.run([sys.executable, "-c", _AMX_PROBE], env=env, capture_output=True, text=True,
+                              timeout=AMX_PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        logger.warning("AMX-INT8 self-test did not finish in %.0f s: int8 layers use the vector dot products",
+                       AMX_PROBE_TIMEOUT_S)
+        return False
+    if done.returncode != 0:
+        why = "died of SIGILL" if done.returncode == -4 else f"exit status {done.returncode}"
+        logger.warning("AMX-INT8 tiles listed but unusable here (self-test in a child process: %s): int8 layers "
+                       "use the vector dot products", why)
+        return False
+    if not module.amx_enable(True):
+        logger.warning("AMX-INT8 tile state refused by the kernel: int8 layers use the vector dot products")
+        return False
+    logger.info("AMX-INT8 tiles: self-test passed in a child process; int8 steps of 16+ rows use them")
+    return True
+
+
+def disable_amx() -> None:
+    """Back to the vector dot products in this process (tests compare the two paths)."""
+    module = load()
+    if module is not None:
+        module.amx_enable(False)
+    amx_enabled.cache_clear()
+
+
 def quant_vnni() -> bool:
     """Whether the int8-activation kernels use VNNI dot products here (else vpmaddubsw pairs)."""
     module = load()

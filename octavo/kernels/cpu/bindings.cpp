@@ -15,6 +15,9 @@ void quant_linear_i8(torch::Tensor out, torch::Tensor x, torch::Tensor packed, i
 void quantize_activations_i8(torch::Tensor xq, torch::Tensor dx, torch::Tensor x);
 void dequantize_rows_i8(torch::Tensor out, torch::Tensor packed, int64_t fmt, torch::Tensor rows, int64_t N);
 bool quant_vnni();
+bool amx_built();
+bool amx_selftest();
+bool amx_enable(bool on);
 void silu_and_mul(torch::Tensor out, torch::Tensor gate_up);
 void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
@@ -37,6 +40,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_activations_i8", &quantize_activations_i8, "x -> (int8 xq, float dx per 32) as quant_linear_i8 does", nogil);
   m.def("dequantize_rows_i8", &dequantize_rows_i8, "rows of a pack_i8 W -> float32, as gguf-py rebuilds them", nogil);
   m.def("quant_vnni", &quant_vnni, "whether the int8 kernels were built with VNNI dot products");
+  m.def("amx_built", &amx_built, "whether the int8 kernels were built with AMX-INT8 tiles");
+  m.def("amx_selftest", &amx_selftest, "ask for the tile state, run one tile product, check it (run in a child first)");
+  m.def("amx_enable", &amx_enable, "use AMX tiles for int8 steps of 16+ rows (after a child's self-test)");
   m.def("quant_isa", &quant_isa, "the vector instructions the quantized kernels were built for");
   m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight (float32)", nogil);
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rms_norm(residual) * weight, in place (float32)", nogil);

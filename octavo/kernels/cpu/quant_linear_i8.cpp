@@ -24,6 +24,18 @@
 // or high ones (v odd); a 5-bit weight's fifth bit is bit v of its lane byte in hi5, a 6-bit
 // weight's two top bits are bits 2 (v % 4), + 1 of hi6[v / 4]. Bytes per tile: 18, 20, 34, 22, 24,
 // 148, 180, 210 x G: the file's bytes (the K-quants' 6-bit scales take a byte each).
+//
+// AMX-INT8 (AVX-512 builds on CPUs that list it): a chunk's 8 unpacked vectors are exactly the
+// rows of an AMX B tile (16 columns x 4 bytes a row), so for steps of 16+ rows one tdpbsud gives
+// the integer dot products of 16 rows x 16 columns x 32 weights, which then take the same float
+// scaling as the VNNI path's: the integers are exact either way, so a row's result is the same bits
+// through either path (batch invariance holds across the switch). Used only once `amx_enable`
+// succeeded (the process asked the kernel for the tile state, and a child process's self-test ran
+// the instructions: kernels/cpu/__init__.py), and only when asked (OCTAVO_AMX=1): one tile product
+// per chunk, stored and scaled row by row, measured no faster than VNNI (0.75-1.5x by shape,
+// docs/BENCHMARKS.md): the store, reload and float scaling of each 16 x 16 result cost what the
+// tile saved (two tile sets alternating between chunks measured no better). Scales folded into
+// integers (one float step per many chunks) are what could change it.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -31,6 +43,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -39,6 +52,14 @@
 
 #include "quant_isa.h"
 #include "quant_linear_kq.h"
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__linux__)
+#define OCTAVO_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define OCTAVO_AMX 0
+#endif
 
 namespace {
 
@@ -212,9 +233,11 @@ void quantize_chunk(const float* x, int8_t* q, float& dx, float& sx, int32_t* s1
   s16[1] = s[1];
 }
 
-Act quantize(const float* x, int64_t M, int64_t K) {
-  Act a{M, K, std::vector<int8_t>(M * K), std::vector<float>(M * K / 32), std::vector<float>(M * K / 32),
-        std::vector<int32_t>(M * K / 16)};
+// `pad_to`: rows allocated as a multiple of it, the extra ones zero (an AMX tile reads 16 rows).
+Act quantize(const float* x, int64_t M, int64_t K, int64_t pad_to = 1) {
+  const int64_t P = (M + pad_to - 1) / pad_to * pad_to;
+  Act a{M, K, std::vector<int8_t>(P * K), std::vector<float>(P * K / 32), std::vector<float>(P * K / 32),
+        std::vector<int32_t>(P * K / 16)};
   const int64_t nc = K / 32;
   at::parallel_for(0, M * nc, 256, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) quantize_chunk(x + i * 32, a.xq.data() + i * 32, a.dx[i], a.sx[i], a.s16.data() + 2 * i);
@@ -264,9 +287,64 @@ inline void chunk_dots(const uint8_t* q, const int8_t* xq, int64_t K, I* s0, I* 
   }
 }
 
-// out[r][0..cols) for rows r < R (from row0 of the activations) of one group of G output rows.
-template <int64_t F, int R>
-void group_i8(const Act& a, int64_t row0, const uint8_t* tiles, float* out, int64_t out_stride, int64_t cols) {
+std::atomic<bool> amx_on{false};
+constexpr int64_t AMX_MIN_ROWS = 16;
+
+#if OCTAVO_AMX
+constexpr int AMX_ROWS = 16;
+
+struct TileConfig {
+  uint8_t palette, start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles: 0 = C (16 rows x 16 int32), 1 = A (16 rows x KT activation bytes), 2 = B (KT / 4 rows x
+// 16 columns x 4 weight bytes). KT: 32 (a chunk), 16 for Q6_K (a scale per 16 weights).
+inline void load_tile_config(int kt) {
+  alignas(64) TileConfig cfg{};
+  cfg.palette = 1;
+  cfg.rows[0] = 16;
+  cfg.colsb[0] = 64;
+  cfg.rows[1] = 16;
+  cfg.colsb[1] = static_cast<uint16_t>(kt);
+  cfg.rows[2] = static_cast<uint8_t>(kt / 4);
+  cfg.colsb[2] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+template <int BITS, int VV = 0>
+inline void unpack_chunk(const uint8_t* q, uint8_t* b) {
+  if constexpr (VV < 8) {
+    _mm512_store_si512(b + 64 * VV, quants<BITS, VV>(q));
+    unpack_chunk<BITS, VV + 1>(q, b);
+  }
+}
+
+// The chunk's dot products for 16 rows through one (two for Q6_K) tile multiply.
+template <int BITS, bool SPLIT>
+inline void amx_dots(const uint8_t* q, const int8_t* xq, int64_t K, I* s0, I* s1) {
+  alignas(64) uint8_t b[8 * 64];
+  alignas(64) int32_t c[16 * 16];
+  unpack_chunk<BITS>(q, b);
+  for (int half = 0; half < (SPLIT ? 2 : 1); ++half) {
+    _tile_loadd(1, xq + 16 * half, K);
+    _tile_loadd(2, b + 256 * half, 64);
+    _tile_zero(0);
+    _tile_dpbsud(0, 1, 2);
+    _tile_stored(0, c, 64);
+    I* s = half == 0 ? s0 : s1;
+    for (int r = 0; r < AMX_ROWS; ++r) s[r] = _mm512_load_si512(c + 16 * r);
+  }
+}
+#endif
+
+// out[r][0..cols) for rows r < R (from row0 of the activations; only r < valid stored) of one
+// group of G output rows. AMX: the dot products through tiles (R = 16, rows padded to 16).
+template <int64_t F, int R, bool AMX = false>
+void group_i8(const Act& a, int64_t row0, const uint8_t* tiles, float* out, int64_t out_stride, int64_t cols,
+              int64_t valid = R) {
   constexpr Spec S = spec(F);
   constexpr int64_t TB = tile_bytes(F), NCH = S.block / 32, CU = chunk_units(S.bits) * G;
   const int64_t K = a.K, nb = K / S.block, nc = K / 32;
@@ -280,8 +358,17 @@ void group_i8(const Act& a, int64_t row0, const uint8_t* tiles, float* out, int6
     for (int64_t ch = 0; ch < NCH; ++ch) {
       const int64_t kc = blk * NCH + ch;  // the chunk's index in the row
       I s0[R], s1[R];
-      for (int r = 0; r < R; ++r) s0[r] = s1[r] = Isa::zero_i();
-      chunk_dots<S.bits, S.kind == kK6, R>(t + S.head * G + ch * CU, a.xq.data() + row0 * K + kc * 32, K, s0, s1);
+      const uint8_t* q = t + S.head * G + ch * CU;
+      const int8_t* xq = a.xq.data() + row0 * K + kc * 32;
+#if OCTAVO_AMX
+      if constexpr (AMX) {
+        amx_dots<S.bits, S.kind == kK6>(q, xq, K, s0, s1);
+      } else
+#endif
+      {
+        for (int r = 0; r < R; ++r) s0[r] = s1[r] = Isa::zero_i();
+        chunk_dots<S.bits, S.kind == kK6, R>(q, xq, K, s0, s1);
+      }
       const int64_t at = row0 * nc + kc;
       if constexpr (S.kind == kOffset) {
         for (int r = 0; r < R; ++r) {
@@ -313,7 +400,7 @@ void group_i8(const Act& a, int64_t row0, const uint8_t* tiles, float* out, int6
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0; r < valid; ++r) {
     if (cols == G) {
       Isa::store(out + r * out_stride, acc[r]);
     } else {
@@ -333,10 +420,24 @@ void group_rows(const Act& a, int64_t row0, int64_t rows, const uint8_t* tiles, 
 }
 
 template <int64_t F>
-void run(const Act& a, const uint8_t* packed, int64_t N, float* out) {
+void run(const Act& a, const uint8_t* packed, int64_t N, float* out, bool amx) {
   const int64_t M = a.M, nb = a.K / spec(F).block, num_groups = (N + G - 1) / G, group_bytes = nb * tile_bytes(F);
   // Each group's tiles (a few KB to a few tens of KB) stay in L1 / L2 while every row chunk uses them.
   at::parallel_for(0, num_groups, 1, [&](int64_t g0, int64_t g1) {
+#if OCTAVO_AMX
+    if (amx) {  // tile configuration is per thread
+      load_tile_config(spec(F).kind == kK6 ? 16 : 32);
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t cols = std::min<int64_t>(G, N - g * G);
+        for (int64_t m = 0; m < M; m += AMX_ROWS)
+          group_i8<F, AMX_ROWS, true>(a, m, packed + g * group_bytes, out + m * N + g * G, N, cols,
+                                      std::min<int64_t>(AMX_ROWS, M - m));
+      }
+      _tile_release();
+      return;
+    }
+#endif
+    (void)amx;
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t cols = std::min<int64_t>(G, N - g * G);
       for (int64_t m = 0; m < M; m += MAX_R)
@@ -387,18 +488,19 @@ void quant_linear_i8(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t fm
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   TORCH_CHECK(out.size(0) == M, "out must have as many rows as x");
   check_packed(packed, fmt, N, K);
-  const Act a = quantize(x.data_ptr<float>(), M, K);
+  const bool amx = OCTAVO_AMX && amx_on.load(std::memory_order_relaxed) && M >= AMX_MIN_ROWS;
+  const Act a = quantize(x.data_ptr<float>(), M, K, amx ? 16 : 1);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   switch (fmt) {
-    case kQ4_0: return run<kQ4_0>(a, pp, N, op);
-    case kQ4_1: return run<kQ4_1>(a, pp, N, op);
-    case kQ8_0: return run<kQ8_0>(a, pp, N, op);
-    case kQ5_0: return run<kQ5_0>(a, pp, N, op);
-    case kQ5_1: return run<kQ5_1>(a, pp, N, op);
-    case kQ4_K: return run<kQ4_K>(a, pp, N, op);
-    case kQ5_K: return run<kQ5_K>(a, pp, N, op);
-    default: return run<kQ6_K>(a, pp, N, op);
+    case kQ4_0: return run<kQ4_0>(a, pp, N, op, amx);
+    case kQ4_1: return run<kQ4_1>(a, pp, N, op, amx);
+    case kQ8_0: return run<kQ8_0>(a, pp, N, op, amx);
+    case kQ5_0: return run<kQ5_0>(a, pp, N, op, amx);
+    case kQ5_1: return run<kQ5_1>(a, pp, N, op, amx);
+    case kQ4_K: return run<kQ4_K>(a, pp, N, op, amx);
+    case kQ5_K: return run<kQ5_K>(a, pp, N, op, amx);
+    default: return run<kQ6_K>(a, pp, N, op, amx);
   }
 }
 
@@ -437,3 +539,59 @@ void dequantize_rows_i8(at::Tensor out, at::Tensor packed, int64_t fmt, at::Tens
 }
 
 bool quant_vnni() { return Isa::vnni; }
+
+// ---- AMX-INT8: built in, the tile state granted, the instructions really running ----------------
+
+bool amx_built() { return OCTAVO_AMX; }
+
+// Ask Linux for the AMX tile state for this process (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA):
+// without it the first tile instruction faults.
+bool amx_request() {
+#if OCTAVO_AMX
+  return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#else
+  return false;
+#endif
+}
+
+// One tile product against plain integer arithmetic (run it in a child process first: on a CPU
+// that lists AMX without running it, this dies of SIGILL).
+bool amx_selftest() {
+#if OCTAVO_AMX
+  if (!amx_request()) return false;
+  alignas(64) int8_t A[16][32];
+  alignas(64) uint8_t B[8][64];
+  alignas(64) int32_t C[16][16];
+  for (int i = 0; i < 16; ++i)
+    for (int j = 0; j < 32; ++j) A[i][j] = static_cast<int8_t>((i * 7 + j * 13) % 255 - 127);
+  for (int i = 0; i < 8; ++i)
+    for (int j = 0; j < 64; ++j) B[i][j] = static_cast<uint8_t>((i * 31 + j * 17) % 256);
+  load_tile_config(32);
+  _tile_loadd(1, A, 32);
+  _tile_loadd(2, B, 64);
+  _tile_zero(0);
+  _tile_dpbsud(0, 1, 2);
+  _tile_stored(0, C, 64);
+  _tile_release();
+  for (int m = 0; m < 16; ++m)
+    for (int n = 0; n < 16; ++n) {
+      int32_t s = 0;
+      for (int k = 0; k < 32; ++k) s += static_cast<int32_t>(A[m][k]) * static_cast<int32_t>(B[k / 4][4 * n + k % 4]);
+      if (s != C[m][n]) return false;
+    }
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Use the tiles for steps of 16+ rows from now on (on: after a child's self-test passed); returns
+// whether they are in use.
+bool amx_enable(bool on) {
+  if (!on || !amx_request()) {
+    amx_on = false;
+    return false;
+  }
+  amx_on = true;
+  return true;
+}
