@@ -74,7 +74,8 @@ def load_shard(spec: WorkerSpec, rank: int, world: int) -> tuple[CausalLM, Model
 
     device = rank_device(spec.device, rank)
     model, cfg = load_model(Path(spec.model_dir), dtype=getattr(torch, spec.dtype), device=str(device),
-                            quantization=spec.quantization, prepare_quantized=False)
+                            quantization=spec.quantization, prepare_quantized=False,
+                            activation_dtype=spec.activation_dtype)
     check_divisible(cfg, world)
     shard_model(model, rank, world)
     prepare_quantized_layers(model, spec.activation_dtype)

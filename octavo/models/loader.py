@@ -338,7 +338,7 @@ def load_model(
     model = _empty_model(cfg, device)
     source = gguf_source(model_dir) if quantization == "auto" else None
     if source is not None:
-        load_gguf_weights(model, source, model_dir)
+        load_gguf_weights(model, source, model_dir, q5_0_as_q8_0=activation_dtype != "int8")
     else:
         load_weights(model, dense_weights(model_dir))
     model = model.to(dtype=dtype).eval()
@@ -455,13 +455,16 @@ def quantize_model(model: CausalLM, fmt: QuantFormat) -> None:
 GGUF_BLOCKS_FILE = "gguf-blocks/blocks-v2.safetensors"
 
 
-def load_gguf_weights(model: CausalLM, gguf_path: Path, model_dir: Path | None = None) -> None:
+def load_gguf_weights(model: CausalLM, gguf_path: Path, model_dir: Path | None = None,
+                      q5_0_as_q8_0: bool = True) -> None:
     """Load a Llama GGUF's tensors into `model`: Q4_0 / Q4_1 / Q8_0 tensors stay in their blocks
     (QuantLinear, QuantEmbedding); any other type is dequantized to float32 into the dense layer.
 
     Parts of a fused layer (q/k/v, gate/up) in different formats run as Q8_0 when each is Q4_0,
     Q5_0 or Q8_0 (exact: `as_q8_0`), else each in its own blocks (QuantLinearParts) when every
-    one is a kernel format, else are all dequantized. With
+    one is a kernel format, else are all dequantized. q5_0_as_q8_0 False (int8 activations, whose
+    kernels read Q5_0 as it is, at 22 bytes per 32 weights against Q8_0's 34) keeps Q5_0 tensors
+    and parts in their own blocks; the weights are the same either way. With
     `model_dir`, the tensors are cached there after the first read (parsing a GGUF's metadata
     takes seconds; the cache maps in milliseconds). Raises ValueError for tensors with no place in
     the model, or missing ones.
@@ -479,7 +482,7 @@ def load_gguf_weights(model: CausalLM, gguf_path: Path, model_dir: Path | None =
         if part is not None:
             parts.setdefault(name, {})[part] = (data, fmt)
             continue
-        if fmt is Q5_0:
+        if fmt is Q5_0 and q5_0_as_q8_0:
             # Q5_0 held exactly as Q8_0: 34 bytes per 32 weights in the Q8_0 kernel's tiles against
             # 40 in the K-quant kernel's (docs/BENCHMARKS.md, the Gemma 3 decode step)
             _set_quantized(model, name.removesuffix(".weight"), as_q8_0(data, fmt, params[name].shape[-1]), Q8_0, fmt)
@@ -498,15 +501,15 @@ def load_gguf_weights(model: CausalLM, gguf_path: Path, model_dir: Path | None =
             continue  # reported as missing below
         fmts = {by_part[p][1] for p in order}
         in_features = params[name].shape[-1]  # (a bias is never block-quantized)
-        if len(fmts) == 1 and None not in fmts and Q5_0 not in fmts:
+        if len(fmts) == 1 and None not in fmts and (Q5_0 not in fmts or not q5_0_as_q8_0):
             (fmt,) = fmts
             _set_quantized(model, name.removesuffix(".weight"), torch.cat([by_part[p][0] for p in order]), fmt)
-        elif all(f is not None and f.name in AS_Q8_0 for f in fmts):  # e.g. q/k Q5_0, v Q8_0: exact as Q8_0
+        elif q5_0_as_q8_0 and all(f is not None and f.name in AS_Q8_0 for f in fmts):  # q/k Q5_0, v Q8_0: exact as Q8_0
             blocks = [as_q8_0(d, f, in_features) for d, f in (by_part[p] for p in order)]
             file_fmt = "+".join(sorted({by_part[p][1].name for p in order}))
             _set_quantized(model, name.removesuffix(".weight"), torch.cat(blocks), Q8_0, file_fmt)
         elif None not in fmts:  # e.g. q/k Q4_K, v Q6_K: each part in its own blocks
-            _set_quantized_parts(model, name.removesuffix(".weight"), [by_part[p] for p in order])
+            _set_quantized_parts(model, name.removesuffix(".weight"), [by_part[p] for p in order], q5_0_as_q8_0)
         else:
             dense = [d if f is None else dequantize(d, f, in_features) for d, f in (by_part[p] for p in order)]
             with torch.no_grad():
@@ -630,14 +633,16 @@ def held_weight_bytes(header: GGUFHeader, dense_bytes: int = 4) -> int:
     return total
 
 
-def _set_quantized_parts(model: CausalLM, module_name: str, parts: list[tuple[torch.Tensor, QuantFormat]]) -> None:
-    """A QuantLinearParts in place of the dense fused layer at `module_name` (Q5_0 parts held as Q8_0)."""
+def _set_quantized_parts(model: CausalLM, module_name: str, parts: list[tuple[torch.Tensor, QuantFormat]],
+                         q5_0_as_q8_0: bool = True) -> None:
+    """A QuantLinearParts in place of the dense fused layer at `module_name` (Q5_0 parts held as
+    Q8_0 unless q5_0_as_q8_0 is False)."""
     parent_name, _, child_name = module_name.rpartition(".")
     parent = model.get_submodule(parent_name)
     old = getattr(parent, child_name)
     layers = []
     for data, fmt in parts:
-        if fmt is Q5_0:
+        if fmt is Q5_0 and q5_0_as_q8_0:
             data, fmt = as_q8_0(data, fmt, old.in_features), Q8_0
         layers.append(QuantLinear(data, fmt, old.in_features, None, prepare=False))
     setattr(parent, child_name, QuantLinearParts(layers, old.bias))

@@ -40,7 +40,7 @@ def gemma(gemma_gguf):
     from octavo.tokenizer import load_tokenizer
 
     model_dir = resolve_model(gemma_gguf)
-    model, _ = load_model(model_dir, quantization="auto")
+    model, _ = load_model(model_dir, quantization="auto", activation_dtype="float32")  # the exact path, pinned
     return model_dir, model, load_tokenizer(model_dir), weight_bytes(model)
 
 
@@ -55,6 +55,7 @@ def make_gemma(gemma):
     model_config = load_model_config(model_dir)
 
     def build(**kwargs):
+        kwargs["activation_dtype"] = "float32"
         kwargs.setdefault("kv_cache_memory", 256 << 20)
         kwargs.setdefault("max_model_len", 4096)
         kwargs.setdefault("dtype", "float32")

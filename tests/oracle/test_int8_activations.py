@@ -97,3 +97,27 @@ def test_int8_prefix_hits_and_forks_keep_the_tokens(make_llm, prompts, shared, b
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, n=3)
     (out,) = llm.generate([prompts[3]], params, use_tqdm=False)
     assert [c.token_ids for c in out.outputs] == [baseline[3]] * 3
+
+
+def test_int8_holds_gemmas_q5_0_blocks_at_the_files_size():
+    """Gemma 3's file keeps q/k (and some whole layers) in Q5_0: the exact path holds them as Q8_0
+    (its kernels read that faster), the int8 kernels read Q5_0 itself. The same weights either way,
+    so the same logits bit for bit, and the weights held within 5% of the file's tensor bytes."""
+    import torch
+
+    from octavo.models.gguf_file import read_header
+    from octavo.models.loader import describe_weights, load_model, packaged_gguf, prepare_quantized_layers
+    from octavo.models.loader import resolve_model, weight_bytes
+
+    gguf = packaged_gguf("gemma3-270m")
+    model_dir = resolve_model(gguf)
+    native, cfg = load_model(model_dir, quantization="auto", activation_dtype="int8")
+    as_q8_0, _ = load_model(model_dir, quantization="auto", prepare_quantized=False)  # Q5_0 rewritten as Q8_0
+    prepare_quantized_layers(as_q8_0, "int8")
+    assert "exact rewrites" in describe_weights(as_q8_0) and "exact rewrites" not in describe_weights(native)
+    assert "Q5_0" in describe_weights(native)
+    file_bytes = sum(t.num_bytes for t in read_header(gguf).tensors.values())
+    assert weight_bytes(native) <= 1.05 * file_bytes < weight_bytes(as_q8_0)
+    tokens = list(range(2, 66))
+    logits = [m.compute_logits(Scorer(m, cfg, 64).hidden(tokens)) for m in (native, as_q8_0)]
+    assert torch.equal(*logits)
