@@ -3,6 +3,7 @@
 // values. AVX-512, AVX2 or plain C++, chosen at compile time (the build is per machine).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -199,6 +200,20 @@ struct Isa {  // plain C++ over G-float arrays (the compiler vectorises what it 
   static constexpr const char* name = "scalar";
 };
 #endif
+
+// A kernel's accumulators acc[r] (r < rows: one vector of G output columns each) into rows of out,
+// `stride` floats apart; only the first `cols` lanes where a group's last columns pass N.
+inline void store_rows(const Isa::V* acc, int64_t rows, int64_t cols, float* out, int64_t stride) {
+  for (int64_t r = 0; r < rows; ++r) {
+    if (cols == Isa::G) {
+      Isa::store(out + r * stride, acc[r]);
+    } else {
+      float tmp[Isa::G];
+      Isa::store(tmp, acc[r]);
+      std::copy(tmp, tmp + cols, out + r * stride);
+    }
+  }
+}
 
 // dot4 for u of a full byte (Q8_0's q + 128): vpmaddubsw's int16 pairs could saturate (255 x 127
 // x 2 > 32767), so without VNNI the nibbles go in separately, the high one's sum times 16.

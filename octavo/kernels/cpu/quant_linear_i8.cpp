@@ -400,15 +400,7 @@ void group_i8(const Act& a, int64_t row0, const uint8_t* tiles, float* out, int6
       }
     }
   }
-  for (int r = 0; r < valid; ++r) {
-    if (cols == G) {
-      Isa::store(out + r * out_stride, acc[r]);
-    } else {
-      float tmp[G];
-      Isa::store(tmp, acc[r]);
-      std::copy(tmp, tmp + cols, out + r * out_stride);
-    }
-  }
+  octavo_quant::store_rows(acc, valid, cols, out, out_stride);
 }
 
 template <int64_t F, int R = MAX_R>

@@ -99,15 +99,7 @@ inline void group_small(const float* x, int64_t K, const uint8_t* tiles, const f
       for (int r = 0; r < R; ++r) acc[r] = Isa::fma(M, Isa::set1(xs[r * nsub + b]), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    if (cols == G) {
-      Isa::store(out + r * out_stride, acc[r]);
-    } else {
-      float tmp[G];
-      Isa::store(tmp, acc[r]);
-      std::copy(tmp, tmp + cols, out + r * out_stride);
-    }
-  }
+  octavo_quant::store_rows(acc, R, cols, out, out_stride);
 }
 
 template <int64_t S, bool HAS_M, int R = MAX_R>
