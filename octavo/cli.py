@@ -59,8 +59,10 @@ def check_model_file(model: str | None) -> None:
 
     from octavo.models.gguf_arch import check_file
 
+    from octavo.models.converted import converted_dir
+
     path = Path(model).expanduser()
-    if path.is_file():
+    if path.is_file() and converted_dir(path) is None:  # (converted: checked then, same content)
         check_file(path)
 
 

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 
+# tokenizer_config.json classes that are transformers' generic tokenizers.json wrapper (what a GGUF
+# converted here names): loaded by that class itself. AutoTokenizer resolves the same class, but
+# its name lookup imports the model registry and torch.distributed.tensor: 2-3 s of a start.
+_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer(model_dir: str | Path) -> Any:
     """The directory's Hugging Face tokenizer (fast, from tokenizer.json). Never downloads."""
+    try:
+        name = json.loads((Path(model_dir) / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        name = None
+    if name in _GENERIC_TOKENIZERS:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(model_dir), local_files_only=True)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)

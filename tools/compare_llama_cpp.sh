@@ -9,6 +9,7 @@
 #      WORKLOAD (default ../shared/workloads/random_n64.json), MODEL (a packaged model name or a
 #      .gguf path; default the embedded SmolLM2), LOADS (default one_user,concurrency16: either or both),
 #      ONE_USER_REQUESTS, ONE_USER_LEN (default 8 and 128: the one-user load's requests and lengths),
+#      ONE_USER_OUT (its output length, default ONE_USER_LEN: e.g. ONE_USER_LEN=512 ONE_USER_OUT=16 for TTFT),
 #      PERPLEXITY=1 (after the loads: `octavo eval` of int8 against float32 and llama-perplexity on the
 #      same text, windows of 512, the servers stopped first).
 set -euo pipefail
@@ -20,6 +21,7 @@ WORKLOAD=${WORKLOAD:-../shared/workloads/random_n64.json}
 LOADS=${LOADS:-one_user,concurrency16}
 ONE_USER_REQUESTS=${ONE_USER_REQUESTS:-8}
 ONE_USER_LEN=${ONE_USER_LEN:-128}
+ONE_USER_OUT=${ONE_USER_OUT:-$ONE_USER_LEN}
 mkdir -p "$OUT"
 LLAMA=$(tools/build_llama_server.sh)
 MODEL=${MODEL:-}
@@ -46,9 +48,9 @@ grep -h "weights:" "$OUT/octavo-serve.log" || true
 BENCH=(.venv/bin/octavo bench serve --base-url http://127.0.0.1:8090 --compare http://127.0.0.1:8091
        --labels octavo,llama.cpp --repeats "$ROUNDS")
 if [[ ",$LOADS," == *",one_user,"* ]]; then
-  echo "## one user at a time: $ONE_USER_REQUESTS requests, $ONE_USER_LEN in / $ONE_USER_LEN out, concurrency 1"
+  echo "## one user at a time: $ONE_USER_REQUESTS requests, $ONE_USER_LEN in / $ONE_USER_OUT out, concurrency 1"
   # (a load with failed requests exits 1; report it and go on to the next load)
-  "${BENCH[@]}" random --num-requests "$ONE_USER_REQUESTS" --input-len "$ONE_USER_LEN" --output-len "$ONE_USER_LEN" \
+  "${BENCH[@]}" random --num-requests "$ONE_USER_REQUESTS" --input-len "$ONE_USER_LEN" --output-len "$ONE_USER_OUT" \
     --max-concurrency 1 --json "$OUT/one_user.json" || status=1
   echo
 fi

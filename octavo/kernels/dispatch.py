@@ -133,6 +133,12 @@ def prepare_quant_weight(qweight: torch.Tensor, fmt: QuantFormat, activations: s
     return (cpu.pack(qweight, fmt), "packed") if kernels else (qweight, "gguf")
 
 
+def packed_layout_key() -> str | None:
+    """What `prepare_quant_weight`'s layouts depend on here (the CPU kernels' build: sources, flags,
+    torch, CPU), for files of prepared weights; None where no kernels run (layouts "gguf*")."""
+    return cpu.build_dir().name if _cpu_kernels() else None
+
+
 def quant_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,

@@ -175,7 +175,8 @@ class RotaryEmbedding(nn.Module):
         self.rope, self.head_dim, self.max_position = rope, head_dim, max_position
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
-        self.reset_tables()
+        if torch.get_default_device().type != "meta":  # a meta model's tables come with its device
+            self.reset_tables()  # (`loader._empty_model`; meta ops import torch._dynamo: seconds)
 
     def reset_tables(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the tables on `device` (a model built on the meta device has none)."""

@@ -9,6 +9,7 @@ parallelism, the transformers comparisons): see `dense_weights`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -17,7 +18,7 @@ import mmap
 import shutil
 import tempfile
 from importlib import metadata
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from safetensors.torch import save_file
 from octavo.cache import atomic_write_text, cache_dir, exclusive, move_into_place, remove_leftovers, temporary_folder
 from octavo.config import QUANTIZATION_CHOICES, ModelConfig
 from octavo.models import gguf_arch
+from octavo.models.converted import GGUF_BLOCKS_FILE, converted_path, is_converted
 from octavo.models.gguf_file import ArrayValue, GGUFFormatError, GGUFHeader, TensorInfo, read_header
 from octavo.models.layers import CausalLM, QuantEmbedding, QuantLinear, QuantLinearParts, RotaryEmbedding
 from octavo.models.registry import load_model_config, model_class, model_config_from_hf
@@ -297,9 +299,33 @@ def load_hf_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]
         raise ValueError(f"checkpoint in {source} lacks: {', '.join(missing[:8])}")
 
 
+# torch.nn.init's in-place initialisers, skipped while a model is built on the meta device: the
+# weights are loaded after, and a meta tensor's normal_ (nn.Embedding's init) imports torch._dynamo
+# to find its decomposition, 1-4 s of every start that nothing else in a start needs.
+_INITIALISERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "kaiming_uniform_",
+                 "kaiming_normal_", "xavier_uniform_", "xavier_normal_", "orthogonal_")
+
+
+@contextlib.contextmanager
+def _no_init() -> Iterator[None]:
+    saved = {name: getattr(torch.nn.init, name) for name in _INITIALISERS}
+    try:
+        for name in _INITIALISERS:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
 def _empty_model(cfg: ModelConfig, device: str) -> CausalLM:
-    """The model with uninitialised weights on `device` (no time spent on a random init)."""
-    with torch.device("meta"):
+    """The model with uninitialised weights on `device` (no time spent on a random init). On the
+    CPU built in place: torch.empty's pages are taken only when written, and the meta device's
+    first use imports torch's meta registrations and sympy (~1 s of every start)."""
+    if torch.device(device).type == "cpu":
+        with _no_init():
+            return model_class(cfg.architecture)(cfg)
+    with torch.device("meta"), _no_init():
         model = model_class(cfg.architecture)(cfg)
     model = model.to_empty(device=device)
     for module in model.modules():
@@ -347,7 +373,9 @@ def load_model(
     for module in model.modules():
         if isinstance(module, QuantEmbedding):
             module.dtype = dtype
-    if prepare_quantized:
+    if prepare_quantized and source is not None and torch.device(device).type == "cpu":
+        prepare_through_cache(model, model_dir, activation_dtype)
+    elif prepare_quantized:
         prepare_quantized_layers(model, activation_dtype)
     return model, cfg
 
@@ -358,6 +386,91 @@ def prepare_quantized_layers(model: torch.nn.Module, activations: str = "float32
     for module in model.modules():
         if isinstance(module, QuantLinear):
             module.prepare(activations)
+
+
+PREPARED_PREFIX = "gguf-blocks/prepared-"
+
+
+def prepared_weights_file(model_dir: Path, activations: str) -> Path | None:
+    """Where the quantized layers of a converted GGUF are kept in the layout the kernels for
+    `activations` read (after `prepare_quantized_layers`), keyed by the kernel build (its sources,
+    flags, torch, the CPU: `kernels.cpu.build.build_dir`), or None when no kernels run here (the
+    reference reads the GGUF layout as it is)."""
+    from octavo.kernels import dispatch
+
+    key = dispatch.packed_layout_key()
+    return None if key is None else model_dir / f"{PREPARED_PREFIX}{activations}-{key}.safetensors"
+
+
+def prepare_through_cache(model: torch.nn.Module, model_dir: Path, activations: str) -> None:
+    """`prepare_quantized_layers`, from a file of the prepared blocks when one was written for these
+    layers and this kernel build (memory-mapped: the pages are the page cache's, shared by every
+    process serving the file, read as the first steps touch them), else prepared here and that
+    file written for the next start. A file that cannot be read, or was made for other layers, is
+    prepared again and replaced."""
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    path = prepared_weights_file(model_dir, activations) if layers else None
+    if path is None:
+        prepare_quantized_layers(model, activations)
+        return
+    if path.is_file():
+        try:
+            metadata, tensors = map_safetensors(path)
+            kept = json.loads(metadata["layers"])  # name -> [format, layout, in_features]
+            if {n: (f, k) for n, (f, _, k) in kept.items()} == {n: (m.fmt.name, m.in_features) for n, m in layers.items()} \
+                    and set(tensors) == set(layers):
+                for name, module in layers.items():
+                    module.qweight, module.layout = tensors[name], kept[name][1]
+                return
+            logger.info("%s was made for other layers: preparing them again", path.name)
+        except (OSError, ValueError, KeyError) as exc:
+            logger.warning("prepared weights %s unreadable (%s): preparing them again", path, exc)
+    prepare_quantized_layers(model, activations)
+    for stale in path.parent.glob(f"{Path(PREPARED_PREFIX).name}{activations}-*.safetensors"):
+        if stale != path:  # another kernel build's (a process mapping it keeps its pages)
+            stale.unlink(missing_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file({n: m.qweight.contiguous() for n, m in layers.items()}, tmp, metadata={
+            "format": "pt", "layers": json.dumps({n: [m.fmt.name, m.layout, m.in_features] for n, m in layers.items()})})
+        os.replace(tmp, path)
+    except OSError as exc:  # a full or read-only cache: this start is prepared all the same
+        logger.warning("could not keep the prepared weights in %s (%s)", path, exc)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+_SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "U8": np.uint8, "I8": np.int8, "I16": np.int16,
+                       "I32": np.int32, "I64": np.int64, "BF16": np.int16}
+
+
+def map_safetensors(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """(metadata, name -> tensor) of a safetensors file, each tensor a copy-on-write view of the
+    file mapped into memory: nothing is read until used, pages used are the page cache's (shared
+    between processes), a write stays private. ValueError for a file that is not whole."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path} is truncated")
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            raise ValueError(f"{path} is truncated (header of {n} bytes)")
+        header = json.loads(fh.read(n))
+    metadata = header.pop("__metadata__", {}) or {}
+    data = np.memmap(path, dtype=np.uint8, mode="c", offset=8 + n, shape=(size - 8 - n,)) if size > 8 + n else None
+    tensors = {}
+    for name, info in header.items():
+        begin, end = info["data_offsets"]
+        dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+        shape = tuple(info["shape"])
+        if not 0 <= begin <= end <= size - 8 - n or end - begin != int(np.prod(shape)) * np.dtype(dtype).itemsize:
+            raise ValueError(f"{path}: tensor {name} lies outside the file")
+        array = data[begin:end].view(dtype).reshape(shape) if end > begin else np.empty(shape, dtype)
+        tensor = torch.from_numpy(array)
+        tensors[name] = tensor.view(torch.bfloat16) if info["dtype"] == "BF16" else tensor
+    return metadata, tensors
 
 
 def stored_dtype(model_dir: Path) -> str | None:
@@ -450,9 +563,6 @@ def quantize_model(model: CausalLM, fmt: QuantFormat) -> None:
                                             prepare=False)
 
 
-# a subdirectory: never taken for HF weights. v2: K-quant and Q5 tensors are kept as blocks (v1
-# dequantized them), so a directory converted before is converted again.
-GGUF_BLOCKS_FILE = "gguf-blocks/blocks-v2.safetensors"
 
 
 def load_gguf_weights(model: CausalLM, gguf_path: Path, model_dir: Path | None = None,
@@ -541,9 +651,9 @@ def _gguf_tensors(
     not read and check it twice."""
     cache = None if model_dir is None else model_dir / GGUF_BLOCKS_FILE
     if cache is not None and cache.is_file():
-        with safe_open(str(cache), framework="pt") as f:
-            formats = json.loads(f.metadata()["formats"])
-            return [(name, f.get_tensor(name), FORMATS.get(formats[name])) for name in f.keys()]
+        metadata, tensors = map_safetensors(cache)
+        formats = json.loads(metadata["formats"])
+        return [(name, tensor, FORMATS.get(formats[name])) for name, tensor in tensors.items()]
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
@@ -680,19 +790,17 @@ def convert_gguf(gguf_path: Path, name: str) -> Path:
     process converts while others wait (`octavo.cache.exclusive`); a conversion killed midway
     leaves only a temporary folder, removed by the next one."""
     header = read_header(gguf_path)
-    hp = gguf_arch.check_model(header)
     key = header.content_key()[:16]
-    out = cache_dir() / "models" / f"{name}-{key}"
-    if not _is_converted(out):
+    out = converted_path(header, name)
+    if not is_converted(out):  # (a converted file was checked then: its content has that key)
+        hp = gguf_arch.check_model(header)
         with exclusive(out.with_name(out.name + ".lock"), f"the conversion of {gguf_path.name} into {out}"):
-            if not _is_converted(out):
+            if not is_converted(out):
                 _convert_gguf_into(gguf_path, out, header, key, hp)
     _record_gguf_source(out, gguf_path, key)
     return out
 
 
-def _is_converted(out: Path) -> bool:
-    return (out / "config.json").is_file() and (out / GGUF_BLOCKS_FILE).is_file()
 
 
 def _convert_gguf_into(gguf_path: Path, out: Path, header: GGUFHeader, key: str, hp: dict[str, Any]) -> None:
@@ -705,7 +813,7 @@ def _convert_gguf_into(gguf_path: Path, out: Path, header: GGUFHeader, key: str,
     tmp = temporary_folder(out.parent, prefix)  # same filesystem: the rename is atomic
     try:
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
-        _save_gguf_tokenizer(header, tmp)
+        _save_gguf_tokenizer(header, tmp, hf_config["model_type"])
         _record_gguf_source(tmp, gguf_path, key)
         _gguf_tensors(gguf_path, tmp, header, hf_config)  # the blocks cache, from the header already read
         move_into_place(tmp, out)
@@ -794,17 +902,21 @@ def gguf_source(model_dir: Path) -> Path | None:
 _TOKENIZER_KEYS = ("general.architecture", "general.name")
 
 
-def _save_gguf_tokenizer(header: GGUFHeader, out: Path) -> None:
+def _save_gguf_tokenizer(header: GGUFHeader, out: Path, model_type: str) -> None:
     """The GGUF's tokenizer and chat template (the architecture's own where the file has none),
-    written as HF tokenizer files. GGUFFormatError if transformers cannot make a tokenizer of it."""
-    from transformers import AutoTokenizer
+    written as HF tokenizer files. GGUFFormatError if transformers cannot make a tokenizer of it.
+    The class is the one AutoTokenizer maps `model_type` to (transformers' generic one where it
+    maps none), named here: AutoTokenizer would first build the model's config from the file,
+    through a reader that decodes a 128k-token vocabulary element by element (~10-20 s)."""
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
 
     arch = gguf_arch.architecture(header)
+    tokenizer_class = tokenizer_class_from_name(TOKENIZER_MAPPING_NAMES.get(model_type) or "TokenizersBackend")
     with tempfile.TemporaryDirectory(dir=out) as tmp:
         small = Path(tmp) / "tokenizer.gguf"
         _write_tokenizer_gguf(header, small)
         try:
-            tok = AutoTokenizer.from_pretrained(str(small.parent), gguf_file=small.name)
+            tok = tokenizer_class.from_pretrained(str(small.parent), gguf_file=small.name)
         except Exception as exc:  # transformers' converters raise anything on odd vocabularies
             message = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
             raise GGUFFormatError(f"{header.path.name}: no tokenizer can be made of its tokenizer.ggml.* "

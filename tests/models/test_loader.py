@@ -138,3 +138,51 @@ def test_dtype_auto_follows_the_weights_and_the_cpu_flags_never_a_timing(monkeyp
         monkeypatch.setattr(cpu_features, "cpu_flags", lambda flags=flags: frozenset(flags))
         dtype, why = auto_dtype(model, "cpu", stored)
         assert dtype == expect and why, (flags, stored, dtype, why)
+
+
+def test_a_converted_file_is_not_checked_again_at_the_next_start(tmp_path, monkeypatch):
+    """The check decodes every vocabulary entry and BPE merge (~0.8 s for Llama 3's); a file whose
+    content key names a whole conversion was checked when it was converted."""
+    from octavo import cli
+    from octavo.cache import cache_dir
+    from octavo.models import gguf_arch
+    from octavo.models.converted import converted_dir
+    from tests.models.gguf_writer import hf_model, write_gguf
+
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "kernels").symlink_to(cache_dir() / "kernels")
+    monkeypatch.setenv("OCTAVO_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "m.gguf"
+    write_gguf(hf_model("llama"), "llama", path)
+    checked = []
+    real = gguf_arch.check_model
+    monkeypatch.setattr(gguf_arch, "check_model", lambda header, *a: checked.append(header.path) or real(header, *a))
+    assert converted_dir(path) is None
+    cli.check_model_file(str(path))
+    assert len(checked) == 1  # not converted yet: checked
+    out = resolve_model(path)
+    assert len(checked) == 2 and converted_dir(path) == out  # the conversion checks it itself
+    cli.check_model_file(str(path))
+    assert resolve_model(path) == out and len(checked) == 2  # converted: neither checks it again
+
+
+def test_the_conversions_tokenizer_is_the_one_autotokenizer_makes_of_the_file(tmp_path):
+    """The conversion names the tokenizer class AutoTokenizer maps the architecture to (AutoTokenizer
+    itself first builds the model's config through a slow reader): same tokenizer files."""
+    import filecmp
+
+    from transformers import AutoTokenizer
+
+    from octavo.models import gguf_arch
+    from octavo.models.gguf_file import read_header
+    from octavo.models.loader import _save_gguf_tokenizer, _write_tokenizer_gguf, default_gguf_path
+
+    header = read_header(default_gguf_path())
+    (tmp_path / "ours").mkdir()
+    _save_gguf_tokenizer(header, tmp_path / "ours", gguf_arch.hf_config(header)["model_type"])
+    _write_tokenizer_gguf(header, tmp_path / "t.gguf")
+    auto = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="t.gguf")
+    auto.chat_template = auto.chat_template or gguf_arch.default_chat_template(gguf_arch.architecture(header))
+    auto.save_pretrained(str(tmp_path / "auto"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert filecmp.cmp(tmp_path / "ours" / name, tmp_path / "auto" / name, shallow=False), name

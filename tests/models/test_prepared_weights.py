@@ -1,0 +1,121 @@
+"""Prepared weights kept for the next start: a converted GGUF's quantized layers, once put in the
+layout the kernels read, are written beside its blocks and memory-mapped by later loads (the
+kernels' packing is skipped); a damaged or stale file is prepared again, never trusted."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from octavo.models import loader
+from octavo.models.layers import QuantLinear
+
+
+@pytest.fixture
+def model_dir(tmp_path, monkeypatch):
+    """A tiny Llama GGUF (Q8_0, v in Q4_1: a fused q|k|v of two formats) converted into a fresh cache
+    (kernels shared with the usual one: built already)."""
+    from octavo.cache import cache_dir
+    from tests.models.gguf_writer import hf_model, write_gguf
+
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "kernels").symlink_to(cache_dir() / "kernels")
+    monkeypatch.setenv("OCTAVO_CACHE_DIR", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    write_gguf(hf_model("llama"), "llama", tmp_path / "m.gguf", types={"attn_v": gguf.GGMLQuantizationType.Q4_1})
+    return loader.resolve_model(tmp_path / "m.gguf")
+
+
+def _logits(model, ids=(1, 7, 30, 4, 96, 12)):
+    """All-position logits of one prefill through the paged path."""
+    from octavo.config import CacheConfig
+    from octavo.model_runner import ModelRunner
+    from tests.models.test_tiny_models import entry, run
+
+    runner = ModelRunner(model.eval(), model.config, CacheConfig(block_size=4, num_blocks=8), eos_token_ids=())
+    return run(runner, [entry("a", list(ids), 0, [0, 1], 1)])["a"]
+
+
+def _no_packing(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the layers were packed again: the prepared file was not used")
+
+    monkeypatch.setattr(loader, "prepare_quantized_layers", refuse)
+
+
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_a_second_load_maps_the_prepared_layers_and_computes_the_same(model_dir, monkeypatch, activations):
+    first, _ = loader.load_model(model_dir, quantization="auto", activation_dtype=activations)
+    path = loader.prepared_weights_file(model_dir, activations)
+    assert path is not None and path.is_file()
+    written = path.stat().st_mtime_ns
+    _no_packing(monkeypatch)
+    second, _ = loader.load_model(model_dir, quantization="auto", activation_dtype=activations)
+    assert path.stat().st_mtime_ns == written
+    layers = [m for m in second.modules() if isinstance(m, QuantLinear)]
+    assert layers and all(m.layout == ("packed_i8" if activations == "int8" else "packed") for m in layers)
+    assert torch.equal(_logits(first), _logits(second))
+
+
+def test_each_activation_dtype_keeps_its_own_file(model_dir):
+    for activations in ("float32", "int8"):
+        loader.load_model(model_dir, quantization="auto", activation_dtype=activations)
+    files = sorted(p.name for p in (model_dir / "gguf-blocks").glob("prepared-*"))
+    assert [f.split("-")[1] for f in files] == ["float32", "int8"]
+
+
+def test_a_truncated_file_is_prepared_again_and_replaced(model_dir, caplog):
+    first, _ = loader.load_model(model_dir, quantization="auto", activation_dtype="int8")
+    path = loader.prepared_weights_file(model_dir, "int8")
+    size = path.stat().st_size
+    with open(path, "r+b") as fh:
+        fh.truncate(size // 2)
+    second, _ = loader.load_model(model_dir, quantization="auto", activation_dtype="int8")
+    assert "unreadable" in caplog.text
+    assert path.stat().st_size == size
+    assert torch.equal(_logits(first), _logits(second))
+
+
+def test_another_kernel_build_prepares_again_and_removes_the_stale_file(model_dir, monkeypatch):
+    from octavo.kernels import dispatch
+
+    loader.load_model(model_dir, quantization="auto", activation_dtype="int8")
+    old = loader.prepared_weights_file(model_dir, "int8")
+    monkeypatch.setattr(dispatch, "packed_layout_key", lambda: "cpu-otherbuild")
+    loader.load_model(model_dir, quantization="auto", activation_dtype="int8")
+    new = loader.prepared_weights_file(model_dir, "int8")
+    assert new != old and new.is_file() and not old.exists()
+
+
+def test_a_file_made_for_other_layers_is_not_used(model_dir, monkeypatch, tmp_path):
+    """Same kernel build, same name, other model (a file copied over): its layers do not match."""
+    from safetensors.torch import save_file
+
+    path = loader.prepared_weights_file(model_dir, "int8")
+    save_file({"model.layers.0.mlp.down_proj": torch.zeros(4, 8, dtype=torch.uint8)}, str(path),
+              metadata={"format": "pt", "layers": '{"model.layers.0.mlp.down_proj": ["Q8_0", "packed_i8", 64]}'})
+    model, _ = loader.load_model(model_dir, quantization="auto", activation_dtype="int8")
+    _, kept = loader.map_safetensors(path)
+    assert set(kept) == {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def test_map_safetensors_reads_what_save_file_wrote_without_copying(tmp_path):
+    from safetensors.torch import save_file
+
+    tensors = {"f": torch.randn(3, 5), "b": torch.randn(4).to(torch.bfloat16), "u": torch.arange(7, dtype=torch.uint8),
+               "e": torch.zeros(0, 3), "h": torch.randn(2, 2).half()}
+    save_file(tensors, str(tmp_path / "t.safetensors"), metadata={"k": "v"})
+    metadata, mapped = loader.map_safetensors(tmp_path / "t.safetensors")
+    assert metadata == {"k": "v"}
+    for name, t in tensors.items():
+        assert mapped[name].dtype == t.dtype and torch.equal(mapped[name], t)
+    mapped["f"].zero_()  # copy-on-write: the file keeps its bytes
+    assert torch.equal(loader.map_safetensors(tmp_path / "t.safetensors")[1]["f"], tensors["f"])
+    data = (tmp_path / "t.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[: len(data) - 10])
+    with pytest.raises(ValueError, match="outside the file"):
+        loader.map_safetensors(tmp_path / "cut.safetensors")
+    (tmp_path / "head.safetensors").write_bytes(data[:20])
+    with pytest.raises(ValueError, match="truncated"):
+        loader.map_safetensors(tmp_path / "head.safetensors")
+    assert np.frombuffer(data[:8], "<u8")[0] < len(data)
