@@ -650,7 +650,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from pathlib import Path
 
-    from octavo.bench.accuracy import DEFAULT_TEXT, Scorer, evaluate, format_table, text_tokens, windows
+    from octavo.bench.accuracy import DEFAULT_TEXT, Scorer, evaluate, format_table, text_tokens, windows, write_kl_base
     from octavo.models.loader import load_model, resolve_model
     from octavo.tokenizer import load_tokenizer
 
@@ -668,6 +668,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     with tqdm(total=num_windows, desc="Scoring windows", unit="window") as bar:
         result = evaluate(scorers, token_ids, args.ctx, max_windows=args.max_windows, progress=bar, bos=bos)
     print(f"{model_dir.name}: {format_table(result)}")
+    if args.kl_base:  # the exact path's log-probabilities for llama-perplexity --kl-divergence-base
+        write_kl_base(args.kl_base, scorers["float32"], token_ids, args.ctx, args.max_windows, bos)
+        print(f"exact log-probabilities written to {args.kl_base} (llama-perplexity --kl-divergence-base)")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"model": str(model_dir), "num_tokens": result.num_tokens, "ctx": result.ctx,
@@ -684,6 +687,8 @@ def _add_eval(sub) -> None:
     ev.add_argument("--ctx", type=int, default=512, help="window length; its second half is scored (llama-perplexity's -c)")
     ev.add_argument("--max-windows", type=int, default=None, help="score at most this many windows")
     ev.add_argument("--json", default=None, help="write the scores to this JSON file")
+    ev.add_argument("--kl-base", default=None, help="also write the exact path's log-probabilities in llama-perplexity's "
+                    "--kl-divergence-base format to this file (its KL divergence against them: tools/compare_llama_cpp.sh)")
     ev.set_defaults(func=cmd_eval)
 
 

@@ -245,17 +245,3 @@ def dequantize_k(qweight: torch.Tensor, fmt: QuantFormat, in_features: int) -> t
     else:
         raise ValueError(f"unknown format {fmt}")
     return w.reshape(n, in_features)
-
-
-def chunk_mins(qweight: torch.Tensor, fmt: QuantFormat, in_features: int) -> torch.Tensor | None:
-    """The min term of each run of 32 weights, float32 [N, in_features / 32] (w = d * q + m: m for
-    Q4_1 / Q5_1; -(dmin * mn) for Q4_K / Q5_K), or None for formats without one (w = d * (q - o))."""
-    n = qweight.shape[0]
-    if fmt in (Q4_1, Q5_1):
-        blocks = qweight.reshape(n, in_features // BLOCK, fmt.block_bytes)
-        return _f16(blocks[..., 2:4])[..., 0]
-    if fmt in (Q4_K, Q5_K):
-        blocks = qweight.reshape(n, in_features // fmt.block_size, fmt.block_bytes)
-        _, mn = _k_scales(blocks[..., 4:16])
-        return -(_f16(blocks[..., 2:4]) * mn.float()).reshape(n, in_features // BLOCK)
-    return None

@@ -11,7 +11,8 @@
 #      ONE_USER_REQUESTS, ONE_USER_LEN (default 8 and 128: the one-user load's requests and lengths),
 #      ONE_USER_OUT (its output length, default ONE_USER_LEN: e.g. ONE_USER_LEN=512 ONE_USER_OUT=16 for TTFT),
 #      PERPLEXITY=1 (after the loads: `octavo eval` of int8 against float32 and llama-perplexity on the
-#      same text, windows of 512, the servers stopped first).
+#      same text, windows of 512, the servers stopped first; then llama.cpp's KL divergence from
+#      Octavo's exact log-probabilities, `octavo eval --kl-base`). LOADS=none runs only that.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -62,10 +63,17 @@ if [[ "${PERPLEXITY:-0}" == 1 ]]; then
   kill $LLAMA_PID $OCTAVO_PID 2>/dev/null || true; wait 2>/dev/null || true
   TEXT=octavo/bench/data/eval_text.txt
   echo "## accuracy on $TEXT (windows of 512, second halves scored)"
-  OMP_NUM_THREADS=$THREADS .venv/bin/octavo eval ${MODEL:+"$GGUF"} --modes int8 --json "$OUT/eval.json" 2>"$OUT/eval.log" || status=1
+  OMP_NUM_THREADS=$THREADS .venv/bin/octavo eval ${MODEL:+"$GGUF"} --modes int8 --json "$OUT/eval.json" \
+    --kl-base "$OUT/exact.kld" 2>"$OUT/eval.log" || status=1
   # llama-perplexity's own figure on the same file and text (its tokenizer's BOS per window)
   "$(dirname "$LLAMA")/llama-perplexity" -m "$GGUF" -f "$TEXT" -c 512 -b 512 -t "$THREADS" >"$OUT/llama-perplexity.log" 2>&1 \
     || status=1
   grep -h "Final estimate" "$OUT/llama-perplexity.log" | sed 's/^/llama.cpp (Q8 activations): /' || true
+  # llama.cpp's logits against Octavo's exact ones, same tokens (KL divergence, same top token)
+  "$(dirname "$LLAMA")/llama-perplexity" -m "$GGUF" --kl-divergence-base "$OUT/exact.kld" --kl-divergence -c 512 -b 512 \
+    -t "$THREADS" >"$OUT/llama-kl.log" 2>&1 || status=1
+  grep -hE "^(Mean PPL\(Q\) |Mean PPL\(base\)|Mean +KLD|Maximum KLD|Same top p)" "$OUT/llama-kl.log" \
+    | sed 's/^/llama.cpp vs exact: /' || true
+  rm -f "$OUT/exact.kld"  # (2 bytes per vocabulary entry per scored token: 400 MB for Gemma's)
 fi
 exit "${status:-0}"

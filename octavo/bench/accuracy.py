@@ -118,6 +118,54 @@ def evaluate(scorers: dict[str, Scorer], token_ids: list[int], ctx: int, exact: 
     return EvalResult(count, ctx, scores)
 
 
+KL_BASE_MAGIC = b"_logits_"
+
+
+def kl_base_row(logits: torch.Tensor) -> torch.Tensor:
+    """One position's next-token log-probabilities as llama-perplexity stores them for
+    `--kl-divergence-base` (tools/perplexity/perplexity.cpp, `log_softmax`): two float32 (the step,
+    the least log-probability kept, floored at 16 nats under the top logit) as four uint16, then one
+    uint16 per vocabulary entry ((logit - floor) / step, rounded; 0 at or under the floor), padded
+    to an even count. Returns the row as int32 values 0..65535 (written as uint16)."""
+    logits = logits.float()
+    top, low = float(logits.max()), float(logits.min())
+    low = max(low, top - 16)
+    log_sum_exp = math.log(float(torch.exp((logits - top).double()).sum()))
+    step = (top - low) / 65535
+    head = torch.tensor([step, low - top - log_sum_exp], dtype=torch.float32).view(torch.int16).to(torch.int32) & 0xFFFF
+    n = logits.numel()
+    q = torch.zeros(2 * ((n + 1) // 2), dtype=torch.int32)
+    if step:
+        q[:n] = torch.where(logits > low, torch.round((logits - low) * (1 / step)), 0).to(torch.int32)
+    return torch.cat([head, q])
+
+
+def write_kl_base(path: str | Path, scorer: Scorer, token_ids: list[int], ctx: int, max_windows: int | None = None,
+                  bos: int | None = None) -> int:
+    """llama-perplexity's log-probability file (`--kl-divergence-base`) of `scorer`'s model over the
+    text, cut as `evaluate` cuts it: "_logits_", ctx (u32), vocabulary size and window count (i32),
+    the windows' tokens as the text has them (i32; llama.cpp puts BOS first itself), then per window
+    the rows `kl_base_row` of positions ctx / 2 .. ctx - 2. `llama-perplexity -m FILE.gguf
+    --kl-divergence-base PATH --kl-divergence -c CTX` then scores llama.cpp's own logits against
+    these (mean KL divergence, same top token). Returns the number of windows written."""
+    import numpy as np
+
+    cut = windows(token_ids, ctx, max_windows)
+    with open(path, "wb") as out, torch.inference_mode():
+        out.write(KL_BASE_MAGIC)
+        vocab = None
+        for w, window in enumerate(cut):
+            hidden = scorer.hidden(window if bos is None else [bos, *window[1:]])
+            logits = scorer.model.compute_logits(hidden[ctx // 2 : ctx - 1])
+            if vocab is None:
+                vocab = logits.shape[-1]
+                out.write(np.array([ctx], "<u4").tobytes() + np.array([vocab, len(cut)], "<i4").tobytes())
+                out.write(np.array([t for win in cut for t in win], "<i4").tobytes())
+            rows = torch.stack([kl_base_row(row) for row in logits])
+            out.write(rows.numpy().astype("<u2").tobytes())
+    return len(cut)
+
+
 def format_table(result: EvalResult) -> str:
     lines = [f"{result.num_tokens} tokens scored (windows of {result.ctx}, positions {result.ctx // 2}..{result.ctx - 2})",
              f"{'mode':<10} {'perplexity':>11} {'mean KL':>10} {'max KL':>9} {'same top':>9}"]

@@ -286,20 +286,11 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quant_linear_int8(
     x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, in_features: int, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x @ W.T + bias as the int8-activation kernels compute it (up to the order of float sums): each
-    weight's scaled quant meets x rebuilt from its int8 (dx * xq), a format's min term meets x itself
-    (W = S + Mn: S the scaled quants, Mn the per-chunk mins, `quantization.chunk_mins`)."""
-    from octavo.quantization import chunk_mins
-
+    """x @ W.T + bias as the int8-activation kernels compute it (up to the order of float sums): the
+    whole weight, scaled quants and a format's mins alike, meets x rebuilt from its int8 (dx * xq)."""
     xq, dx = quantize_activations(x)
     x_hat = (xq.float().reshape(*dx.shape, ACT_CHUNK) * dx[..., None]).reshape(x.shape)
-    w = dequantize(qweight, fmt, in_features)
-    mins = chunk_mins(qweight, fmt, in_features)  # [out, in / 32] or None
-    if mins is None:
-        out = x_hat @ w.T
-    else:
-        mn = mins.repeat_interleave(ACT_CHUNK, dim=1)
-        out = x_hat @ (w - mn).T + x.float() @ mn.T
+    out = x_hat @ dequantize(qweight, fmt, in_features).T
     return out if bias is None else out + bias
 
 

@@ -4,8 +4,9 @@ to stated tolerances instead of token-for-token equality.
 1. Accuracy: over the committed evaluation text (octavo/bench/data/eval_text.txt), its next-token
    distributions against the exact float32 path's, which equals transformers' token for token
    (tests/oracle/test_greedy_matches_transformers.py) and is used here as transformers' stand-in:
-   same top token on at least 88% of positions, mean KL divergence at most 0.03 nats, perplexity
-   within 4%. Measured on this machine class: 92.8%, 0.0127, +1.8% (docs/BENCHMARKS.md).
+   same top token on at least 94% of positions, mean KL divergence at most 0.006 nats, perplexity
+   within 1%. Measured on this machine class: 96.9%, 0.0028, +0.04%; llama.cpp's own logits on
+   the same file and tokens against the same exact ones: 96.6%, 0.0030, +0.6% (docs/BENCHMARKS.md).
 2. Every engine mode: chunked prefill, preemption, prefix caching, forks, blocks of 8, speculation
    and the second KV tier give the int8 path's greedy tokens of one plain batch, token for token.
    An int8 row's result does not depend on the rows beside it (activations quantized per row,
@@ -24,7 +25,7 @@ from tests.oracle.reference import NUM_NEW_TOKENS, oracle_prompts, shared_prefix
 pytestmark = pytest.mark.skipif(cpu.load() is None, reason="the int8 kernels are C++ CPU kernels: not built here")
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
-MIN_SAME_TOP, MAX_MEAN_KL, MAX_PERPLEXITY_RATIO = 0.88, 0.03, 1.04
+MIN_SAME_TOP, MAX_MEAN_KL, MAX_PERPLEXITY_RATIO = 0.94, 0.006, 1.01
 
 
 def test_int8_tracks_the_exact_path_within_the_stated_bounds(smol, smol_int8, smol_dir):

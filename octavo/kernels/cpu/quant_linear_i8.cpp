@@ -12,8 +12,8 @@
 //   K min   w = (d * sc) * u - dmin * mn  Q4_K, Q5_K (sc, mn per chunk; d, dmin per 256)
 //   Q6_K    w = (d * sc) * (u - 32)       sc per 16 weights, d per 256
 // so that, per chunk and output row, sum_k w_k x_k = D * dx * sum_k u_k xq_k - D * o * dx * sum xq
-// + M * sum_k x_k: an integer dot product, an integer correction and the chunk's exact float sum
-// of x for the min (so a min term costs no accuracy).
+// + M * dx * sum xq: an integer dot product, an integer correction, and for the min the sum of the
+// same rounded x (see `quantize_chunk`: the whole weight meets one x, as llama.cpp's).
 //
 // `pack` lays each format's blocks out again at the file's size: rows in groups of G (the vector
 // width in floats), per group and block (32 weights, or 256 for the K-quants) one tile:
@@ -207,7 +207,11 @@ float weight_at(int64_t fmt, const uint8_t* t, int64_t c, int64_t k) {
 // ---- activations ---------------------------------------------------------------------------------
 
 // x [M, K] quantized per chunk of 32: xq int8 [M, K], dx [M, K / 32] (0 for a chunk of zeros),
-// s16 the int sums of xq per 16 [M, K / 16], sx the float sums of x per 32 (in order) [M, K / 32].
+// s16 the int sums of xq per 16 [M, K / 16], sx the sums of the quantized x per 32, dx * sum(xq)
+// [M, K / 32]: a format's min meets the same x as its scaled quants, so the rounding errors of x meet
+// the whole (centred) weight, not the scaled quants alone (d * q, 0..15 d for Q4_1: a large common
+// offset that multiplies the errors' sum). Meeting the exact sum of x instead measured 2.4x the
+// relative error per layer (docs/BENCHMARKS.md); llama.cpp's Q8_1 / Q8_K sums do the same.
 struct Act {
   int64_t M, K;
   std::vector<int8_t> xq;
@@ -216,9 +220,8 @@ struct Act {
 };
 
 void quantize_chunk(const float* x, int8_t* q, float& dx, float& sx, int32_t* s16) {
-  float amax = 0.f, sum = 0.f;
+  float amax = 0.f;
   for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
-  for (int i = 0; i < 32; ++i) sum += x[i];
   const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
   int32_t s[2] = {0, 0};
   for (int i = 0; i < 32; ++i) {
@@ -228,7 +231,7 @@ void quantize_chunk(const float* x, int8_t* q, float& dx, float& sx, int32_t* s1
     s[i / 16] += v;
   }
   dx = d;
-  sx = sum;
+  sx = d * static_cast<float>(s[0] + s[1]);
   s16[0] = s[0];
   s16[1] = s[1];
 }
