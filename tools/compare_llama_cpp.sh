@@ -13,6 +13,8 @@
 #      PERPLEXITY=1 (after the loads: `octavo eval` of int8 against float32 and llama-perplexity on the
 #      same text, windows of 512, the servers stopped first; then llama.cpp's KL divergence from
 #      Octavo's exact log-probabilities, `octavo eval --kl-base`). LOADS=none runs only that.
+#      OCTAVO_ADAPTIVE_THREADS (default 0 here: Octavo keeps its 2 threads, as llama-server keeps its -t;
+#      the adaptive policy would drop to 1 while the other server spins up, and time that instead).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -37,7 +39,7 @@ THREADS=$(nproc)
 # 16 slots of 1,024 tokens: the longest request of random_n64 is 744 (prompt + output).
 "$LLAMA" -m "$GGUF" -t "$THREADS" -tb "$THREADS" -np 16 -c 16384 --host 127.0.0.1 --port 8091 >"$OUT/llama-server.log" 2>&1 &
 LLAMA_PID=$!
-OMP_NUM_THREADS=$THREADS .venv/bin/octavo serve ${MODEL:+"$GGUF"} --port 8090 ${OCTAVO_FLAGS:-} >"$OUT/octavo-serve.log" 2>&1 &
+OCTAVO_ADAPTIVE_THREADS=${OCTAVO_ADAPTIVE_THREADS:-0} OMP_NUM_THREADS=$THREADS .venv/bin/octavo serve ${MODEL:+"$GGUF"} --port 8090 ${OCTAVO_FLAGS:-} >"$OUT/octavo-serve.log" 2>&1 &
 OCTAVO_PID=$!
 trap 'kill $LLAMA_PID $OCTAVO_PID 2>/dev/null || true; wait 2>/dev/null || true' EXIT
 for url in http://127.0.0.1:8090/health http://127.0.0.1:8091/health; do

@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--activation-dtype", default=None, help="int8 or float32 (default: the engine's)")
     parser.add_argument("--model", default=None, help="a packaged model's name, .gguf or directory (default: embedded)")
     args = parser.parse_args()
     seconds: collections.Counter[str] = collections.Counter()
@@ -61,6 +62,8 @@ def main() -> None:
         kwargs["model"] = args.model
     if args.quantization is not None and "quantization" in fields:
         kwargs["quantization"] = args.quantization
+    if args.activation_dtype is not None and "activation_dtype" in fields:
+        kwargs["activation_dtype"] = args.activation_dtype
     engine = LLMEngine.from_args(EngineArgs(**kwargs))
     model = engine.runner.model
     timed(engine.runner, "execute", "_execute")
