@@ -18,7 +18,7 @@ import torch
 from octavo.config import CacheConfig, ModelConfig
 from octavo.cuda_graphs import CudaGraphRunner, graph_batch_sizes
 from octavo.kernels import dispatch
-from octavo.kernels.metadata import AttentionMetadata, LoRAMapping, gather_contexts
+from octavo.kernels.metadata import AttentionMetadata, LoRAMapping, PromptRows, gather_contexts
 from octavo.kv_tier import TierStore
 from octavo.lora.layers import apply_lora
 from octavo.lora.slots import LoRASlots
@@ -126,6 +126,8 @@ class ModelRunner:
         self._kv_dtype = kv_dtype
         self._max_num_seqs, self._max_model_len = max_num_seqs, max_model_len
         self.attention_backend = dispatch.select_attention_backend(attention_backend, self.device, kv_dtype)
+        # int8 layers: long prompts' rows through AMX-BF16 tiles where the CPU runs them
+        self.prompt_tiles = self.device.type == "cpu" and dispatch.prompt_tiles_enabled(model)
         if self.device.type == "cpu":
             keep_freed_memory_mapped()
         self.lora: LoRASlots | None = None
@@ -220,6 +222,8 @@ class ModelRunner:
         )
         if self.lora is not None:
             meta.lora = self._lora_mapping(entries, query_starts)
+        if self.prompt_tiles:
+            meta.prompt_rows = self._prompt_rows(entries, query_starts, len(input_ids))
         num_groups = len(self.model_config.kv_groups())
         if num_groups > 1:
             meta.group_metas = [meta] + [
@@ -237,6 +241,23 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos, meta
+
+    @staticmethod
+    def _prompt_rows(entries: list[ScheduledRequest], query_starts: list[int], num_tokens: int) -> PromptRows | None:
+        """The rows at prompt positions of requests with prompts of PROMPT_TILES_MIN_TOKENS or more
+        (their own properties: the choice never depends on the batch)."""
+        rows: list[int] = []
+        for e, first in zip(entries, query_starts):
+            num_prompt = len(e.prompt_token_ids)
+            if num_prompt >= dispatch.PROMPT_TILES_MIN_TOKENS and e.start_pos < num_prompt:
+                rows.extend(range(first, first + min(e.num_tokens, num_prompt - e.start_pos)))
+        if not rows:
+            return None
+        if len(rows) == num_tokens:
+            return PromptRows(torch.tensor(rows, dtype=torch.long), None)
+        chosen = set(rows)
+        other = [i for i in range(num_tokens) if i not in chosen]
+        return PromptRows(torch.tensor(rows, dtype=torch.long), torch.tensor(other, dtype=torch.long))
 
     def _lora_mapping(self, entries: list[ScheduledRequest], query_starts: list[int]) -> LoRAMapping | None:
         """The step's rows grouped by adapter slot (swapping adapters into slots as needed)."""

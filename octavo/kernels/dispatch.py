@@ -13,7 +13,7 @@ import torch
 
 from octavo.kernels import cpu, reference
 from octavo.kernels import triton as triton_kernels
-from octavo.kernels.metadata import BACKENDS, AttentionMetadata
+from octavo.kernels.metadata import BACKENDS, AttentionMetadata, PromptRows
 from octavo.quantization import QuantFormat, dequantize
 
 copy_blocks = reference.copy_blocks
@@ -139,6 +139,21 @@ def packed_layout_key() -> str | None:
     return cpu.build_dir().name if _cpu_kernels() else None
 
 
+# The int8 mode's prompt rows: a request whose prompt has this many tokens or more computes its
+# prompt positions through AMX-BF16 tiles (`cpu.quant_linear_bf16_i8`, where the CPU runs them):
+# measured 1.3-2x the int8 kernel's speed from 64 rows on (docs/BENCHMARKS.md). Which path a token
+# takes depends on its own request only (prompt length, position), never on the batch, and each
+# path gives a row the same bits alone or in a batch: batch invariance holds.
+PROMPT_TILES_MIN_TOKENS = 64
+
+
+def prompt_tiles_enabled(model: torch.nn.Module) -> bool:
+    """Whether this model's int8 layers take prompt rows through AMX-BF16 tiles here."""
+    if not any(getattr(m, "layout", None) == "packed_i8" for m in model.modules()):
+        return False
+    return cpu.amx_bf16_enabled()
+
+
 def quant_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -147,10 +162,12 @@ def quant_linear(
     in_features: int,
     out_features: int,
     bias: torch.Tensor | None = None,
+    prompt_rows: PromptRows | None = None,
 ) -> torch.Tensor:
     """x @ W.T + bias, W quantized (from `prepare_quant_weight`). Packed: the C++ kernel (or, from
     REBUILD_MIN_ROWS rows, W rebuilt in float32 and one GEMM), in float32 whatever x's dtype, the
-    result cast back. GGUF layout (no kernels): W rebuilt in x's dtype, then a plain linear."""
+    result cast back. GGUF layout (no kernels): W rebuilt in x's dtype, then a plain linear.
+    `prompt_rows` (int8 layout): the rows that go through the AMX-BF16 tiles instead."""
     if layout == "packed" and x.dim() == 2:
         xf = x if x.dtype == torch.float32 else x.float()  # the kernels compute in float32
         bf = None if bias is None else bias.float()
@@ -162,7 +179,15 @@ def quant_linear(
         return out if x.dtype == torch.float32 else out.to(x.dtype)
     if layout == "packed_i8":
         xf = x.reshape(-1, in_features).float()
-        out = cpu.quant_linear_i8(xf, qweight, fmt, out_features, None if bias is None else bias.float())
+        bf = None if bias is None else bias.float()
+        if prompt_rows is None or x.dim() != 2:
+            out = cpu.quant_linear_i8(xf, qweight, fmt, out_features, bf)
+        elif prompt_rows.other is None:  # every row
+            out = cpu.quant_linear_bf16_i8(xf, qweight, fmt, out_features, bf)
+        else:
+            out = torch.empty((xf.shape[0], out_features), dtype=torch.float32)
+            out[prompt_rows.rows] = cpu.quant_linear_bf16_i8(xf[prompt_rows.rows], qweight, fmt, out_features, bf)
+            out[prompt_rows.other] = cpu.quant_linear_i8(xf[prompt_rows.other], qweight, fmt, out_features, bf)
         return out.reshape(*x.shape[:-1], out_features).to(x.dtype)
     if layout == "gguf_i8":
         xf = x.reshape(-1, in_features).float()
@@ -192,6 +217,8 @@ def quant_kernel_name(dtype: torch.dtype, device: torch.device, activations: str
         if not kernels:
             return "int8 activations, reference (rebuild + matmul)"
         amx = " + AMX-INT8 tiles (16+ rows)" if cpu.amx_enabled() else ""
+        if cpu.amx_bf16_enabled():
+            amx += f"; prompts of {PROMPT_TILES_MIN_TOKENS}+ tokens: AMX-BF16 tiles"
         return f"int8 activations, octavo-cpu/{cpu.quant_isa()} {'VNNI' if cpu.quant_vnni() else 'vpmaddubsw'}{amx}"
     if dtype == torch.float32 and kernels:
         return f"octavo-cpu/{cpu.quant_isa()}"

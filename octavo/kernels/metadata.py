@@ -46,6 +46,15 @@ class LoRAMapping:
 
 
 @dataclass(slots=True)
+class PromptRows:
+    """The int8 mode's prompt rows of a step (kernels/dispatch.py PROMPT_TILES_MIN_TOKENS): `rows`
+    go through the AMX-BF16 tiles, `other` (None: no other rows) through the int8 kernel."""
+
+    rows: torch.Tensor  # [n] long
+    other: torch.Tensor | None  # [num_tokens - n] long
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """One step's requests as the kernels see them, in batch order: the single-token (decode-like)
     requests first, then the multi-token spans.
@@ -68,6 +77,7 @@ class AttentionMetadata:
     max_context_len: int | None = None
     allow_split_kv: bool = True  # False inside a captured CUDA graph (one kernel choice per graph)
     lora: LoRAMapping | None = None  # which tokens run with which adapter (None: the base model only)
+    prompt_rows: PromptRows | None = None  # int8 layers' rows for the AMX-BF16 tiles (None: none)
     gathered: GatheredContexts | None = None  # the reference kernel's slots, when it runs
     # One metadata per KV group (config.kv_groups; this one is group 0's), when a model's layers
     # page their KV through several block tables (sliding-window groups); None with one group.

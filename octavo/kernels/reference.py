@@ -294,6 +294,16 @@ def quant_linear_int8(
     return out if bias is None else out + bias
 
 
+def quant_linear_bf16(
+    x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, in_features: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ W.T + bias as the int8 mode's prompt-row tiles compute it (up to the order of float sums):
+    x and the rebuilt W rounded to bfloat16 (to nearest even), their products summed in float32."""
+    w = dequantize(qweight, fmt, in_features).to(torch.bfloat16).float()
+    out = x.to(torch.bfloat16).float() @ w.T
+    return out if bias is None else out + bias
+
+
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, mapping) -> None:
     """y[rows] += (x[rows] @ A[slot].T) @ B[slot].T for each (slot, rows) of `mapping.groups`,
     in place: one shrink and one expand per adapter of the step (the Punica/S-LoRA grouping), not

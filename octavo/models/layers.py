@@ -47,7 +47,8 @@ class QuantLinear(nn.Module):
             self.qweight, self.layout = dispatch.prepare_quant_weight(self.qweight, self.fmt, activations)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
-        return dispatch.quant_linear(x, self.qweight, self.layout, self.fmt, self.in_features, self.out_features, self.bias)
+        return dispatch.quant_linear(x, self.qweight, self.layout, self.fmt, self.in_features, self.out_features, self.bias,
+                                     None if meta is None else meta.prompt_rows)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}"
@@ -67,7 +68,7 @@ class QuantLinearParts(nn.Module):
         self.bias = bias
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
-        out = torch.cat([part(x) for part in self.parts], dim=-1)
+        out = torch.cat([part(x, meta) for part in self.parts], dim=-1)
         return out if self.bias is None else out + self.bias
 
     def as_dense(self) -> Linear:

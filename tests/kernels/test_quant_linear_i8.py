@@ -149,3 +149,58 @@ def test_amx_tiles_give_the_vector_paths_bits(monkeypatch):
             assert torch.equal(tiles, vectors), name
     finally:
         cpu.disable_amx()
+
+
+needs_bf16_tiles = pytest.mark.skipif(cpu.load() is None or not cpu.amx_bf16_enabled(),
+                                      reason="AMX-BF16 tiles are not built or do not run on this machine")
+
+
+@needs_bf16_tiles
+@pytest.mark.parametrize("name", ALL)
+def test_bf16_tiles_match_the_reference(name):
+    """The prompt rows' kernel: x and W rounded to bfloat16, float32 sums (reference.quant_linear_bf16);
+    a weight may round to the other bfloat16 neighbour (the kernel rebuilds it as D * u + B, gguf-py
+    in its own order), so the bound is a few bfloat16 steps of the terms' size."""
+    fmt = FORMATS[name]
+    n, k = 40, 512  # a partial column group, rows padded past one 32-row pass
+    q = random_blocks(name, n, k, seed=11 + fmt.code)
+    packed = cpu.pack_i8(q, fmt)
+    exact = dequantize(q, fmt, k)
+    for m in (1, 17, 45):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+        bias = torch.randn(n)
+        got = cpu.quant_linear_bf16_i8(x, packed, fmt, n, bias)
+        expect = reference.quant_linear_bf16(x, q, fmt, k, bias)
+        size = x.abs() @ exact.abs().t()
+        err = (got - expect).abs()
+        assert bool((err <= 2e-5 * size + 1e-5).all()), (name, m, float((err / size).max()))
+        # and bfloat16 is a real rounding: the exact product differs by more than float32 noise
+        assert float(((got - (x @ exact.t() + bias)).abs() / size).max()) > 1e-4
+
+
+@needs_bf16_tiles
+def test_bf16_tiles_give_a_row_the_same_bits_alone_or_in_a_batch():
+    fmt = FORMATS["Q6_K"]
+    q = random_blocks("Q6_K", 48, 512, seed=3)
+    packed = cpu.pack_i8(q, fmt)
+    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(4))
+    together = cpu.quant_linear_bf16_i8(x, packed, fmt, 48)
+    for i in (0, 15, 16, 33, 69):
+        assert torch.equal(cpu.quant_linear_bf16_i8(x[i : i + 1], packed, fmt, 48)[0], together[i])
+        assert torch.equal(cpu.quant_linear_bf16_i8(x[i : i + 20], packed, fmt, 48)[0], together[i])
+
+
+@needs_bf16_tiles
+def test_dispatch_sends_prompt_rows_to_the_tiles_and_the_rest_to_int8():
+    from octavo.kernels.metadata import PromptRows
+
+    fmt = FORMATS["Q4_K"]
+    q = random_blocks("Q4_K", 32, 256, seed=9)
+    weight, layout = dispatch.prepare_quant_weight(q, fmt, "int8")
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(10))
+    rows = PromptRows(torch.tensor([1, 2, 4]), torch.tensor([0, 3, 5]))
+    out = dispatch.quant_linear(x, weight, layout, fmt, 256, 32, None, rows)
+    assert torch.equal(out[[1, 2, 4]], cpu.quant_linear_bf16_i8(x[[1, 2, 4]], weight, fmt, 32))
+    assert torch.equal(out[[0, 3, 5]], cpu.quant_linear_i8(x[[0, 3, 5]], weight, fmt, 32))
+    every = dispatch.quant_linear(x, weight, layout, fmt, 256, 32, None, PromptRows(torch.arange(6), None))
+    assert torch.equal(every, cpu.quant_linear_bf16_i8(x, weight, fmt, 32))

@@ -168,6 +168,69 @@ def disable_amx() -> None:
     amx_enabled.cache_clear()
 
 
+def quant_linear_bf16_i8(x, packed, fmt, out_features: int, bias=None):
+    """x @ W^T with x and W (from `pack_i8`) rounded to bfloat16, float32 sums, through AMX-BF16
+    tiles (`amx_bf16_enabled()` first): the int8 mode's path for prompt rows. A row's result does
+    not depend on the other rows (the same bits alone or in a batch)."""
+    import torch
+
+    x = x.contiguous()
+    out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+    _module().quant_linear_bf16_i8(out, x, packed, fmt.code)
+    if bias is not None:
+        out += bias
+    return out
+
+
+def _selftest_in_fork(module) -> str | None:
+    """Run the AMX-BF16 self-test in a forked child (no imports: milliseconds); None when it
+    passed, else what happened. The child calls one C function and exits (no locks, no threads)."""
+    import signal
+    import time
+
+    pid = os.fork()
+    if pid == 0:  # the child
+        code = 3
+        try:
+            code = 0 if module.amx_bf16_selftest() else 3
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + AMX_PROBE_TIMEOUT_S
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return f"no answer in {AMX_PROBE_TIMEOUT_S:.0f} s"
+        time.sleep(0.002)
+    if os.WIFSIGNALED(status):
+        return "died of SIGILL" if os.WTERMSIG(status) == signal.SIGILL else f"killed by signal {os.WTERMSIG(status)}"
+    code = os.WEXITSTATUS(status)
+    return None if code == 0 else ("wrong products" if code == 3 else f"exit status {code}")
+
+
+@functools.cache
+def amx_bf16_enabled() -> bool:
+    """Whether the int8 mode's prompt rows go through AMX-BF16 tiles (`quant_linear_bf16_i8`):
+    built with them (an AVX-512 build on a CPU that lists AMX-BF16), not turned off
+    (OCTAVO_AMX_BF16=0), and a forked child's self-test ran the instructions and got the right
+    products (a CPU or hypervisor can list AMX and fault on it). Decided once per process."""
+    module = load()
+    if module is None or not module.amx_bf16_built() or os.environ.get("OCTAVO_AMX_BF16", "1") == "0":
+        return False
+    why = _selftest_in_fork(module)
+    if why is not None:
+        logger.warning("AMX-BF16 tiles listed but unusable here (self-test in a child process: %s): prompt rows "
+                       "use the int8 dot products", why)
+        return False
+    if not module.amx_bf16_enable(True):
+        logger.warning("AMX-BF16 tile state refused by the kernel: prompt rows use the int8 dot products")
+        return False
+    return True
+
+
 def quant_vnni() -> bool:
     """Whether the int8-activation kernels use VNNI dot products here (else vpmaddubsw pairs)."""
     module = load()

@@ -60,6 +60,11 @@
 #else
 #define OCTAVO_AMX 0
 #endif
+#if OCTAVO_AMX && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define OCTAVO_AMX_BF16 1
+#else
+#define OCTAVO_AMX_BF16 0
+#endif
 
 namespace {
 
@@ -343,6 +348,128 @@ inline void amx_dots(const uint8_t* q, const int8_t* xq, int64_t K, I* s0, I* s1
 }
 #endif
 
+// ---- AMX-BF16: prompt rows ----------------------------------------------------------------------
+//
+// Many rows at once (a prompt's chunk) through bfloat16 tiles: a group's G = 16 output rows are
+// rebuilt from the same tiles as above (w = D * u + B per chunk, in float32), rounded to bfloat16
+// into the B-tile layout (a tile row holds k = 2p, 2p + 1 of the 16 columns, as pairs), and every
+// 16 rows of x (rounded to bfloat16) meet them through tdpbf16ps, K = 32 a tile product, in order
+// of k from zero: a row's sums never depend on which other rows share the call (the same bits alone
+// or in a batch; tested). Products of bfloat16 values are exact in float32; the cost is the
+// rounding of x and of w to 8 significant bits (measured by `octavo eval`).
+std::atomic<bool> amx_bf16_on{false};
+
+#if OCTAVO_AMX_BF16
+// The chunk's scale D and offset B per column: w = D * u + B (Q6_K: half 1 is the second 16 weights).
+template <int64_t F>
+inline void chunk_scale(const uint8_t* t, int64_t ch, int half, V& D, V& B) {
+  constexpr Spec S = spec(F);
+  const V d = Isa::halves(t);
+  if constexpr (S.kind == kOffset) {
+    D = d;
+    B = Isa::mul(d, Isa::set1(-static_cast<float>(S.offset)));
+  } else if constexpr (S.kind == kMin) {
+    D = d;
+    B = Isa::halves(t + 2 * G);
+  } else if constexpr (S.kind == kKMin) {
+    D = Isa::mul(d, Isa::to_float(Isa::bytes_u(t + (4 + ch) * G)));
+    B = Isa::mul(Isa::mul(Isa::halves(t + 2 * G), Isa::set1(-1.f)), Isa::to_float(Isa::bytes_u(t + (12 + ch) * G)));
+  } else {
+    D = Isa::mul(d, Isa::to_float(Isa::bytes_s(t + (2 + 2 * ch + half) * G)));
+    B = Isa::mul(D, Isa::set1(-32.f));
+  }
+}
+
+// Pairs (a[c], b[c]) of bfloat16 for c = 0..15: one B-tile row.
+inline __m512i bf16_pairs(V a, V b) {
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5,
+                                       20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(idx, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a)));
+}
+
+// Vector VV of a chunk (k = 4 VV .. 4 VV + 3 of 16 columns) -> B-tile rows 2 VV, 2 VV + 1.
+template <int64_t F, int VV = 0>
+inline void chunk_bf16(const uint8_t* q, const V* D, const V* B, uint8_t* rows) {
+  if constexpr (VV < 8) {
+    const int h = spec(F).kind == kK6 && VV >= 4 ? 1 : 0;
+    const I u = quants<spec(F).bits, VV>(q);
+    V w[4];
+    for (int j = 0; j < 4; ++j) w[j] = Isa::fma(D[h], Isa::to_float(Isa::and_(_mm512_srli_epi32(u, 8 * j), 0xff)), B[h]);
+    _mm512_store_si512(rows + 64 * (2 * VV), bf16_pairs(w[0], w[1]));
+    _mm512_store_si512(rows + 64 * (2 * VV + 1), bf16_pairs(w[2], w[3]));
+    chunk_bf16<F, VV + 1>(q, D, B, rows);
+  }
+}
+
+// A group's weights [K] x 16 columns as B tiles: K / 2 rows of 64 bytes.
+template <int64_t F>
+void group_bf16(const uint8_t* tiles, int64_t K, uint8_t* wb) {
+  constexpr Spec S = spec(F);
+  constexpr int64_t TB = tile_bytes(F), NCH = S.block / 32, CU = chunk_units(S.bits) * G;
+  for (int64_t blk = 0; blk < K / S.block; ++blk) {
+    const uint8_t* t = tiles + blk * TB;
+    for (int64_t ch = 0; ch < NCH; ++ch) {
+      V D[2], B[2];
+      chunk_scale<F>(t, ch, 0, D[0], B[0]);
+      if constexpr (S.kind == kK6) chunk_scale<F>(t, ch, 1, D[1], B[1]);
+      chunk_bf16<F>(t + S.head * G + ch * CU, D, B, wb + (blk * NCH + ch) * 1024);
+    }
+  }
+}
+
+inline void load_bf16_tile_config() {
+  alignas(64) TileConfig cfg{};
+  cfg.palette = 1;
+  for (int i = 0; i < 5; ++i) {
+    cfg.rows[i] = 16;
+    cfg.colsb[i] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Tiles 0, 1: C of row tiles r, r + 16; 2, 3: their A (16 rows x 32 bfloat16); 4: B.
+template <int64_t F>
+void run_bf16(const uint16_t* xb, int64_t M, int64_t rows, int64_t K, const uint8_t* packed, int64_t N, float* out) {
+  const int64_t num_groups = (N + G - 1) / G, group_bytes = K / spec(F).block * tile_bytes(F);
+  at::parallel_for(0, num_groups, 1, [&](int64_t g0, int64_t g1) {
+    load_bf16_tile_config();
+    std::vector<uint8_t> buf(K / 2 * 64 + 64);
+    uint8_t* wb = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
+    alignas(64) float c[2][16 * 16];
+    for (int64_t g = g0; g < g1; ++g) {
+      group_bf16<F>(packed + g * group_bytes, K, wb);
+      const int64_t cols = std::min<int64_t>(G, N - g * G);
+      for (int64_t r = 0; r < M; r += 32) {  // M padded to 32
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t k = 0; k < K; k += 32) {
+          // the next chunk's three tiles into L1: a tile load that misses it waits on each line
+          // (measured 1.4-2.7x faster with this, tools/bench_quant_kernels.py)
+          const auto* a0 = reinterpret_cast<const char*>(xb + r * K + (k + 32) * 16);
+          const auto* a1 = reinterpret_cast<const char*>(xb + (r + 16) * K + (k + 32) * 16);
+          const auto* b1 = reinterpret_cast<const char*>(wb + (k + 32) * 32);
+          if (k + 32 < K)
+            for (int l = 0; l < 1024; l += 64) {
+              __builtin_prefetch(a0 + l, 0, 3);
+              __builtin_prefetch(a1 + l, 0, 3);
+              __builtin_prefetch(b1 + l, 0, 3);
+            }
+          _tile_loadd(4, wb + k * 32, 64);  // a chunk of 32 k: 16 tile rows of 64 bytes
+          _tile_loadd(2, xb + r * K + k * 16, 64);  // x in tiles: [M / 16][K / 32][16][32]
+          _tile_loadd(3, xb + (r + 16) * K + k * 16, 64);
+          _tile_dpbf16ps(0, 2, 4);
+          _tile_dpbf16ps(1, 3, 4);
+        }
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        for (int64_t i = 0; i < 32 && r + i < rows; ++i) std::memcpy(out + (r + i) * N + g * G, c[i / 16] + (i % 16) * 16, cols * 4);
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 // out[r][0..cols) for rows r < R (from row0 of the activations; only r < valid stored) of one
 // group of G output rows. AMX: the dot products through tiles (R = 16, rows padded to 16).
 template <int64_t F, int R, bool AMX = false>
@@ -589,4 +716,88 @@ bool amx_enable(bool on) {
   }
   amx_on = true;
   return true;
+}
+
+// ---- AMX-BF16: entry points --------------------------------------------------------------------
+
+bool amx_bf16_built() { return OCTAVO_AMX_BF16; }
+
+// One bfloat16 tile product of small integers (exact in float32) against plain arithmetic (run it
+// in a child process first, as amx_selftest).
+bool amx_bf16_selftest() {
+#if OCTAVO_AMX_BF16
+  if (!amx_request()) return false;
+  alignas(64) uint16_t A[16][32];
+  alignas(64) uint16_t B[16][32];
+  alignas(64) float C[16][16];
+  auto bf = [](float f) { uint32_t u; std::memcpy(&u, &f, 4); return static_cast<uint16_t>(u >> 16); };
+  for (int i = 0; i < 16; ++i)
+    for (int j = 0; j < 32; ++j) {
+      A[i][j] = bf(static_cast<float>((i * 7 + j * 13) % 17 - 8));
+      B[i][j] = bf(static_cast<float>((i * 5 + j * 11) % 15 - 7));
+    }
+  load_bf16_tile_config();
+  _tile_loadd(2, A, 64);
+  _tile_loadd(4, B, 64);
+  _tile_zero(0);
+  _tile_dpbf16ps(0, 2, 4);
+  _tile_stored(0, C, 64);
+  _tile_release();
+  for (int m = 0; m < 16; ++m)
+    for (int n = 0; n < 16; ++n) {
+      float s = 0.f;
+      for (int k = 0; k < 32; ++k) {
+        const float a = static_cast<float>((m * 7 + k * 13) % 17 - 8);
+        const float b = static_cast<float>(((k / 2) * 5 + (2 * n + k % 2) * 11) % 15 - 7);
+        s += a * b;
+      }
+      if (s != C[m][n]) return false;
+    }
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool amx_bf16_enable(bool on) {
+  amx_bf16_on = on && OCTAVO_AMX_BF16 && amx_request();
+  return amx_bf16_on.load();
+}
+
+// out [M, N] float32 = x [M, K] @ W^T with x and W rounded to bfloat16 and float32 sums, W from
+// `pack_i8` (AVX-512 builds: G = 16): the prompt rows' path of the int8 mode (amx_bf16_enable first).
+void quant_linear_bf16_i8(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t fmt) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "quant_linear_bf16_i8 takes float32 x and out");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.dim() == 2 && out.is_contiguous(), "x, out: contiguous 2-D");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  TORCH_CHECK(out.size(0) == M, "out must have as many rows as x");
+  check_packed(packed, fmt, N, K);
+#if OCTAVO_AMX_BF16
+  TORCH_CHECK(amx_bf16_on.load(), "AMX-BF16 tiles are not enabled in this process (amx_bf16_enable)");
+  const int64_t Mp = (M + 31) / 32 * 32;
+  std::vector<uint16_t> xb(static_cast<size_t>(Mp * K), 0);
+  const float* xp = x.data_ptr<float>();
+  // x rounded to bfloat16 in A tiles [Mp / 16][K / 32][16][32]: a tile's rows 64 bytes apart (rows
+  // of K values 2K bytes apart would fall in one L1 set for K = 2048).
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t k = 0; k < K; k += 32)
+        _mm512_storeu_si512(xb.data() + (r / 16 * 16) * K + k * 16 + (r % 16) * 32,
+                            reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xp + r * K + k + 16), _mm512_loadu_ps(xp + r * K + k))));
+  });
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  switch (fmt) {
+    case kQ4_0: return run_bf16<kQ4_0>(xb.data(), Mp, M, K, pp, N, op);
+    case kQ4_1: return run_bf16<kQ4_1>(xb.data(), Mp, M, K, pp, N, op);
+    case kQ8_0: return run_bf16<kQ8_0>(xb.data(), Mp, M, K, pp, N, op);
+    case kQ5_0: return run_bf16<kQ5_0>(xb.data(), Mp, M, K, pp, N, op);
+    case kQ5_1: return run_bf16<kQ5_1>(xb.data(), Mp, M, K, pp, N, op);
+    case kQ4_K: return run_bf16<kQ4_K>(xb.data(), Mp, M, K, pp, N, op);
+    case kQ5_K: return run_bf16<kQ5_K>(xb.data(), Mp, M, K, pp, N, op);
+    default: return run_bf16<kQ6_K>(xb.data(), Mp, M, K, pp, N, op);
+  }
+#else
+  TORCH_CHECK(false, "built without AMX-BF16");
+#endif
 }
