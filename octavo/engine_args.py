@@ -121,7 +121,8 @@ class EngineArgs:
         "help": "quantized layers on the CPU: float32 (exact: every weight rebuilt as the file defines it, "
                 "float32 products; greedy output equals transformers') or int8 (activations quantized per 32 "
                 "values, integer dot products on VNNI where the CPU has it: 2-3x faster layers, not exact; "
-                "`octavo eval` measures the accuracy cost)",
+                "prompts of 64+ tokens through AMX-BF16 tiles where the CPU runs them; `octavo eval` "
+                "measures the accuracy cost)",
         "choices": ACTIVATION_DTYPES})
     device: str = field(default="auto", metadata={
         "help": "auto (CUDA when torch sees a GPU, else the CPU), cpu or cuda", "choices": DEVICES})

@@ -246,18 +246,12 @@ class ModelRunner:
     def _prompt_rows(entries: list[ScheduledRequest], query_starts: list[int], num_tokens: int) -> PromptRows | None:
         """The rows at prompt positions of requests with prompts of PROMPT_TILES_MIN_TOKENS or more
         (their own properties: the choice never depends on the batch)."""
-        rows: list[int] = []
+        mask = torch.zeros(num_tokens, dtype=torch.bool)
         for e, first in zip(entries, query_starts):
             num_prompt = len(e.prompt_token_ids)
             if num_prompt >= dispatch.PROMPT_TILES_MIN_TOKENS and e.start_pos < num_prompt:
-                rows.extend(range(first, first + min(e.num_tokens, num_prompt - e.start_pos)))
-        if not rows:
-            return None
-        if len(rows) == num_tokens:
-            return PromptRows(torch.tensor(rows, dtype=torch.long), None)
-        chosen = set(rows)
-        other = [i for i in range(num_tokens) if i not in chosen]
-        return PromptRows(torch.tensor(rows, dtype=torch.long), torch.tensor(other, dtype=torch.long))
+                mask[first : first + min(e.num_tokens, num_prompt - e.start_pos)] = True
+        return PromptRows.of(mask)
 
     def _lora_mapping(self, entries: list[ScheduledRequest], query_starts: list[int]) -> LoRAMapping | None:
         """The step's rows grouped by adapter slot (swapping adapters into slots as needed)."""

@@ -4,6 +4,9 @@ on layer shapes of real models, side by side in one process: medians of repeated
     OMP_NUM_THREADS=2 .venv/bin/python tools/bench_quant_kernels.py [--rows 1,4,16,64,256]
     OCTAVO_AMX=1 ... (adds the AMX-INT8 tile path's column, for 16+ rows, where it passes its self-test)
 
+Where AMX-BF16 tiles run (a forked child's self-test), a column for the int8 mode's prompt-row
+kernel (`quant_linear_bf16_i8`: x and W rounded to bfloat16) against the int8 one.
+
 Weights are random blocks (every bit pattern; fp16 fields kept finite): the kernels' cost does not
 depend on the values. A layer of a few MB sits in the L3 cache between calls, so a real decode
 step, which streams every layer from DRAM once, runs closer to its byte floor than these figures.
@@ -55,11 +58,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,4,16,64,256", help="activation rows (tokens of a step)")
     args = parser.parse_args()
-    amx = cpu.amx_enabled()
+    amx, tiles = cpu.amx_enabled(), cpu.amx_bf16_enabled()
     print(f"{torch.get_num_threads()} threads, {cpu.quant_isa()}, int8 dot products: "
-          f"{'VNNI' if cpu.quant_vnni() else 'vpmaddubsw'}{', AMX-INT8 tiles' if amx else ''}")
-    print("| layer | format | rows | float32 ms | int8 ms | int8 speed-up |" + (" int8 AMX ms | AMX vs vectors |" if amx else ""))
-    print("| --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if amx else ""))
+          f"{'VNNI' if cpu.quant_vnni() else 'vpmaddubsw'}{', AMX-INT8 tiles' if amx else ''}"
+          f"{', AMX-BF16 prompt tiles' if tiles else ''}")
+    print("| layer | format | rows | float32 ms | int8 ms | int8 speed-up |" + (" int8 AMX ms | AMX vs vectors |" if amx else "")
+          + (" bf16 tiles ms | tiles vs int8 |" if tiles else ""))
+    print("| --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if amx else "") + (" --- | --- |" if tiles else ""))
     for name, n, k, what in SHAPES:
         fmt = FORMATS[name]
         q = random_blocks(name, n, k)
@@ -76,6 +81,9 @@ def main() -> None:
                 cpu.load().amx_enable(True)
                 a = median_ms(lambda: cpu.quant_linear_i8(x, packed_i8, fmt, n), reps) if m >= 16 else float("nan")
                 row += f" {a:.2f} | {i / a:.2f}x |"
+            if tiles:
+                b = median_ms(lambda: cpu.quant_linear_bf16_i8(x, packed_i8, fmt, n), reps)
+                row += f" {b:.2f} | {i / b:.2f}x |"
             print(row)
 
 

@@ -52,6 +52,19 @@ class PromptRows:
 
     rows: torch.Tensor  # [n] long
     other: torch.Tensor | None  # [num_tokens - n] long
+    mask: torch.Tensor  # [num_tokens] bool: True at `rows`
+
+    @staticmethod
+    def of(mask: torch.Tensor) -> PromptRows | None:
+        """From a bool mask over the rows (None where no row is set)."""
+        if not bool(mask.any()):
+            return None
+        other = None if bool(mask.all()) else (~mask).nonzero().squeeze(1)
+        return PromptRows(mask.nonzero().squeeze(1), other, mask)
+
+    def select(self, rows: torch.Tensor) -> PromptRows | None:
+        """The same choice for a layer that sees only `rows` of the step (a MoE expert's tokens)."""
+        return PromptRows.of(self.mask[rows])
 
 
 @dataclass(slots=True)

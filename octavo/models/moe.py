@@ -9,6 +9,8 @@ active experts, not the total (docs/BENCHMARKS.md measures it).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -44,7 +46,9 @@ class SparseMoE(nn.Module):
         for expert, count in enumerate(counts):
             if count:
                 rows = tokens[start : start + count]
-                y = self.experts[expert](x[rows], meta) * pair_weights[start : start + count]
+                expert_meta = meta if meta.prompt_rows is None else dataclasses.replace(
+                    meta, prompt_rows=meta.prompt_rows.select(rows))  # its rows, not the step's
+                y = self.experts[expert](x[rows], expert_meta) * pair_weights[start : start + count]
                 out.index_add_(0, rows, y)
                 start += count
         if self.shared_expert is not None:

@@ -198,9 +198,10 @@ def test_dispatch_sends_prompt_rows_to_the_tiles_and_the_rest_to_int8():
     q = random_blocks("Q4_K", 32, 256, seed=9)
     weight, layout = dispatch.prepare_quant_weight(q, fmt, "int8")
     x = torch.randn(6, 256, generator=torch.Generator().manual_seed(10))
-    rows = PromptRows(torch.tensor([1, 2, 4]), torch.tensor([0, 3, 5]))
+    rows = PromptRows.of(torch.tensor([False, True, True, False, True, False]))
+    assert rows.select(torch.tensor([4, 0])).rows.tolist() == [0] and rows.select(torch.tensor([3, 5])) is None
     out = dispatch.quant_linear(x, weight, layout, fmt, 256, 32, None, rows)
     assert torch.equal(out[[1, 2, 4]], cpu.quant_linear_bf16_i8(x[[1, 2, 4]], weight, fmt, 32))
     assert torch.equal(out[[0, 3, 5]], cpu.quant_linear_i8(x[[0, 3, 5]], weight, fmt, 32))
-    every = dispatch.quant_linear(x, weight, layout, fmt, 256, 32, None, PromptRows(torch.arange(6), None))
+    every = dispatch.quant_linear(x, weight, layout, fmt, 256, 32, None, PromptRows.of(torch.ones(6, dtype=torch.bool)))
     assert torch.equal(every, cpu.quant_linear_bf16_i8(x, weight, fmt, 32))

@@ -199,3 +199,23 @@ def test_the_plan_of_each_file_holds_what_the_engine_holds(family):
 
     _, model_dir, _, _, nbytes, _ = family
     assert held_weight_bytes(read_header(gguf_source(model_dir))) == pytest.approx(nbytes, rel=0.015)
+
+
+def test_int8_tokens_are_the_same_in_every_mode(family):
+    """The int8 mode on every family (the prompts of 100 and 150 tokens through the AMX-BF16 prompt
+    tiles where the CPU runs them; a MoE expert sees the choice for its own tokens): greedy tokens of
+    one batch equal those of a small budget and of a tiny pool that preempts (not transformers':
+    int8 is not exact, tests/oracle/test_int8_activations.py bounds its distance)."""
+    from octavo.models.loader import load_model
+
+    name, model_dir, _, tokenizer, nbytes, hf = family
+    model, _ = load_model(model_dir, quantization="auto", activation_dtype="int8")
+    int8 = (name, model_dir, model, tokenizer, nbytes, hf)
+    asked = prompts(hf.config.vocab_size)
+    base = [o.outputs[0].token_ids for o in build(int8).generate(asked, GREEDY, use_tqdm=False)]
+    small = build(int8, max_num_batched_tokens=16).generate(asked, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in small] == base, name
+    groups = len(model.config.kv_groups())
+    llm = build(int8, num_kv_blocks=12 + 2 * (groups - 1), enable_prefix_caching=False, admission_headroom_steps=0)
+    assert [o.outputs[0].token_ids for o in llm.generate(asked, GREEDY, use_tqdm=False)] == base, name
+    assert llm.engine.get_stats().scheduler.preemption.num_preemptions > 0
