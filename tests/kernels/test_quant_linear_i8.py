@@ -205,3 +205,24 @@ def test_dispatch_sends_prompt_rows_to_the_tiles_and_the_rest_to_int8():
     assert torch.equal(out[[0, 3, 5]], cpu.quant_linear_i8(x[[0, 3, 5]], weight, fmt, 32))
     every = dispatch.quant_linear(x, weight, layout, fmt, 256, 32, None, PromptRows.of(torch.ones(6, dtype=torch.bool)))
     assert torch.equal(every, cpu.quant_linear_bf16_i8(x, weight, fmt, 32))
+
+
+class _FakeTiles:
+    """A kernels module whose AMX-BF16 self-test does what a CPU may do to it."""
+
+    def __init__(self, behaviour: str) -> None:
+        self.behaviour = behaviour
+
+    def amx_bf16_selftest(self) -> bool:
+        import os
+        import signal
+
+        if self.behaviour == "sigill":
+            os.kill(os.getpid(), signal.SIGILL)  # what a listed-but-faulting AMX unit does
+        return self.behaviour == "pass"
+
+
+@pytest.mark.parametrize("behaviour,expect", [("pass", None), ("wrong", "wrong products"), ("sigill", "died of SIGILL")])
+def test_the_tiles_self_test_runs_in_a_child_that_may_die(behaviour, expect):
+    """The probe forks: a SIGILL kills the child, never this process, and is reported by name."""
+    assert cpu._selftest_in_fork(_FakeTiles(behaviour)) == expect
