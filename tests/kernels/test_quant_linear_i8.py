@@ -213,7 +213,7 @@ class _FakeTiles:
     def __init__(self, behaviour: str) -> None:
         self.behaviour = behaviour
 
-    def amx_bf16_selftest(self) -> bool:
+    def selftest(self) -> bool:
         import os
         import signal
 
@@ -225,4 +225,4 @@ class _FakeTiles:
 @pytest.mark.parametrize("behaviour,expect", [("pass", None), ("wrong", "wrong products"), ("sigill", "died of SIGILL")])
 def test_the_tiles_self_test_runs_in_a_child_that_may_die(behaviour, expect):
     """The probe forks: a SIGILL kills the child, never this process, and is reported by name."""
-    assert cpu._selftest_in_fork(_FakeTiles(behaviour)) == expect
+    assert cpu._selftest_in_fork(_FakeTiles(behaviour), "selftest") == expect

@@ -123,9 +123,53 @@ def dequantize_rows_i8(packed, fmt, rows, in_features: int, out_features: int):
 
 # A child's AMX self-test: a CPU (or a hypervisor) can list AMX and still fault on its first tile
 # instruction (llama.cpp's AMX build dies of SIGILL on some of this project's machines), so the
-# instructions run first in a process whose death costs nothing.
-_AMX_PROBE = "from octavo.kernels import cpu; import sys; sys.exit(0 if cpu.load().amx_selftest() else 3)"
-AMX_PROBE_TIMEOUT_S = 180.0  # a child importing torch on a busy machine: seconds, 3x that and more
+# instructions run first in a forked child whose death costs nothing (no imports: milliseconds).
+AMX_PROBE_TIMEOUT_S = 180.0  # one tile product: far less, unless the machine stops the child
+
+
+def _selftest_in_fork(module, test: str) -> str | None:
+    """Run `module.<test>()` in a forked child; None when it passed, else what happened. The
+    child calls one C function and exits (no locks, no threads, no imports beyond faulthandler)."""
+    import signal
+    import time
+
+    pid = os.fork()
+    if pid == 0:  # the child
+        import faulthandler
+
+        faulthandler.disable()  # its death by SIGILL is an answer, not a crash to report
+        code = 3
+        try:
+            code = 0 if getattr(module, test)() else 3
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + AMX_PROBE_TIMEOUT_S
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return f"no answer in {AMX_PROBE_TIMEOUT_S:.0f} s"
+        time.sleep(0.002)
+    if os.WIFSIGNALED(status):
+        return "died of SIGILL" if os.WTERMSIG(status) == signal.SIGILL else f"killed by signal {os.WTERMSIG(status)}"
+    code = os.WEXITSTATUS(status)
+    return None if code == 0 else ("wrong products" if code == 3 else f"exit status {code}")
+
+
+def _tiles_usable(module, test: str, enable: str, tiles: str, fallback: str) -> bool:
+    """The child's self-test `test`, then `enable` in this process (it asks the kernel for the tile
+    state); a log line names why not, and the `fallback` the layers use then."""
+    why = _selftest_in_fork(module, test)
+    if why is not None:
+        logger.warning("%s tiles listed but unusable here (self-test in a child process: %s): %s", tiles, why, fallback)
+        return False
+    if not getattr(module, enable)(True):
+        logger.warning("%s tile state refused by the kernel: %s", tiles, fallback)
+        return False
+    return True
 
 
 @functools.cache
@@ -137,24 +181,7 @@ def amx_enabled() -> bool:
     module = load()
     if module is None or not module.amx_built() or os.environ.get("OCTAVO_AMX", "0") != "1":
         return False
-    import subprocess
-    import sys
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    try:
-        done = subprocess.run([sys.executable, "-c", _AMX_PROBE], env=env, capture_output=True, text=True,
-                              timeout=AMX_PROBE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        logger.warning("AMX-INT8 self-test did not finish in %.0f s: int8 layers use the vector dot products",
-                       AMX_PROBE_TIMEOUT_S)
-        return False
-    if done.returncode != 0:
-        why = "died of SIGILL" if done.returncode == -4 else f"exit status {done.returncode}"
-        logger.warning("AMX-INT8 tiles listed but unusable here (self-test in a child process: %s): int8 layers "
-                       "use the vector dot products", why)
-        return False
-    if not module.amx_enable(True):
-        logger.warning("AMX-INT8 tile state refused by the kernel: int8 layers use the vector dot products")
+    if not _tiles_usable(module, "amx_selftest", "amx_enable", "AMX-INT8", "int8 layers use the vector dot products"):
         return False
     logger.info("AMX-INT8 tiles: self-test passed in a child process; int8 steps of 16+ rows use them")
     return True
@@ -182,38 +209,6 @@ def quant_linear_bf16_i8(x, packed, fmt, out_features: int, bias=None):
     return out
 
 
-def _selftest_in_fork(module) -> str | None:
-    """Run the AMX-BF16 self-test in a forked child (no imports: milliseconds); None when it
-    passed, else what happened. The child calls one C function and exits (no locks, no threads)."""
-    import signal
-    import time
-
-    pid = os.fork()
-    if pid == 0:  # the child
-        import faulthandler
-
-        faulthandler.disable()  # its death by SIGILL is an answer, not a crash to report
-        code = 3
-        try:
-            code = 0 if module.amx_bf16_selftest() else 3
-        finally:
-            os._exit(code)
-    deadline = time.monotonic() + AMX_PROBE_TIMEOUT_S
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return f"no answer in {AMX_PROBE_TIMEOUT_S:.0f} s"
-        time.sleep(0.002)
-    if os.WIFSIGNALED(status):
-        return "died of SIGILL" if os.WTERMSIG(status) == signal.SIGILL else f"killed by signal {os.WTERMSIG(status)}"
-    code = os.WEXITSTATUS(status)
-    return None if code == 0 else ("wrong products" if code == 3 else f"exit status {code}")
-
-
 @functools.cache
 def amx_bf16_enabled() -> bool:
     """Whether the int8 mode's prompt rows go through AMX-BF16 tiles (`quant_linear_bf16_i8`):
@@ -223,15 +218,7 @@ def amx_bf16_enabled() -> bool:
     module = load()
     if module is None or not module.amx_bf16_built() or os.environ.get("OCTAVO_AMX_BF16", "1") == "0":
         return False
-    why = _selftest_in_fork(module)
-    if why is not None:
-        logger.warning("AMX-BF16 tiles listed but unusable here (self-test in a child process: %s): prompt rows "
-                       "use the int8 dot products", why)
-        return False
-    if not module.amx_bf16_enable(True):
-        logger.warning("AMX-BF16 tile state refused by the kernel: prompt rows use the int8 dot products")
-        return False
-    return True
+    return _tiles_usable(module, "amx_bf16_selftest", "amx_bf16_enable", "AMX-BF16", "prompt rows use the int8 dot products")
 
 
 def quant_vnni() -> bool:
