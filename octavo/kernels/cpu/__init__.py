@@ -129,14 +129,13 @@ AMX_PROBE_TIMEOUT_S = 180.0  # one tile product: far less, unless the machine st
 
 def _selftest_in_fork(module, test: str) -> str | None:
     """Run `module.<test>()` in a forked child; None when it passed, else what happened. The
-    child calls one C function and exits (no locks, no threads, no imports beyond faulthandler)."""
+    child calls one C function and exits (no locks, no threads, no imports)."""
+    import faulthandler  # imported before the fork: the child must not take the import lock
     import signal
     import time
 
     pid = os.fork()
     if pid == 0:  # the child
-        import faulthandler
-
         faulthandler.disable()  # its death by SIGILL is an answer, not a crash to report
         code = 3
         try:
