@@ -246,11 +246,16 @@ class ModelRunner:
     def _prompt_rows(entries: list[ScheduledRequest], query_starts: list[int], num_tokens: int) -> PromptRows | None:
         """The rows at prompt positions of requests with prompts of PROMPT_TILES_MIN_TOKENS or more
         (their own properties: the choice never depends on the batch)."""
-        mask = torch.zeros(num_tokens, dtype=torch.bool)
+        spans = []
         for e, first in zip(entries, query_starts):
             num_prompt = len(e.prompt_token_ids)
             if num_prompt >= dispatch.PROMPT_TILES_MIN_TOKENS and e.start_pos < num_prompt:
-                mask[first : first + min(e.num_tokens, num_prompt - e.start_pos)] = True
+                spans.append((first, first + min(e.num_tokens, num_prompt - e.start_pos)))
+        if not spans:  # a decode step: no tensor to build
+            return None
+        mask = torch.zeros(num_tokens, dtype=torch.bool)
+        for start, end in spans:
+            mask[start:end] = True
         return PromptRows.of(mask)
 
     def _lora_mapping(self, entries: list[ScheduledRequest], query_starts: list[int]) -> LoRAMapping | None:
