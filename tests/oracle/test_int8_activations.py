@@ -135,3 +135,25 @@ def test_int8_holds_gemmas_q5_0_blocks_at_the_files_size():
     tokens = list(range(2, 66))
     logits = [m.compute_logits(Scorer(m, cfg, 64).hidden(tokens)) for m in (native, as_q8_0)]
     assert torch.equal(*logits)
+
+
+@pytest.mark.skipif(not cpu.amx_bf16_enabled(), reason="AMX-BF16 tiles do not run here")
+def test_long_prompts_reach_the_tiles_and_short_ones_do_not(make_llm, prompts, monkeypatch):
+    """The engine really routes rows: a prompt of PROMPT_TILES_MIN_TOKENS+ tokens calls the tiles'
+    kernel with exactly its prompt rows (its answer's decode rows do not), a shorter prompt never."""
+    rows_seen = []
+    kernel = cpu.quant_linear_bf16_i8
+
+    def counting(x, *a, **k):
+        rows_seen.append(x.shape[0])
+        return kernel(x, *a, **k)
+
+    monkeypatch.setattr(cpu, "quant_linear_bf16_i8", counting)
+    llm = make_llm(weights="int8")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    short = [p for p in prompts if len(p) < dispatch.PROMPT_TILES_MIN_TOKENS][0]
+    llm.generate([short], params, use_tqdm=False)
+    assert rows_seen == []
+    long = [p for p in prompts if len(p) >= dispatch.PROMPT_TILES_MIN_TOKENS][0]
+    llm.generate([long], params, use_tqdm=False)
+    assert rows_seen and set(rows_seen) == {len(long)}  # every layer, the prompt's rows, one step
