@@ -91,7 +91,8 @@ class LLMEngine:
         kv = KVCacheManager(sizing.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                             tuple(g.window for g in config.model_config.kv_groups()),
                             tier=None if opened is None else opened.index,
-                            group_kinds=tuple(g.kind for g in config.model_config.kv_groups()))
+                            group_kinds=tuple(g.kind for g in config.model_config.kv_groups()),
+                            prompt_tiles=self.runner.prompt_tiles)
         if opened is not None:
             kv.connector.swap_preempted = opened.swap_preempted
         kv.pins.max_blocks = int(config.cache.pinned_prefix_share * sizing.num_blocks)

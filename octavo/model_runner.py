@@ -17,7 +17,7 @@ import torch
 
 from octavo.config import CacheConfig, ModelConfig
 from octavo.cuda_graphs import CudaGraphRunner, graph_batch_sizes
-from octavo.kernels import dispatch
+from octavo.kernels import dispatch, row_paths
 from octavo.kernels.metadata import AttentionMetadata, LoRAMapping, PromptRows, gather_contexts
 from octavo.kv_tier import TierStore
 from octavo.lora.layers import apply_lora
@@ -244,13 +244,13 @@ class ModelRunner:
 
     @staticmethod
     def _prompt_rows(entries: list[ScheduledRequest], query_starts: list[int], num_tokens: int) -> PromptRows | None:
-        """The rows at prompt positions of requests with prompts of PROMPT_TILES_MIN_TOKENS or more
-        (their own properties: the choice never depends on the batch)."""
+        """The rows the tiles compute (kernels/row_paths.py: prompt positions of long prompts, the
+        requests' own properties: the choice never depends on the batch)."""
         spans = []
         for e, first in zip(entries, query_starts):
-            num_prompt = len(e.prompt_token_ids)
-            if num_prompt >= dispatch.PROMPT_TILES_MIN_TOKENS and e.start_pos < num_prompt:
-                spans.append((first, first + min(e.num_tokens, num_prompt - e.start_pos)))
+            tiled = row_paths.tiled_prompt_tokens(len(e.prompt_token_ids), True)
+            if e.start_pos < tiled:
+                spans.append((first, first + min(e.num_tokens, tiled - e.start_pos)))
         if not spans:  # a decode step: no tensor to build
             return None
         mask = torch.zeros(num_tokens, dtype=torch.bool)

@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from octavo.kernels import cpu, reference
+from octavo.kernels import cpu, reference, row_paths
 from octavo.kernels import triton as triton_kernels
 from octavo.kernels.metadata import BACKENDS, AttentionMetadata, PromptRows
 from octavo.quantization import QuantFormat, dequantize
@@ -139,16 +139,9 @@ def packed_layout_key() -> str | None:
     return cpu.build_dir().name if _cpu_kernels() else None
 
 
-# The int8 mode's prompt rows: a request whose prompt has this many tokens or more computes its
-# prompt positions through AMX-BF16 tiles (`cpu.quant_linear_bf16_i8`, where the CPU runs them):
-# measured 1.3-2x the int8 kernel's speed from 64 rows on (docs/BENCHMARKS.md). Which path a token
-# takes depends on its own request only (prompt length, position), never on the batch, and each
-# path gives a row the same bits alone or in a batch: batch invariance holds.
-PROMPT_TILES_MIN_TOKENS = 64
-
-
 def prompt_tiles_enabled(model: torch.nn.Module) -> bool:
-    """Whether this model's int8 layers take prompt rows through AMX-BF16 tiles here."""
+    """Whether this model's int8 layers take prompt rows through AMX-BF16 tiles here (which rows:
+    kernels/row_paths.py)."""
     if not any(getattr(m, "layout", None) == "packed_i8" for m in model.modules()):
         return False
     return cpu.amx_bf16_enabled()
@@ -218,7 +211,7 @@ def quant_kernel_name(dtype: torch.dtype, device: torch.device, activations: str
             return "int8 activations, reference (rebuild + matmul)"
         amx = " + AMX-INT8 tiles (16+ rows)" if cpu.amx_enabled() else ""
         if cpu.amx_bf16_enabled():
-            amx += f"; prompts of {PROMPT_TILES_MIN_TOKENS}+ tokens: AMX-BF16 tiles"
+            amx += f"; prompts of {row_paths.PROMPT_TILES_MIN_TOKENS}+ tokens: AMX-BF16 tiles"
         return f"int8 activations, octavo-cpu/{cpu.quant_isa()} {'VNNI' if cpu.quant_vnni() else 'vpmaddubsw'}{amx}"
     if dtype == torch.float32 and kernels:
         return f"octavo-cpu/{cpu.quant_isa()}"

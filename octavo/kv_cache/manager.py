@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from octavo.kernels.row_paths import tiled_prompt_tokens
 from octavo.kv_cache.block_pool import BlockPool, KVCacheBlock
 from octavo.kv_cache.connector import TierConnector
 from octavo.kv_cache.groups import NULL_BLOCK_ID, BlockKey, GroupManager, kind_of, make_group
@@ -71,16 +72,19 @@ class KVCacheManager:
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
         group_windows: tuple[int | None, ...] = (None,), tier: TierIndex | None = None,
-        group_kinds: tuple[str, ...] | None = None,
+        group_kinds: tuple[str, ...] | None = None, prompt_tiles: bool = False,
     ) -> None:
         """`tier`: the second KV tier's index (needs prefix caching): cached blocks the pool
-        evicts are offered to it, and running requests take their next blocks from it."""
+        evicts are offered to it, and running requests take their next blocks from it.
+        `prompt_tiles`: whether the runner computes long prompts through the int8 mode's tiles
+        (kernels/row_paths.py); block hashes then say which rows the tiles computed."""
         if tier is not None and not enable_prefix_caching:
             raise ValueError("a second KV tier holds prefix-cache blocks: it needs prefix caching on")
         if not group_windows:
             raise ValueError("a KV cache needs at least one group")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.prompt_tiles = prompt_tiles
         self.group_windows = tuple(group_windows)
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.groups: list[GroupManager] = [
@@ -145,6 +149,7 @@ class KVCacheManager:
         if len(hashes) < request.num_tokens // self.block_size:
             extend_block_hashes(
                 hashes, request.all_token_ids, self.block_size, request.cache_salt, request.lora_cache_key,
+                tiled_prompt_tokens(request.num_prompt_tokens, self.prompt_tiles),
             )
         return hashes
 

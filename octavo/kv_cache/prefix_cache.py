@@ -2,8 +2,9 @@
 
 Only full blocks are hashed. The first block's parent is a fixed constant, so the same tokens hash
 the same in every process (no PYTHONHASHSEED dependence). Extra keys hold the per-request
-cache salt (first block only: because hashes chain, that isolates the whole chain) and a LoRA id
-slot, so adapters never share KV with the base model once they exist.
+cache salt (first block only: because hashes chain, that isolates the whole chain), a LoRA id
+slot, so adapters never share KV with the base model, and the count of a block's rows the int8
+mode's prompt tiles computed (their KV differs in bits from the int8 rows').
 """
 
 from __future__ import annotations
@@ -27,13 +28,21 @@ def hash_block_tokens(
     return hashlib.sha256(payload).digest()
 
 
-def block_extra_keys(block_idx: int, cache_salt: str | None, lora_id: str | None = None) -> tuple | None:
-    """Extra keys of block `block_idx` of a request: the salt on block 0 only, the LoRA id on all."""
-    keys: list[tuple[str, str]] = []
+def block_extra_keys(
+    block_idx: int, cache_salt: str | None, lora_id: str | None = None, tiled_rows: int = 0,
+) -> tuple | None:
+    """Extra keys of block `block_idx` of a request: the salt on block 0 only, the LoRA id on all,
+    and how many of its positions the int8 mode's prompt tiles computed (`tiled_rows`, 0 to the
+    block's size; kernels/row_paths.py): those rows' KV differs in bits from what the int8 rows
+    write, so a block is shared only between requests that computed it the same way. 0 adds no
+    key, so hashes without the tiles are what they always were."""
+    keys: list[tuple[str, str | int]] = []
     if lora_id is not None:
         keys.append(("lora", lora_id))
     if cache_salt is not None and block_idx == 0:
         keys.append(("cache_salt", cache_salt))
+    if tiled_rows:
+        keys.append(("prompt_tiles", tiled_rows))
     return tuple(keys) if keys else None
 
 
@@ -43,8 +52,10 @@ def extend_block_hashes(
     block_size: int,
     cache_salt: str | None = None,
     lora_id: str | None = None,
+    tiled_tokens: int = 0,
 ) -> None:
     """Append to `block_hashes` the hashes of every full block of `token_ids` not yet hashed.
+    `tiled_tokens`: how many leading positions the prompt tiles compute (row_paths.tiled_prompt_tokens).
 
     Mutates `block_hashes` in place; a partial last block is left for when it fills.
     """
@@ -52,11 +63,12 @@ def extend_block_hashes(
     for block_idx in range(len(block_hashes), num_full_blocks):
         parent = block_hashes[-1] if block_hashes else None
         start = block_idx * block_size
+        tiled_rows = min(max(tiled_tokens - start, 0), block_size)
         block_hashes.append(
             hash_block_tokens(
                 parent,
                 token_ids[start : start + block_size],
-                block_extra_keys(block_idx, cache_salt, lora_id),
+                block_extra_keys(block_idx, cache_salt, lora_id, tiled_rows),
             )
         )
 

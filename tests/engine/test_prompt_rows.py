@@ -1,10 +1,10 @@
-"""Which rows of a step the int8 mode sends through the AMX-BF16 tiles (ModelRunner._prompt_rows):
+"""Which rows of a step the int8 mode sends through the AMX-BF16 tiles (ModelRunner._prompt_rows, by kernels/row_paths.py):
 the prompt positions of requests whose prompts have PROMPT_TILES_MIN_TOKENS or more, decided by
 each request alone (its prompt length and positions), never by what else shares the step."""
 
 from __future__ import annotations
 
-from octavo.kernels.dispatch import PROMPT_TILES_MIN_TOKENS as T
+from octavo.kernels.row_paths import PROMPT_TILES_MIN_TOKENS as T
 from octavo.model_runner import ModelRunner
 from octavo.outputs import ScheduledRequest
 from octavo.sampling.params import SamplingParams

@@ -134,3 +134,32 @@ def test_remove_returns_every_block():
         kv.remove(r)
     assert kv.num_free_blocks == 5
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+
+
+def test_with_prompt_tiles_a_prefix_is_shared_only_between_rows_of_the_same_path():
+    """The int8 mode's prompt tiles (kernels/row_paths.py) compute a long prompt's positions, int8
+    rows the rest: a long prompt does not take a short prompt's blocks, nor a conversation's next
+    turn the blocks of the previous answer, but both share the blocks both computed as prompt."""
+    from octavo.kernels.row_paths import PROMPT_TILES_MIN_TOKENS as T
+
+    def hits(prompt_tiles: bool) -> tuple[int, int]:
+        kv = KVCacheManager(num_blocks=200, block_size=BS, prompt_tiles=prompt_tiles)
+        short = list(range(T - 4))  # a short prompt: int8 rows
+        admit(kv, make_request("short", short))
+        _, long_hit = admit(kv, make_request("long", short + list(range(5000, 5000 + T))))
+        turn1 = list(range(7000, 7000 + T + 2))  # a long prompt: tiles (T + 2 tokens) ...
+        first = make_request("turn1", turn1)
+        admit(kv, first)
+        answer = list(range(9000, 9000 + 3 * BS))  # ... then its answer: int8 rows, cached as it grows
+        for tok in answer:
+            first.all_token_ids.append(tok)
+            kv.allocate_slots(first, 1)
+            first.num_computed_tokens += 1
+            kv.cache_blocks(first, first.num_tokens)
+        _, turn2_hit = admit(kv, make_request("turn2", turn1 + answer + [1, 2, 3]))
+        return long_hit, turn2_hit
+
+    assert hits(False) == ((T - 4) // BS * BS, T + 2 + 3 * BS - 2)  # every full block shared (tokens only)
+    # with tiles: nothing of the short prompt; of turn 1, the full blocks of its prompt only (the
+    # block where prompt and answer meet was computed partly by the int8 rows)
+    assert hits(True) == (0, (T + 2) // BS * BS)

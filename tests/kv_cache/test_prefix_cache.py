@@ -52,3 +52,27 @@ def test_hashes_are_identical_in_another_process():
     here: list[bytes] = []
     extend_block_hashes(here, list(range(40)), 16, cache_salt="x")
     assert out == ",".join(x.hex() for x in here)
+
+
+def test_blocks_the_prompt_tiles_computed_are_keyed_by_how_many_rows():
+    """kernels/row_paths.py: a block's hash says how many of its positions the int8 mode's prompt
+    tiles computed, so KV of one path never serves the other; no tiles, no key (hashes unchanged)."""
+    from octavo.kernels.row_paths import PROMPT_TILES_MIN_TOKENS as T
+    from octavo.kernels.row_paths import tiled_prompt_tokens
+
+    assert tiled_prompt_tokens(T, True) == T and tiled_prompt_tokens(T - 1, True) == 0
+    assert tiled_prompt_tokens(10 * T, False) == 0
+    plain: list[bytes] = []
+    extend_block_hashes(plain, list(range(48)), 16)
+    zero: list[bytes] = []
+    extend_block_hashes(zero, list(range(48)), 16, tiled_tokens=0)
+    assert zero == plain
+    tiled: list[bytes] = []
+    extend_block_hashes(tiled, list(range(48)), 16, tiled_tokens=40)  # blocks: 16, 16, 8 tiled rows
+    assert all(a != b for a, b in zip(plain, tiled))
+    assert tiled[0] == hash_block_tokens(None, range(16), (("prompt_tiles", 16),))
+    assert tiled[2] == hash_block_tokens(tiled[1], range(32, 48), (("prompt_tiles", 8),))
+    longer: list[bytes] = []
+    extend_block_hashes(longer, list(range(48)), 16, tiled_tokens=48)
+    assert longer[:2] == tiled[:2] and longer[2] != tiled[2]  # the boundary block differs
+    assert block_extra_keys(0, "s", "ad", 3) == (("lora", "ad"), ("cache_salt", "s"), ("prompt_tiles", 3))

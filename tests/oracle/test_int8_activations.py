@@ -8,7 +8,7 @@ to stated tolerances instead of token-for-token equality.
    within 1%. Measured on this machine class: 96.9%, 0.0028, +0.04%; llama.cpp's own logits on
    the same file and tokens against the same exact ones: 96.6%, 0.0030, +0.6% (docs/BENCHMARKS.md).
    Where the CPU runs AMX-BF16 tiles, the prompt positions of prompts of 64+ tokens go through
-   them (x and W rounded to bfloat16, float32 sums; kernels/dispatch.py PROMPT_TILES_MIN_TOKENS):
+   them (x and W rounded to bfloat16, float32 sums; kernels/row_paths.py):
    the bounds hold both with them (measured 98.2%, 0.0008, -0.07%) and without.
 2. Every engine mode: chunked prefill, preemption, prefix caching, forks, blocks of 8, speculation
    and the second KV tier give the int8 path's greedy tokens of one plain batch, token for token.
@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 
 from octavo.bench.accuracy import DEFAULT_TEXT, Scorer, evaluate, text_tokens
-from octavo.kernels import cpu, dispatch
+from octavo.kernels import cpu, row_paths
 from octavo.sampling.params import SamplingParams
 from tests.oracle.reference import NUM_NEW_TOKENS, oracle_prompts, shared_prefix_prompts
 
@@ -37,7 +37,7 @@ def test_int8_tracks_the_exact_path_within_the_stated_bounds(smol, smol_int8, sm
     from octavo.models.registry import load_model_config
 
     if not prompt_tiles:
-        monkeypatch.setattr(dispatch, "PROMPT_TILES_MIN_TOKENS", 1 << 30)
+        monkeypatch.setattr(row_paths, "PROMPT_TILES_MIN_TOKENS", 1 << 30)
     elif not cpu.amx_bf16_enabled():
         pytest.skip("AMX-BF16 tiles do not run here: the int8 rows only case covers this machine")
 
@@ -80,7 +80,7 @@ def test_int8_engine_is_int8_and_differs_from_the_exact_path(make_llm, prompts, 
     assert llm.engine.runner.model.layers[0].mlp.down_proj.layout == "packed_i8"
     assert llm.engine.runner.prompt_tiles == cpu.amx_bf16_enabled()
     if llm.engine.runner.prompt_tiles:  # the oracle prompts reach the tiles' length
-        assert max(len(p) for p in prompts) >= dispatch.PROMPT_TILES_MIN_TOKENS
+        assert max(len(p) for p in prompts) >= row_paths.PROMPT_TILES_MIN_TOKENS
     exact = tokens(make_llm().generate(prompts, GREEDY, use_tqdm=False))
     assert exact != baseline[: len(prompts)]  # 8 x 64 tokens: int8 rounding moves some of them
 
@@ -151,9 +151,58 @@ def test_long_prompts_reach_the_tiles_and_short_ones_do_not(make_llm, prompts, m
     monkeypatch.setattr(cpu, "quant_linear_bf16_i8", counting)
     llm = make_llm(weights="int8")
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    short = [p for p in prompts if len(p) < dispatch.PROMPT_TILES_MIN_TOKENS][0]
+    short = [p for p in prompts if len(p) < row_paths.PROMPT_TILES_MIN_TOKENS][0]
     llm.generate([short], params, use_tqdm=False)
     assert rows_seen == []
-    long = [p for p in prompts if len(p) >= dispatch.PROMPT_TILES_MIN_TOKENS][0]
+    long = [p for p in prompts if len(p) >= row_paths.PROMPT_TILES_MIN_TOKENS][0]
     llm.generate([long], params, use_tqdm=False)
     assert rows_seen and set(rows_seen) == {len(long)}  # every layer, the prompt's rows, one step
+
+
+@pytest.fixture
+def tiles_here(monkeypatch):
+    """The prompt tiles on: the real kernel where AMX-BF16 runs; elsewhere a stand-in with the two
+    properties that matter to the prefix cache (a row's result does not depend on the batch, and
+    differs in bits from the int8 rows'): the int8 kernel over x rounded to bfloat16."""
+    if not cpu.amx_bf16_enabled():
+        int8 = cpu.quant_linear_i8
+        monkeypatch.setattr(cpu, "amx_bf16_enabled", lambda: True)
+        monkeypatch.setattr(cpu, "quant_linear_bf16_i8", lambda x, *a: int8(x.bfloat16().float(), *a))
+
+
+def test_int8_prefix_hits_never_hand_a_prompt_kv_the_other_path_computed(make_llm, prompts, tiles_here):
+    """A long prompt after a short one with the same start, and a conversation's second turn after
+    its first, give the cold run's tokens and log-probabilities bit for bit: a block's hash says
+    which path computed it (kv_cache/prefix_cache.block_extra_keys), so the int8 rows' KV (a short
+    prompt's, an answer's) never serves positions the tiles compute."""
+    T = row_paths.PROMPT_TILES_MIN_TOKENS
+    long = next(p for p in prompts if len(p) >= T + 16)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+
+    def run(llm, prompt):
+        (out,) = llm.generate([prompt], params, use_tqdm=False)
+        return list(out.outputs[0].token_ids), [lp.logprob for lp in out.outputs[0].logprobs]
+
+    def cold(prompt):
+        llm = make_llm(weights="int8")
+        assert llm.engine.runner.prompt_tiles
+        try:
+            return run(llm, prompt)
+        finally:
+            llm.close()
+
+    want_long = cold(long)
+    answer, _ = want_long
+    turn2 = long + answer + long[:20]
+    want_turn2 = cold(turn2)
+
+    llm = make_llm(weights="int8")
+    try:
+        run(llm, long[: T - 8])  # its full blocks cached, computed by the int8 rows
+        assert run(llm, long) == want_long
+        hits_before = llm.engine.get_stats().scheduler.prefix.num_hits_tokens
+        assert run(llm, turn2) == want_turn2  # the first turn (long) is cached: prompt by tiles, answer by rows
+        shared = llm.engine.get_stats().scheduler.prefix.num_hits_tokens - hits_before
+        assert shared == len(long) // 16 * 16  # the blocks both computed as prompt, no more
+    finally:
+        llm.close()
