@@ -70,11 +70,8 @@ def pack(qweight, fmt):
 
 def quant_linear(x, packed, fmt, out_features: int, bias=None):
     """Same contract as `octavo.kernels.reference.quant_linear`, W packed by `pack`; float32 x."""
-    import torch
-
     x = x.contiguous()
-    out = torch.empty((x.shape[0], out_features), dtype=torch.float32)  # [num_tokens, out]
-    _module().quant_linear(out, x, packed, fmt.code)
+    out = _module().quant_linear(x, packed, fmt.code, out_features)  # [num_tokens, out]
     if bias is not None:
         out += bias
     return out
@@ -89,11 +86,8 @@ def pack_i8(qweight, fmt):
 def quant_linear_i8(x, packed, fmt, out_features: int, bias=None):
     """Same contract as `octavo.kernels.reference.quant_linear_int8` (up to the order of float
     sums), W packed by `pack_i8`; float32 x, quantized to int8 per 32 inside."""
-    import torch
-
     x = x.contiguous()
-    out = torch.empty((x.shape[0], out_features), dtype=torch.float32)  # [num_tokens, out]
-    _module().quant_linear_i8(out, x, packed, fmt.code)
+    out = _module().quant_linear_i8(x, packed, fmt.code, out_features)  # [num_tokens, out]
     if bias is not None:
         out += bias
     return out
@@ -198,11 +192,8 @@ def quant_linear_bf16_i8(x, packed, fmt, out_features: int, bias=None):
     """x @ W^T with x and W (from `pack_i8`) rounded to bfloat16, float32 sums, through AMX-BF16
     tiles (`amx_bf16_enabled()` first): the int8 mode's path for prompt rows. A row's result does
     not depend on the other rows (the same bits alone or in a batch)."""
-    import torch
-
     x = x.contiguous()
-    out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
-    _module().quant_linear_bf16_i8(out, x, packed, fmt.code)
+    out = _module().quant_linear_bf16_i8(x, packed, fmt.code, out_features)
     if bias is not None:
         out += bias
     return out
@@ -250,12 +241,7 @@ def dequantize_rows(packed, fmt, rows, in_features: int, out_features: int):
 
 def rms_norm(x, weight, eps: float):
     """Same contract as `octavo.kernels.reference.rms_norm`; float32 [n, dim]."""
-    import torch
-
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    _module().rms_norm(out, x, weight, eps)
-    return out
+    return _module().rms_norm(x.contiguous(), weight, eps)
 
 
 def add_rms_norm(x, residual, weight, eps: float):
@@ -264,24 +250,25 @@ def add_rms_norm(x, residual, weight, eps: float):
     return x, residual
 
 
+@functools.cache
+def _no_weight():
+    """The empty tensor the kernels read as "no weight" (made once: torch.empty costs microseconds)."""
+    import torch
+
+    return torch.empty(0)
+
+
 def rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads: int, num_kv_heads: int,
                     qk_norm=None):
     """Same contract as `octavo.kernels.reference.rotary_write_kv`; float32, contiguous qkv."""
-    import torch
-
-    q_w, k_w, eps = qk_norm if qk_norm is not None else (torch.empty(0), torch.empty(0), 0.0)
+    q_w, k_w, eps = qk_norm if qk_norm is not None else (_no_weight(), _no_weight(), 0.0)
     _module().rotary_write_kv(qkv, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slot_mapping, num_heads,
                               num_kv_heads, q_w, k_w, eps)
 
 
 def silu_and_mul(gate_up):
     """Same contract as `octavo.kernels.reference.silu_and_mul`; float32 [n, 2 * inter]."""
-    import torch
-
-    gate_up = gate_up.contiguous()
-    out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=torch.float32)
-    _module().silu_and_mul(out, gate_up)
-    return out
+    return _module().silu_and_mul(gate_up.contiguous())
 
 
 def quant_isa() -> str | None:
@@ -310,12 +297,9 @@ def paged_attention(q, k_cache, v_cache, meta, scale: float, window: int | None 
     module = load()
     if module is None:
         raise RuntimeError("Octavo's CPU kernels could not be built on this machine (see the log)")
-    q = q.contiguous()
-    out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
-    module.paged_attention(
-        out, q, k_cache, v_cache, meta.block_tables, meta.query_starts, meta.query_lens, meta.context_lens, scale,
-        q_tile(q.shape[0], torch.get_num_threads()),
+    return module.paged_attention(  # [num_tokens, num_heads, head_dim]
+        q.contiguous(), k_cache, v_cache, meta.block_tables, meta.query_starts, meta.query_lens, meta.context_lens,
+        scale, q_tile(q.shape[0], torch.get_num_threads()),
         0 if window is None else window, 0.0 if softcap is None else softcap,
-        torch.empty(0) if sinks is None else sinks.float().contiguous(),
+        None if sinks is None else sinks.float().contiguous(),
     )
-    return out

@@ -34,13 +34,30 @@ int64_t pack_width();
 // and send the last step's tokens meanwhile instead of stalling the engine thread.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("paged_attention", &paged_attention, "paged attention over the block pool (CPU, float32)", nogil);
+  // Outputs are allocated here, not by the Python wrappers: torch.empty from Python costs 2-4 us a
+  // call on these machines, ~300 calls a decode step of a 30-layer model (docs/BENCHMARKS.md).
+  m.def("paged_attention", [](at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                              at::Tensor q_starts, at::Tensor q_lens, at::Tensor context_lens, double scale,
+                              int64_t q_tile, int64_t window, double softcap, std::optional<at::Tensor> sinks) {
+    at::Tensor out = at::empty_like(q);
+    paged_attention(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, context_lens, scale, q_tile, window,
+                    softcap, sinks.has_value() ? *sinks : at::Tensor(at::empty({0}, q.options())));
+    return out;
+  }, "paged attention over the block pool (CPU, float32): a new [tokens, heads, head_dim] output", nogil);
   m.def("pack", &pack, "GGUF blocks (Q4_0, Q4_1, Q8_0) -> the kernels' column-interleaved layout", nogil);
-  m.def("quant_linear", &quant_linear, "out = x @ W^T, W packed, x float32", nogil);
+  m.def("quant_linear", [](at::Tensor x, at::Tensor packed, int64_t fmt, int64_t n) {
+    at::Tensor out = at::empty({x.size(0), n}, x.options());
+    quant_linear(out, x, packed, fmt);
+    return out;
+  }, "x @ W^T, W packed, x float32: a new [rows, n] output", nogil);
   m.def("dequantize_rows", &dequantize_rows, "rows of a packed W -> float32, as gguf-py rebuilds them", nogil);
   m.def("dequantize_transposed", &dequantize_transposed, "packed W -> float32 W^T (padded), as gguf-py rebuilds it", nogil);
   m.def("pack_i8", &pack_i8, "GGUF blocks (any format) -> the int8-activation kernels' layout (same size)", nogil);
-  m.def("quant_linear_i8", &quant_linear_i8, "out = x @ W^T, W from pack_i8, x quantized to int8 per 32", nogil);
+  m.def("quant_linear_i8", [](at::Tensor x, at::Tensor packed, int64_t fmt, int64_t n) {
+    at::Tensor out = at::empty({x.size(0), n}, x.options());
+    quant_linear_i8(out, x, packed, fmt);
+    return out;
+  }, "x @ W^T, W from pack_i8, x quantized to int8 per 32: a new [rows, n] output", nogil);
   m.def("quantize_activations_i8", &quantize_activations_i8, "x -> (int8 xq, float dx per 32) as quant_linear_i8 does", nogil);
   m.def("dequantize_rows_i8", &dequantize_rows_i8, "rows of a pack_i8 W -> float32, as gguf-py rebuilds them", nogil);
   m.def("quant_vnni", &quant_vnni, "whether the int8 kernels were built with VNNI dot products");
@@ -49,12 +66,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_bf16_built", &amx_bf16_built, "whether the int8 layout's prompt-row kernel was built with AMX-BF16 tiles");
   m.def("amx_bf16_selftest", &amx_bf16_selftest, "ask for the tile state, run one bfloat16 tile product, check it (in a child first)");
   m.def("amx_bf16_enable", &amx_bf16_enable, "allow quant_linear_bf16_i8 (after a child's self-test)");
-  m.def("quant_linear_bf16_i8", &quant_linear_bf16_i8, "out = x @ W^T, W from pack_i8, x and W rounded to bfloat16 (AMX tiles)", nogil);
+  m.def("quant_linear_bf16_i8", [](at::Tensor x, at::Tensor packed, int64_t fmt, int64_t n) {
+    at::Tensor out = at::empty({x.size(0), n}, x.options());
+    quant_linear_bf16_i8(out, x, packed, fmt);
+    return out;
+  }, "x @ W^T, W from pack_i8, x and W rounded to bfloat16 (AMX tiles): a new [rows, n] output", nogil);
   m.def("amx_enable", &amx_enable, "use AMX tiles for int8 steps of 16+ rows (after a child's self-test)");
   m.def("quant_isa", &quant_isa, "the vector instructions the quantized kernels were built for");
-  m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight (float32)", nogil);
+  m.def("rms_norm", [](at::Tensor x, at::Tensor weight, double eps) {
+    at::Tensor out = at::empty_like(x);
+    rms_norm(out, x, weight, eps);
+    return out;
+  }, "rms_norm(x) * weight (float32): a new output", nogil);
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rms_norm(residual) * weight, in place (float32)", nogil);
   m.def("rotary_write_kv", &rotary_write_kv, "(per-head q/k RMSNorm,) RoPE on qkv's q and k heads in place, then k, v into the cache", nogil);
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up from [n, 2 * inter] (float32)", nogil);
+  m.def("silu_and_mul", [](at::Tensor gate_up) {
+    at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+    silu_and_mul(out, gate_up);
+    return out;
+  }, "silu(gate) * up from [n, 2 * inter] (float32): a new [n, inter] output", nogil);
   m.def("pack_width", &pack_width, "output rows per group of the packed layout");
 }
