@@ -171,8 +171,11 @@ def quant_linear(
             out = cpu.quant_linear(xf, qweight, fmt, out_features, bf)
         return out if x.dtype == torch.float32 else out.to(x.dtype)
     if layout == "packed_i8":
-        xf = x.reshape(-1, in_features).float()
+        plain = x.dim() == 2 and x.dtype == torch.float32  # (a decode step's every call: no reshapes, no casts)
+        xf = x if plain else x.reshape(-1, in_features).float()
         bf = None if bias is None else bias.float()
+        if plain and prompt_rows is None:
+            return cpu.quant_linear_i8(xf, qweight, fmt, out_features, bf)
         if prompt_rows is None or x.dim() != 2:
             out = cpu.quant_linear_i8(xf, qweight, fmt, out_features, bf)
         elif prompt_rows.other is None:  # every row
