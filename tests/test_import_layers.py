@@ -17,7 +17,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "octavo.config", "octavo.cache", "octavo.cpu_features", "octavo.threads", "octavo.hf_fields",
         "octavo.quantization", "octavo.sampling", "octavo.sampling.params",
         "octavo.sampling.logprobs", "octavo.lora.request", "octavo.beam_search", "octavo.structured.schema",
-        "octavo.kernels.metadata", "octavo.tokenizer", "octavo.detokenizer",
+        "octavo.kernels.metadata", "octavo.kernels.row_paths", "octavo.tokenizer", "octavo.detokenizer",
         "octavo.simulator.workload", "octavo.json_limits",
     ]),
     ("sizing the KV cache (arithmetic)", ["octavo.memory"]),
