@@ -1,8 +1,19 @@
-"""Loading a model directory's tokenizer and applying its chat template."""
+"""Loading a model directory's tokenizer and applying its chat template.
+
+A directory whose tokenizer is transformers' plain wrapper of a tokenizer.json (what every GGUF
+converted here gets) is served by `Tokenizer`: the file through the `tokenizers` library and the
+chat template through jinja2 in the sandbox and with the helpers transformers gives templates. Its
+token ids and rendered text equal transformers' (tests/test_tokenizer.py compares them on every
+model directory the suite has); importing transformers costs ~1 s of every start, so its
+tokenizer object is made only when something asks for what `Tokenizer` does not do itself
+(xgrammar's vocabulary view, attributes reached through `Tokenizer.hf`). Other directories get
+transformers' tokenizer, as before."""
 
 from __future__ import annotations
 
 import json
+import threading
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -11,10 +22,35 @@ from typing import Any
 # converted here names): loaded by that class itself. AutoTokenizer resolves the same class, but
 # its name lookup imports the model registry and torch.distributed.tensor: 2-3 s of a start.
 _GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+# Classes whose transformers object encodes and decodes exactly as its tokenizer.json does when the
+# config sets none of _CHANGES_BEHAVIOUR (checked on every converted directory by the tests).
+_PLAIN_TOKENIZERS = (*_GENERIC_TOKENIZERS, "GemmaTokenizer", "Qwen2Tokenizer")
+# tokenizer_config.json keys with which transformers changes the file's encoding or decoding.
+_CHANGES_BEHAVIOUR = ("add_bos_token", "add_eos_token", "add_prefix_space", "legacy", "from_slow",
+                      "split_special_tokens", "do_lower_case")
+# apply_chat_template's options that transformers' object handles (not template variables).
+_HF_CHAT_OPTIONS = ("chat_template", "documents", "continue_final_message", "sanitize_control_tokens", "padding",
+                    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                    "tokenizer_kwargs")
+# Named special tokens, in transformers' order (its special_tokens_map, passed to chat templates).
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:
-    """The directory's Hugging Face tokenizer (fast, from tokenizer.json). Never downloads."""
+    """The directory's tokenizer: `Tokenizer` where the directory's tokenizer.json is all there is
+    to it, else transformers' (fast, from tokenizer.json). Never downloads."""
+    model_dir = Path(model_dir)
+    try:
+        config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        config = None
+    if isinstance(config, dict) and Tokenizer.serves(model_dir, config):
+        return Tokenizer(model_dir, config)
+    return load_hf_tokenizer(model_dir)
+
+
+def load_hf_tokenizer(model_dir: str | Path) -> Any:
+    """transformers' tokenizer of the directory (the class its tokenizer_config.json names)."""
     try:
         name = json.loads((Path(model_dir) / "tokenizer_config.json").read_text()).get("tokenizer_class")
     except (OSError, ValueError, AttributeError):
@@ -26,6 +62,254 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json holds it (a string, or an AddedToken's dict)."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class Tokenizer:
+    """A tokenizer.json and its tokenizer_config.json, with the calls the engine and the server
+    make: encode, decode, the vocabulary, special tokens, the chat template. Anything else is
+    looked up on transformers' tokenizer of the same directory, made on first use (`hf`)."""
+
+    @staticmethod
+    def serves(model_dir: Path, config: dict[str, Any]) -> bool:
+        """Whether this class gives what transformers would for the directory."""
+        if config.get("tokenizer_class") not in _PLAIN_TOKENIZERS or any(config.get(k) for k in _CHANGES_BEHAVIOUR):
+            return False
+        if config.get("clean_up_tokenization_spaces") or (model_dir / "additional_chat_templates").exists():
+            return False
+        template = config.get("chat_template")
+        return (model_dir / "tokenizer.json").is_file() and (template is None or isinstance(template, str))
+
+    def __init__(self, model_dir: str | Path, config: dict[str, Any]) -> None:
+        from tokenizers import Tokenizer as _Backend
+
+        self.model_dir = Path(model_dir)
+        self._config = config
+        self.tokenizer_class = str(config.get("tokenizer_class"))
+        self.backend = _Backend.from_file(str(self.model_dir / "tokenizer.json"))
+        template_file = self.model_dir / "chat_template.jinja"  # transformers reads it before the config's
+        self.chat_template: str | None = (template_file.read_text(encoding="utf-8") if template_file.is_file()
+                                          else config.get("chat_template"))
+        self.special_tokens_map = {name: text for name in SPECIAL_TOKEN_NAMES
+                                   if (text := _token_text(config.get(name))) is not None}
+        self._compiled: Any = None
+        self._hf: Any = None
+        self._hf_lock = threading.Lock()
+
+    # ---- text in and out ---------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
+        if isinstance(ids, int):
+            ids = [ids]
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend.get_vocab(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def convert_ids_to_tokens(self, ids: Any) -> Any:
+        if isinstance(ids, int):
+            return self.backend.id_to_token(ids)
+        return [self.backend.id_to_token(i) for i in ids]
+
+    def convert_tokens_to_ids(self, tokens: Any) -> Any:
+        if isinstance(tokens, str):
+            return self.backend.token_to_id(tokens)
+        return [self.backend.token_to_id(t) for t in tokens]
+
+    @property
+    def added_tokens_decoder(self) -> dict[int, Any]:
+        return self.backend.get_added_tokens_decoder()
+
+    # ---- special tokens ----------------------------------------------------------------------
+
+    def _special(self, name: str) -> str | None:
+        return self.special_tokens_map.get(name)
+
+    def _special_id(self, name: str) -> int | None:
+        text = self.special_tokens_map.get(name)
+        return None if text is None else self.backend.token_to_id(text)
+
+    bos_token = property(lambda self: self._special("bos_token"))
+    eos_token = property(lambda self: self._special("eos_token"))
+    unk_token = property(lambda self: self._special("unk_token"))
+    pad_token = property(lambda self: self._special("pad_token"))
+    mask_token = property(lambda self: self._special("mask_token"))
+    bos_token_id = property(lambda self: self._special_id("bos_token"))
+    eos_token_id = property(lambda self: self._special_id("eos_token"))
+    unk_token_id = property(lambda self: self._special_id("unk_token"))
+    pad_token_id = property(lambda self: self._special_id("pad_token"))
+
+    # ---- the chat template -------------------------------------------------------------------
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                            add_generation_prompt: bool = False, tokenize: bool = True, **kwargs: Any) -> Any:
+        """The conversation rendered by the model's chat template, as transformers renders it.
+        `tokenize=False` and template variables are rendered here; tokenizing, batches and
+        transformers' other options (continue_final_message, documents...) go to `hf`."""
+        if tokenize or not isinstance(conversation, list) or any(k in _HF_CHAT_OPTIONS for k in kwargs):
+            return self.hf.apply_chat_template(conversation, tools=tools, add_generation_prompt=add_generation_prompt,
+                                               tokenize=tokenize, **kwargs)
+        if not self.chat_template:
+            raise ValueError("this model's tokenizer has no chat template")
+        if not conversation:
+            raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")
+        if self._compiled is None:
+            self._compiled = compile_chat_template(self.chat_template)
+        return render_chat(self._compiled, conversation, tools, add_generation_prompt,
+                           {**self.special_tokens_map, **kwargs})
+
+    # ---- everything else: transformers' object -----------------------------------------------
+
+    @property
+    def hf(self) -> Any:
+        """transformers' tokenizer of this directory (made once, on first use: ~1-2 s)."""
+        with self._hf_lock:
+            if self._hf is None:
+                self._hf = load_hf_tokenizer(self.model_dir)
+            return self._hf
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.hf, name)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"model_dir": self.model_dir, "config": self._config}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["model_dir"], state["config"])
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({str(self.model_dir)!r}, {len(self)} tokens, as {self.tokenizer_class})"
+
+
+def hf_tokenizer(tokenizer: Any) -> Any:
+    """transformers' object behind `tokenizer` (itself if it is one): for libraries that want it."""
+    return tokenizer.hf if isinstance(tokenizer, Tokenizer) else tokenizer
+
+
+# ---- chat templates ------------------------------------------------------------------------------
+# Templates come from model files: untrusted code, run in jinja2's immutable sandbox. What they may
+# call is what transformers gives them (utils/chat_template_utils.py in transformers 5.x): blocks
+# trimmed and lstripped, `break`/`continue`, a `{% generation %}` block (rendered as its body),
+# `tojson` without HTML escaping, `raise_exception`, `strftime_now`, `dict` and `namespace` without
+# underscore names. Inputs are rebuilt from plain JSON types; None-valued message keys are dropped
+# and reasoning is passed under each name templates read, as transformers does before rendering.
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def compile_chat_template(source: str) -> Any:
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        """`{% generation %}...{% endgeneration %}` marks an assistant's span for training masks;
+        here it renders its body."""
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    class SafeNamespace(jinja2.utils.Namespace):
+        def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 (jinja's own signature trick)
+            self, attrs = args[0], dict(*args[1:], **kwargs)
+            for name in attrs:
+                _check_attribute(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            _check_attribute(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    def _check_attribute(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"a chat template may not set {name!r} on a namespace")
+
+    class DictMaker:
+        """`dict(...)` and `dict.fromkeys(...)`, and nothing else of the type."""
+
+        def __call__(self, *args: Any, **kwargs: Any) -> dict:
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+            return dict.fromkeys(*args, **kwargs)
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["dict"] = DictMaker()
+    env.globals["namespace"] = SafeNamespace
+    return env.from_string(source)
+
+
+def _plain(value: Any) -> Any:
+    """`value` rebuilt from JSON types (a template sees no object's methods)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, dict):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if callable(getattr(value, "model_dump", None)):
+        return _plain(value.model_dump())
+    return f"<{type(value).__name__}>"
+
+
+def render_chat(compiled: Any, conversation: list[Any], tools: list[dict[str, Any]] | None,
+                add_generation_prompt: bool, variables: dict[str, Any]) -> str:
+    messages = []
+    for message in conversation:
+        if callable(getattr(message, "model_dump", None)):
+            message = message.model_dump()
+        if not isinstance(message, dict):
+            raise TypeError(f"Chat messages should be dicts, but got {message!r}.")
+        message = _plain({k: v for k, v in message.items() if v is not None})
+        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        messages.append(message)
+    if tools is not None:
+        for tool in tools:
+            if not isinstance(tool, dict):
+                raise ValueError("tools must be JSON schemas (dicts)")
+    return compiled.render(messages=messages, tools=_plain(tools), documents=None,
+                           add_generation_prompt=add_generation_prompt, **_plain(variables))
 
 
 def encode_prompt(tokenizer: Any, prompt: str, add_special_tokens: bool = True) -> list[int]:

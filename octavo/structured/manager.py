@@ -29,6 +29,7 @@ from octavo.outputs import ScheduledRequest
 from octavo.request import Request
 from octavo.sampling.params import StructuredOutputsParams
 from octavo.structured.schema import SchemaError, check_json_schema
+from octavo.tokenizer import hf_tokenizer
 
 logger = logging.getLogger("octavo.structured")
 
@@ -141,7 +142,7 @@ class StructuredOutputManager:
         with self._lock:
             if self._info is None:
                 self._info = _xgr().TokenizerInfo.from_huggingface(
-                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.eos_token_ids) or None)
+                    hf_tokenizer(self.tokenizer), vocab_size=self.vocab_size, stop_token_ids=list(self.eos_token_ids) or None)
             return self._info
 
     def _get_compiler(self) -> Any:

@@ -10,13 +10,15 @@ from fastapi import APIRouter
 
 from octavo.server.core import APIError, OpenAIServer
 from octavo.server.protocol import DetokenizeRequest, TokenizeRequest
+from octavo.tokenizer import Tokenizer
 
 
 def tokenizer_info(server: OpenAIServer) -> dict[str, Any]:
     """What tokenizer_config.json would say (vLLM's TokenizerInfoResponse): class, special tokens,
     chat template, added tokens; model_max_length is this server's context length."""
     tok = server.tokenizer
-    info: dict[str, Any] = {"tokenizer_class": type(tok).__name__, "model_max_length": server.max_model_len,
+    name = tok.tokenizer_class if isinstance(tok, Tokenizer) else type(tok).__name__
+    info: dict[str, Any] = {"tokenizer_class": name, "model_max_length": server.max_model_len,
                             "vocab_size": server.vocab_size, "chat_template": getattr(tok, "chat_template", None)}
     for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
         info[name] = getattr(tok, name, None)
