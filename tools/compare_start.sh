@@ -83,5 +83,5 @@ for line in open(sys.argv[1]):
 base = statistics.median(s for s, _ in rows["llama.cpp"])
 for label, runs in rows.items():
     med = statistics.median(s for s, _ in runs)
-    print(f"{label:20s} {med:7.2f} s  {med / base:5.2f}x llama.cpp  {statistics.median(r for _, r in runs):6d} MiB")
+    print(f"{label:20s} {med:7.2f} s  {med / base:5.2f}x llama.cpp  {int(statistics.median(r for _, r in runs)):6d} MiB")
 EOF

@@ -10,6 +10,7 @@ parallelism, the transformers comparisons): see `dense_weights`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -32,7 +33,7 @@ from octavo.config import QUANTIZATION_CHOICES, ModelConfig
 from octavo.models import gguf_arch
 from octavo.models.converted import GGUF_BLOCKS_FILE, converted_path, is_converted
 from octavo.models.gguf_file import ArrayValue, GGUFFormatError, GGUFHeader, TensorInfo, read_header
-from octavo.models.layers import CausalLM, QuantEmbedding, QuantLinear, QuantLinearParts, RotaryEmbedding
+from octavo.models.layers import CausalLM, DeferredBlocks, QuantEmbedding, QuantLinear, QuantLinearParts, RotaryEmbedding
 from octavo.models.registry import load_model_config, model_class, model_config_from_hf
 from octavo.quantization import (
     AS_Q8_0,
@@ -595,7 +596,8 @@ def load_gguf_weights(model: CausalLM, gguf_path: Path, model_dir: Path | None =
         if fmt is Q5_0 and q5_0_as_q8_0:
             # Q5_0 held exactly as Q8_0: 34 bytes per 32 weights in the Q8_0 kernel's tiles against
             # 40 in the K-quant kernel's (docs/BENCHMARKS.md, the Gemma 3 decode step)
-            _set_quantized(model, name.removesuffix(".weight"), as_q8_0(data, fmt, params[name].shape[-1]), Q8_0, fmt)
+            rewrite = functools.partial(as_q8_0, data, fmt, params[name].shape[-1])
+            _set_quantized(model, name.removesuffix(".weight"), DeferredBlocks(rewrite, data.shape[0]), Q8_0, fmt)
         elif fmt is not None:  # a linear layer or the embedding (norms are never block-quantized)
             _set_quantized(model, name.removesuffix(".weight"), data, fmt)
         else:
@@ -613,11 +615,15 @@ def load_gguf_weights(model: CausalLM, gguf_path: Path, model_dir: Path | None =
         in_features = params[name].shape[-1]  # (a bias is never block-quantized)
         if len(fmts) == 1 and None not in fmts and (Q5_0 not in fmts or not q5_0_as_q8_0):
             (fmt,) = fmts
-            _set_quantized(model, name.removesuffix(".weight"), torch.cat([by_part[p][0] for p in order]), fmt)
+            blocks = [by_part[p][0] for p in order]
+            _set_quantized(model, name.removesuffix(".weight"),
+                           DeferredBlocks(functools.partial(torch.cat, blocks), sum(b.shape[0] for b in blocks)), fmt)
         elif q5_0_as_q8_0 and all(f is not None and f.name in AS_Q8_0 for f in fmts):  # q/k Q5_0, v Q8_0: exact as Q8_0
-            blocks = [as_q8_0(d, f, in_features) for d, f in (by_part[p] for p in order)]
-            file_fmt = "+".join(sorted({by_part[p][1].name for p in order}))
-            _set_quantized(model, name.removesuffix(".weight"), torch.cat(blocks), Q8_0, file_fmt)
+            pieces = [by_part[p] for p in order]
+            file_fmt = "+".join(sorted({f.name for _, f in pieces}))
+            rewrite = functools.partial(_rewritten_as_q8_0, pieces, in_features)
+            _set_quantized(model, name.removesuffix(".weight"),
+                           DeferredBlocks(rewrite, sum(d.shape[0] for d, _ in pieces)), Q8_0, file_fmt)
         elif None not in fmts:  # e.g. q/k Q4_K, v Q6_K: each part in its own blocks
             _set_quantized_parts(model, name.removesuffix(".weight"), [by_part[p] for p in order], q5_0_as_q8_0)
         else:
@@ -628,6 +634,10 @@ def load_gguf_weights(model: CausalLM, gguf_path: Path, model_dir: Path | None =
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"GGUF {gguf_path.name} lacks: {', '.join(missing[:8])}")
+
+
+def _rewritten_as_q8_0(pieces: list[tuple[torch.Tensor, QuantFormat]], in_features: int) -> torch.Tensor:
+    return torch.cat([as_q8_0(d, f, in_features) for d, f in pieces])
 
 
 def _tensor_data(buf: Any, info: TensorInfo) -> np.ndarray:
@@ -759,7 +769,8 @@ def _set_quantized_parts(model: CausalLM, module_name: str, parts: list[tuple[to
 
 
 def _set_quantized(
-    model: CausalLM, module_name: str, qweight: torch.Tensor, fmt: QuantFormat, file_fmt: QuantFormat | str | None = None
+    model: CausalLM, module_name: str, qweight: torch.Tensor | DeferredBlocks, fmt: QuantFormat,
+    file_fmt: QuantFormat | str | None = None
 ) -> None:
     """Put a quantized module in place of the dense one at `module_name` (e.g. layers.3.mlp.down_proj).
     `file_fmt`: the format(s) in the file where `qweight` was rewritten exactly (`as_q8_0`)."""

@@ -37,10 +37,18 @@ def _logits(model, ids=(1, 7, 30, 4, 96, 12)):
 
 
 def _no_packing(monkeypatch):
+    """Fail if a load packs layers again, or makes the blocks the prepared file replaces (the
+    file's fused parts stacked, Q5_0 rewritten as Q8_0: deferred, and never needed then)."""
     def refuse(*args, **kwargs):
         raise AssertionError("the layers were packed again: the prepared file was not used")
 
+    class Unmade(loader.DeferredBlocks):
+        def __init__(self, make, rows):
+            super().__init__(refuse, rows)
+
     monkeypatch.setattr(loader, "prepare_quantized_layers", refuse)
+    monkeypatch.setattr(loader, "as_q8_0", refuse)
+    monkeypatch.setattr(loader, "DeferredBlocks", Unmade)
 
 
 @pytest.mark.parametrize("activations", ["float32", "int8"])
@@ -54,6 +62,28 @@ def test_a_second_load_maps_the_prepared_layers_and_computes_the_same(model_dir,
     assert path.stat().st_mtime_ns == written
     layers = [m for m in second.modules() if isinstance(m, QuantLinear)]
     assert layers and all(m.layout == ("packed_i8" if activations == "int8" else "packed") for m in layers)
+    assert torch.equal(_logits(first), _logits(second))
+
+
+def test_fused_and_rewritten_blocks_are_made_only_when_a_load_packs_them(tmp_path, monkeypatch):
+    """q and k in Q5_0 beside v in Q8_0 (Gemma 3's Q4_K_M layout): the exact path holds q|k|v as
+    Q8_0, rewritten from the file; gate|up one format, stacked. A first load makes and packs them,
+    a later one maps the packed layers without making them; both compute the same."""
+    from octavo.cache import cache_dir
+    from tests.models.gguf_writer import hf_model, write_gguf
+
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "kernels").symlink_to(cache_dir() / "kernels")
+    monkeypatch.setenv("OCTAVO_CACHE_DIR", str(tmp_path / "cache"))
+    torch.manual_seed(1)
+    q5 = gguf.GGMLQuantizationType.Q5_0
+    write_gguf(hf_model("llama"), "llama", tmp_path / "m.gguf", types={"attn_q": q5, "attn_k": q5, "ffn_down": q5})
+    model_dir = loader.resolve_model(tmp_path / "m.gguf")
+    first, _ = loader.load_model(model_dir, quantization="auto", activation_dtype="float32")
+    qkv = first.get_submodule("layers.0.self_attn.qkv_proj")
+    assert qkv.fmt.name == "Q8_0" and getattr(qkv, "file_fmt", None) == "Q5_0+Q8_0" and qkv.layout == "packed"
+    _no_packing(monkeypatch)
+    second, _ = loader.load_model(model_dir, quantization="auto", activation_dtype="float32")
     assert torch.equal(_logits(first), _logits(second))
 
 

@@ -109,6 +109,7 @@ def test_sampling_extensions_and_usage_counts(client, live_server):
     "kwargs, status, needle",
     [
         ({"prompt": "word " * 1100}, 400, f"maximum context length is {MAX_MODEL_LEN} tokens, but the prompt has"),
+        ({"prompt": "x" * (MAX_MODEL_LEN * 200)}, 400, "characters, more than that many tokens can hold"),
         ({"prompt": PROMPT, "temperature": -1}, 400, "temperature: Input should be greater than or equal to 0"),
         ({"prompt": PROMPT, "top_p": 7}, 400, "top_p: Input should be less than or equal to 1"),
         ({"prompt": PROMPT, "max_tokens": 5000}, 400, "exceeds max_model_len"),
