@@ -49,6 +49,7 @@ class QuantLinear(nn.Module):
     def prepare(self, activations: str = "float32") -> None:
         """Put the blocks in the layout the kernels for `activations` (float32 or int8) read
         (dispatch.prepare_quant_weight); idempotent."""
+        self.make_blocks()
         if self.layout == "gguf":
             self.qweight, self.layout = dispatch.prepare_quant_weight(self.qweight, self.fmt, activations)
 
@@ -59,10 +60,12 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}"
 
-    def __getattr__(self, name: str) -> object:
-        if name == "qweight" and "_deferred" in self.__dict__:
-            self._buffers["qweight"] = self.__dict__.pop("_deferred").make()
-        return super().__getattr__(name)
+    def make_blocks(self) -> None:
+        """Make deferred blocks now (prepare() does; so does a load that keeps the GGUF layout):
+        no layer leaves the loader with them."""
+        deferred = self.__dict__.pop("_deferred", None)
+        if deferred is not None:
+            self.qweight = deferred.make()
 
     def __setattr__(self, name: str, value: object) -> None:
         if name == "qweight":  # blocks given: deferred ones are never made
@@ -71,10 +74,11 @@ class QuantLinear(nn.Module):
 
 
 class DeferredBlocks:
-    """A layer's GGUF-layout blocks made from the file's only when first read: the parts of a fused
-    projection stacked by rows, or a tensor rewritten exactly in another format (`as_q8_0`). A
-    start that maps the layers already prepared for the kernels (loader.prepare_through_cache)
-    replaces them unread: stacking the 1B shape's q|k|v and gate|up parts was 0.7 s of each start."""
+    """A layer's GGUF-layout blocks, made from the file's when the layer is prepared for the kernels
+    (QuantLinear.make_blocks): the parts of a fused projection stacked by rows, or a tensor
+    rewritten exactly in another format (`as_q8_0`). A start that maps the layers already prepared
+    (loader.prepare_through_cache) replaces them unmade: stacking the 1B shape's q|k|v and gate|up
+    parts was 0.7 s of each start. Until made, the layer's `qweight` is an empty placeholder."""
 
     def __init__(self, make: Callable[[], torch.Tensor], rows: int) -> None:
         self.make, self.shape = make, (rows,)

@@ -378,6 +378,9 @@ def load_model(
         prepare_through_cache(model, model_dir, activation_dtype)
     elif prepare_quantized:
         prepare_quantized_layers(model, activation_dtype)
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.make_blocks()  # (left deferred only when the layers stay in GGUF layout)
     return model, cfg
 
 

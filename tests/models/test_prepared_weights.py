@@ -82,6 +82,9 @@ def test_fused_and_rewritten_blocks_are_made_only_when_a_load_packs_them(tmp_pat
     first, _ = loader.load_model(model_dir, quantization="auto", activation_dtype="float32")
     qkv = first.get_submodule("layers.0.self_attn.qkv_proj")
     assert qkv.fmt.name == "Q8_0" and getattr(qkv, "file_fmt", None) == "Q5_0+Q8_0" and qkv.layout == "packed"
+    kept = loader.load_model(model_dir, quantization="auto", prepare_quantized=False)[0]  # (to be sharded)
+    gguf_qkv = kept.get_submodule("layers.0.self_attn.qkv_proj")
+    assert gguf_qkv.layout == "gguf" and gguf_qkv.qweight.shape[0] == qkv.out_features  # made, not a placeholder
     _no_packing(monkeypatch)
     second, _ = loader.load_model(model_dir, quantization="auto", activation_dtype="float32")
     assert torch.equal(_logits(first), _logits(second))
