@@ -50,6 +50,10 @@ class LLM:
                 pass
 
     def get_tokenizer(self) -> Any:
+        """The engine's tokenizer: for a converted GGUF an `octavo.tokenizer.Tokenizer` (encode,
+        decode, vocabulary, special tokens and chat template as transformers' tokenizer gives them;
+        anything else is answered by transformers' object, `.hf`, made on first use), else
+        transformers' own."""
         return self.engine.tokenizer
 
     def close(self) -> None:
