@@ -365,7 +365,7 @@ def load_model(
     model = _empty_model(cfg, device)
     source = gguf_source(model_dir) if quantization == "auto" else None
     if source is not None:
-        load_gguf_weights(model, source, model_dir, q5_0_as_q8_0=activation_dtype != "int8")
+        load_gguf_weights(model, source, model_dir, q5_0_as_q8_0=activation_dtype != "int8", defer_blocks=True)
     else:
         load_weights(model, dense_weights(model_dir))
     model = model.to(dtype=dtype).eval()
@@ -570,7 +570,7 @@ def quantize_model(model: CausalLM, fmt: QuantFormat) -> None:
 
 
 def load_gguf_weights(model: CausalLM, gguf_path: Path, model_dir: Path | None = None,
-                      q5_0_as_q8_0: bool = True) -> None:
+                      q5_0_as_q8_0: bool = True, defer_blocks: bool = False) -> None:
     """Load a Llama GGUF's tensors into `model`: Q4_0 / Q4_1 / Q8_0 tensors stay in their blocks
     (QuantLinear, QuantEmbedding); any other type is dequantized to float32 into the dense layer.
 
@@ -580,8 +580,10 @@ def load_gguf_weights(model: CausalLM, gguf_path: Path, model_dir: Path | None =
     kernels read Q5_0 as it is, at 22 bytes per 32 weights against Q8_0's 34) keeps Q5_0 tensors
     and parts in their own blocks; the weights are the same either way. With
     `model_dir`, the tensors are cached there after the first read (parsing a GGUF's metadata
-    takes seconds; the cache maps in milliseconds). Raises ValueError for tensors with no place in
-    the model, or missing ones.
+    takes seconds; the cache maps in milliseconds). With `defer_blocks`, blocks that are rewritten
+    or stacked from the file's are made only when a layer is prepared (`DeferredBlocks`: load_model,
+    whose later starts map the prepared layers instead). Raises ValueError for tensors with no
+    place in the model, or missing ones.
     """
     cfg = model.config
     params = dict(model.named_parameters())
@@ -637,6 +639,10 @@ def load_gguf_weights(model: CausalLM, gguf_path: Path, model_dir: Path | None =
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"GGUF {gguf_path.name} lacks: {', '.join(missing[:8])}")
+    if not defer_blocks:
+        for module in model.modules():
+            if isinstance(module, QuantLinear):
+                module.make_blocks()
 
 
 def _rewritten_as_q8_0(pieces: list[tuple[torch.Tensor, QuantFormat]], in_features: int) -> torch.Tensor:
