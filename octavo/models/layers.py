@@ -31,9 +31,9 @@ class QuantLinear(nn.Module):
 
     def __init__(self, qweight: torch.Tensor | DeferredBlocks, fmt: QuantFormat, in_features: int,
                  bias: torch.Tensor | None, prepare: bool = True) -> None:
-        """`qweight`: GGUF-layout blocks [out_features, row_bytes], or DeferredBlocks that make them
-        when first read. With prepare False they stay in that layout (a loader that shards them
-        first calls `prepare()` after)."""
+        """`qweight`: GGUF-layout blocks [out_features, row_bytes], or DeferredBlocks that
+        `make_blocks()` (and so `prepare()`) makes. With prepare False they stay in that layout (a
+        loader that shards them first calls `prepare()` after)."""
         super().__init__()
         self.fmt, self.in_features, self.out_features = fmt, in_features, qweight.shape[0]
         self.layout = "gguf"

@@ -378,10 +378,15 @@ def load_model(
         prepare_through_cache(model, model_dir, activation_dtype)
     elif prepare_quantized:
         prepare_quantized_layers(model, activation_dtype)
+    make_deferred_blocks(model)  # (any left: the layers stay in GGUF layout, to be sharded)
+    return model, cfg
+
+
+def make_deferred_blocks(model: torch.nn.Module) -> None:
+    """Every quantized layer's DeferredBlocks made (a no-op for layers prepared or mapped)."""
     for module in model.modules():
         if isinstance(module, QuantLinear):
-            module.make_blocks()  # (left deferred only when the layers stay in GGUF layout)
-    return model, cfg
+            module.make_blocks()
 
 
 def prepare_quantized_layers(model: torch.nn.Module, activations: str = "float32") -> None:
@@ -640,9 +645,7 @@ def load_gguf_weights(model: CausalLM, gguf_path: Path, model_dir: Path | None =
     if missing:
         raise ValueError(f"GGUF {gguf_path.name} lacks: {', '.join(missing[:8])}")
     if not defer_blocks:
-        for module in model.modules():
-            if isinstance(module, QuantLinear):
-                module.make_blocks()
+        make_deferred_blocks(model)
 
 
 def _rewritten_as_q8_0(pieces: list[tuple[torch.Tensor, QuantFormat]], in_features: int) -> torch.Tensor:
