@@ -65,7 +65,7 @@ def load(args: EngineArgs) -> LoadedModel:
             str(model_dir), dtype, device=device, quantization=quantization, activation_dtype=args.activation_dtype))
     else:
         model, model_config = load_model(model_dir, dtype=DTYPES[dtype], device=device, quantization=quantization,
-                                         activation_dtype=args.activation_dtype)
+                                         activation_dtype=args.activation_dtype, write_in_background=True)
         if args.dtype == "auto":
             dtype, why = auto_dtype(model, device, stored_dtype(model_dir))
             logger.info("dtype auto: %s (%s)", dtype, why)

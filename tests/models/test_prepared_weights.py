@@ -152,3 +152,50 @@ def test_map_safetensors_reads_what_save_file_wrote_without_copying(tmp_path):
     with pytest.raises(ValueError, match="truncated"):
         loader.map_safetensors(tmp_path / "head.safetensors")
     assert np.frombuffer(data[:8], "<u8")[0] < len(data)
+
+
+def test_write_safetensors_is_read_back_by_safetensors_and_by_the_map(tmp_path):
+    """The loader's own writer (bytes straight from the tensors' memory) makes files safetensors'
+    reader takes as its own, every dtype kept, and leaves no temporary behind."""
+    from safetensors import safe_open
+
+    from octavo.models.weight_files import write_safetensors
+
+    tensors = {"f": torch.randn(3, 5), "b": torch.randn(4).to(torch.bfloat16), "u": torch.arange(7, dtype=torch.uint8),
+               "e": torch.zeros(0, 3), "h": torch.randn(2, 2).half(), "i": torch.arange(6, dtype=torch.int8),
+               "t": torch.randn(4, 6).t()}  # not contiguous
+    write_safetensors(tmp_path / "t.safetensors", tensors, {"k": "v"})
+    assert [p.name for p in tmp_path.iterdir()] == ["t.safetensors"]
+    with safe_open(str(tmp_path / "t.safetensors"), "pt") as fh:
+        assert fh.metadata() == {"k": "v"}
+        for name, t in tensors.items():
+            assert torch.equal(fh.get_tensor(name), t), name
+    metadata, mapped = loader.map_safetensors(tmp_path / "t.safetensors")
+    assert metadata == {"k": "v"} and all(torch.equal(mapped[n], t) for n, t in tensors.items())
+
+
+def test_an_engine_start_writes_its_prepared_layers_while_it_serves(model_dir, monkeypatch):
+    """An engine's first start returns before its prepared layers are written (a thread writes
+    them); a second load in the same process waits for that write and maps the file, packing
+    nothing."""
+    import threading
+
+    from octavo.models import weight_files
+
+    path = loader.prepared_weights_file(model_dir, "int8")
+    release = threading.Event()
+    real = weight_files.write_safetensors
+
+    def held(*args, **kwargs):  # the write cannot finish before the test lets it
+        assert release.wait(60), "the test never released the write"
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(weight_files, "write_safetensors", held)
+    first, _ = loader.load_model(model_dir, quantization="auto", activation_dtype="int8", write_in_background=True)
+    assert not path.exists()  # returned with the write still held
+    release.set()
+    _no_packing(monkeypatch)
+    second, _ = loader.load_model(model_dir, quantization="auto", activation_dtype="int8")
+    assert path.is_file()
+    assert all(m.layout == "packed_i8" for m in second.modules() if isinstance(m, QuantLinear))
+    assert torch.equal(_logits(first), _logits(second))
