@@ -10,8 +10,9 @@ from octavo.cache import cache_dir
 from octavo.models.gguf_file import GGUFHeader, read_header
 
 # a subdirectory: never taken for HF weights. v2: K-quant and Q5 tensors are kept as blocks (v1
-# dequantized them), so a directory converted before is converted again.
-GGUF_BLOCKS_FILE = "gguf-blocks/blocks-v2.safetensors"
+# dequantized them); v3: only the tensors that differ from the file's bytes, the rest read from the GGUF
+# (loader._gguf_tensors). A directory converted before is converted again.
+GGUF_BLOCKS_FILE = "gguf-blocks/blocks-v3.safetensors"
 
 
 def converted_path(header: GGUFHeader, name: str) -> Path:

@@ -639,54 +639,84 @@ def _tensor_data(buf: Any, info: TensorInfo) -> np.ndarray:
 def _gguf_tensors(
     gguf_path: Path, model_dir: Path | None, header: GGUFHeader | None = None, hf_config: dict[str, Any] | None = None
 ) -> list[tuple[str, torch.Tensor, QuantFormat | None]]:
-    """(HF name, data, format) of every tensor: blocks uint8 [rows, row_bytes] for the formats
-    the kernels read (format set), else float32 in the HF shape (format None); q/k rows
-    un-interleaved as in `convert_gguf` (whole rows move, so this applies to blocks as well).
+    """(HF name, data, format) of every tensor, in the file's order: blocks uint8 [rows, row_bytes]
+    for the formats the kernels read (format set), else float32 in the HF shape (format None); q/k
+    rows un-interleaved as in `convert_gguf` (whole rows move, so this applies to blocks as well).
+    Blocks that are the file's bytes as they lie (most of a quantized file) are views of the GGUF
+    mapped copy-on-write: nothing is read or copied until a layer uses them, and the pages are the
+    page cache's. Every other tensor (q/k rows moved, tensors dequantized to float32, MXFP4 experts
+    rewritten) is made once and kept in `model_dir`'s blocks cache, which later starts map; a first
+    start copied and wrote all 800 MB of the 1B shape's blocks there (2.5 s of it).
     `header`, `hf_config`: the file's checked header and its config, so that the conversion does
     not read and check it twice."""
     cache = None if model_dir is None else model_dir / GGUF_BLOCKS_FILE
     if cache is not None and cache.is_file():
-        metadata, tensors = map_safetensors(cache)
-        formats = json.loads(metadata["formats"])
-        return [(name, tensor, FORMATS.get(formats[name])) for name, tensor in tensors.items()]
+        return _cached_gguf_tensors(gguf_path, cache)
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
     header = header or read_header(gguf_path)
     hf_config = hf_config or gguf_arch.hf_config(header)
     arch = gguf_arch.architecture(header)
-    out = []
-    with open(gguf_path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        for t in header.tensors.values():
-            if t.name in gguf_arch.CONFIG_TENSORS:
-                continue  # read into the config (gguf_arch.hf_config)
-            hf_name = gguf_arch.hf_name(t.name, arch)
-            fmt = BY_GGUF_TYPE.get(t.ggml_type)
-            raw = _tensor_data(buf, t)
-            as_q8 = None
-            if t.type_name == "MXFP4":  # gpt-oss's experts: exactly as Q8_0 where every exponent allows
-                as_q8 = mxfp4_as_q8_0(torch.from_numpy(np.array(raw.reshape(-1, raw.shape[-1]))))
-            if as_q8 is not None:
-                data, fmt = as_q8.numpy(), Q8_0
-            elif fmt is not None:
-                data = raw.reshape(-1, raw.shape[-1])  # [rows, row_bytes]
-            else:
-                data = np.asarray(gguf_dequantize(raw, GGMLQuantizationType(t.ggml_type)), dtype=np.float32)
-                data = data.reshape(tuple(reversed(t.shape)))
-            data = gguf_arch.to_checkpoint(hf_name, data, hf_config, is_float=fmt is None)
-            out.append((hf_name, torch.from_numpy(np.array(data, order="C")), fmt))  # own, writable copy
-            del raw, data
-    if cache is not None:  # written whole or not at all: a unique temporary name, then an atomic replace
+    buf = _map_copy_on_write(gguf_path)
+    out, index, kept = [], [], {}
+    for t in header.tensors.values():
+        if t.name in gguf_arch.CONFIG_TENSORS:
+            continue  # read into the config (gguf_arch.hf_config)
+        hf_name = gguf_arch.hf_name(t.name, arch)
+        fmt = BY_GGUF_TYPE.get(t.ggml_type)
+        raw = _tensor_data(buf, t)
+        as_q8 = None
+        if t.type_name == "MXFP4":  # gpt-oss's experts: exactly as Q8_0 where every exponent allows
+            as_q8 = mxfp4_as_q8_0(torch.from_numpy(np.array(raw.reshape(-1, raw.shape[-1]))))
+        if as_q8 is not None:
+            data, fmt = as_q8.numpy(), Q8_0
+        elif fmt is not None:
+            data = raw.reshape(-1, raw.shape[-1])  # [rows, row_bytes]
+        else:
+            data = np.asarray(gguf_dequantize(raw, GGMLQuantizationType(t.ggml_type)), dtype=np.float32)
+            data = data.reshape(tuple(reversed(t.shape)))
+        rows = gguf_arch.to_checkpoint(hf_name, data, hf_config, is_float=fmt is None)
+        in_file = rows is data and fmt is not None and as_q8 is None  # the file's blocks, untouched
+        tensor = torch.from_numpy(rows if in_file else np.array(rows, order="C"))  # (else an own, writable copy)
+        if not in_file:
+            kept[hf_name] = tensor
+        out.append((hf_name, tensor, fmt))
+        index.append([hf_name, None if fmt is None else fmt.name, t.name if in_file else None])
+        del raw, data, rows
+    if cache is not None:
         cache.parent.mkdir(exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{cache.name}.", suffix=".tmp", dir=cache.parent)
-        os.close(fd)
-        try:
-            save_file({n: d for n, d, _ in out}, tmp, metadata={
-                "format": "pt", "formats": json.dumps({n: None if f is None else f.name for n, _, f in out})})
-            os.replace(tmp, cache)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
+        write_safetensors(cache, kept, {"format": "pt", "tensors": json.dumps(index), "content_key": header.content_key()[:16]})
     return out
+
+
+def _cached_gguf_tensors(gguf_path: Path, cache: Path) -> list[tuple[str, torch.Tensor, QuantFormat | None]]:
+    """`_gguf_tensors` of a later start: the blocks cache mapped, and the tensors it names as the
+    file's own mapped from the GGUF, which must still hold what it held then (ValueError if not)."""
+    metadata, kept = map_safetensors(cache)
+    index = json.loads(metadata["tensors"])  # [HF name, format, GGUF tensor name if read from the file]
+    buf = header = None
+    if any(gguf_name for _, _, gguf_name in index):
+        header = read_header(gguf_path)
+        if header.content_key()[:16] != metadata["content_key"]:
+            raise ValueError(f"{gguf_path} changed since it was converted into {cache.parent.parent}: start again "
+                             "from the file (it is converted anew)")
+        buf = _map_copy_on_write(gguf_path)
+    out = []
+    for hf_name, fmt, gguf_name in index:
+        if gguf_name is None:
+            out.append((hf_name, kept[hf_name], FORMATS.get(fmt)))
+        else:
+            raw = _tensor_data(buf, header.tensors[gguf_name])
+            out.append((hf_name, torch.from_numpy(raw.reshape(-1, raw.shape[-1])), FORMATS[fmt]))
+    return out
+
+
+def _map_copy_on_write(path: Path) -> mmap.mmap:
+    """The file mapped privately: views of it are writable numpy arrays (a write is the process's
+    own page), it stays mapped while any view lives, and nothing is read until touched."""
+    with open(path, "rb") as fh:
+        return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
 
 
 # Bytes per weight of each format load_gguf_weights keeps in blocks, as the CPU kernels hold it

@@ -78,7 +78,9 @@ def test_a_gguf_converts_without_float32_weights_until_asked(tmp_path, monkeypat
 
 def test_a_gguf_replaced_in_place_with_the_same_size_and_time_is_converted_again(tmp_path, monkeypatch):
     """`cp -p` / `rsync -a` of another model over the file keeps its size and modification time:
-    the conversion is keyed by content, so the new weights are the ones loaded."""
+    the conversion is keyed by content, so the new weights are the ones loaded. The old file's
+    conversion reads its blocks from the file, so it is refused from then on, saying why (a model
+    loaded before keeps the old file's pages)."""
     import os
 
     import torch
@@ -99,13 +101,15 @@ def test_a_gguf_replaced_in_place_with_the_same_size_and_time_is_converted_again
     write_gguf(other, "gemma3", second)
     assert first.stat().st_size == second.stat().st_size
     before = resolve_model(first)
+    old = load_model(before, quantization="auto")[0]
     stat = first.stat()
     os.replace(second, first)
     os.utime(first, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     after = resolve_model(first)
     assert after != before
-    old = load_model(before, quantization="auto")[0]
     new = load_model(after, quantization="auto")[0]
+    with pytest.raises(ValueError, match="changed since it was converted"):
+        load_model(before, quantization="auto")
     assert new.config == old.config
     down = lambda m: m.layers[1].mlp.down_proj  # noqa: E731
     x = torch.randn(2, 96)
