@@ -174,6 +174,21 @@ class GGUFHeader:
                 pos += 8 + length
         return out
 
+    def raw_array(self, key: str) -> bytes | None:
+        """A string or numeric array's elements as the file encodes them (for copying the array
+        into another GGUF as it is); None if absent or an array of arrays."""
+        value = self.metadata.get(key)
+        if not isinstance(value, ArrayValue) or value.elem_type == ARRAY:
+            return None
+        with _mapped(self.path) as buf:
+            if value.elem_type != STRING:
+                size = struct.calcsize("<" + VALUE_TYPES[value.elem_type][1])
+                return bytes(buf[value.offset : value.offset + value.count * size])
+            unpack, pos = struct.Struct("<Q").unpack_from, value.offset
+            for _ in range(value.count):  # (the header was checked: every element lies inside)
+                pos += 8 + unpack(buf, pos)[0]
+            return bytes(buf[value.offset : pos])
+
     def numbers(self, key: str) -> list[int | float]:
         """A numeric array's elements; [] if absent."""
         value = self.metadata.get(key)

@@ -190,3 +190,27 @@ def test_the_conversions_tokenizer_is_the_one_autotokenizer_makes_of_the_file(tm
     auto.save_pretrained(str(tmp_path / "auto"))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert filecmp.cmp(tmp_path / "ours" / name, tmp_path / "auto" / name, shallow=False), name
+
+
+def test_the_tokenizer_gguf_holds_the_files_tokenizer_keys_as_gguf_py_reads_them(tmp_path):
+    """The scratch GGUF transformers makes the tokenizer from copies the file's arrays byte for
+    byte: gguf-py's own reader finds every tokenizer key with the values Octavo's header reads."""
+    import gguf
+
+    from octavo.models.gguf_file import ArrayValue, read_header
+    from octavo.models.loader import _write_tokenizer_gguf, default_gguf_path
+
+    header = read_header(default_gguf_path())
+    _write_tokenizer_gguf(header, tmp_path / "t.gguf")
+    reader = gguf.GGUFReader(str(tmp_path / "t.gguf"))
+    fields = {name: field for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    wanted = [k for k in header.metadata if k.startswith("tokenizer.") or k.startswith("llama.")]
+    assert set(fields) == set(wanted) | {"general.architecture", "general.name"}
+    for key in wanted:
+        value = header.get(key)
+        if isinstance(value, ArrayValue):
+            expected = header.strings(key) if value.elem_type == 8 else header.numbers(key)
+            assert list(fields[key].contents()) == expected, key
+        else:
+            got = fields[key].contents()
+            assert got == value or got == pytest.approx(value), key
