@@ -101,7 +101,9 @@ def write_later(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str
                 _pending.pop(path, None)
 
     wait_for_write(path)
-    thread = threading.Thread(target=write, name=f"write {path.name}")
+    # not a daemon even when started from one (an engine loads in a daemon thread, whose flag a
+    # thread inherits): the interpreter's exit waits for it instead of cutting the file short
+    thread = threading.Thread(target=write, name=f"write {path.name}", daemon=False)
     with _pending_lock:
         _pending[path] = thread
     thread.start()

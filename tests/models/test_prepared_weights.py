@@ -199,3 +199,33 @@ def test_an_engine_start_writes_its_prepared_layers_while_it_serves(model_dir, m
     assert path.is_file()
     assert all(m.layout == "packed_i8" for m in second.modules() if isinstance(m, QuantLinear))
     assert torch.equal(_logits(first), _logits(second))
+
+
+def test_a_write_started_from_a_daemon_thread_is_finished_before_the_process_exits(tmp_path):
+    """An engine loads in a daemon thread, whose flag a thread inherits: a process that exits
+    while the write is under way must still leave the whole file (it once left the temporary
+    and aborted in C++ teardown). The write is slowed so that the exit always comes first."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import threading, time, torch
+        from pathlib import Path
+        from octavo.models import weight_files
+        real = weight_files.write_safetensors
+        def slow(*args, **kwargs):
+            time.sleep(1.0)
+            real(*args, **kwargs)
+        weight_files.write_safetensors = slow
+        loader = threading.Thread(target=lambda: weight_files.write_later(
+            Path({str(tmp_path / 'w.safetensors')!r}), {{"t": torch.arange(1 << 20, dtype=torch.int32)}}, {{}}), daemon=True)
+        loader.start(); loader.join()
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    _, tensors = loader.map_safetensors(tmp_path / "w.safetensors")
+    assert torch.equal(tensors["t"], torch.arange(1 << 20, dtype=torch.int32))
+    assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]
