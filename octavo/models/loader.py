@@ -930,10 +930,26 @@ _TOKENIZER_KEYS = ("general.architecture", "general.name")
 
 def _save_gguf_tokenizer(header: GGUFHeader, out: Path, model_type: str) -> None:
     """The GGUF's tokenizer and chat template (the architecture's own where the file has none),
-    written as HF tokenizer files. GGUFFormatError if transformers cannot make a tokenizer of it.
-    The class is the one AutoTokenizer maps `model_type` to (transformers' generic one where it
-    maps none), named here: AutoTokenizer would first build the model's config from the file,
-    through a reader that decodes a 128k-token vocabulary element by element (~10-20 s)."""
+    written as HF tokenizer files: by `gguf_tokenizer` for the byte-level BPE files it writes as
+    transformers would (no import of transformers), else by transformers' converter."""
+    from octavo.models import gguf_tokenizer
+
+    arch = gguf_arch.architecture(header)
+    try:
+        if gguf_tokenizer.write_tokenizer(header, out, model_type, gguf_arch.default_chat_template(arch)):
+            return
+    except Exception:  # (tokenizers refuses the vocabulary: transformers' converter says why below)
+        for name in gguf_tokenizer.FILES:
+            (out / name).unlink(missing_ok=True)
+    _save_gguf_tokenizer_by_transformers(header, out, model_type)
+
+
+def _save_gguf_tokenizer_by_transformers(header: GGUFHeader, out: Path, model_type: str) -> None:
+    """`_save_gguf_tokenizer` through transformers' GGUF converter. GGUFFormatError if it cannot
+    make a tokenizer of the file. The class is the one AutoTokenizer maps `model_type` to
+    (transformers' generic one where it maps none), named here: AutoTokenizer would first build
+    the model's config from the file, through a reader that decodes a 128k-token vocabulary
+    element by element (~10-20 s)."""
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
 
     arch = gguf_arch.architecture(header)
