@@ -214,3 +214,38 @@ def test_the_tokenizer_gguf_holds_the_files_tokenizer_keys_as_gguf_py_reads_them
         else:
             got = fields[key].contents()
             assert got == value or got == pytest.approx(value), key
+
+
+def test_a_conversion_keeps_only_the_blocks_it_changed_and_reads_the_rest_from_the_file(tmp_path, monkeypatch):
+    """Blocks the file holds as they are are views of the mapped GGUF, never copied into the cache:
+    the cache keeps Llama's q/k (rows un-interleaved) and the float32 tensors, nothing else, and a
+    later load's other blocks share the file's bytes."""
+    import numpy as np
+    import torch
+
+    from octavo.cache import cache_dir
+    from octavo.models.converted import GGUF_BLOCKS_FILE
+    from octavo.models.gguf_file import read_header
+    from octavo.models.loader import _gguf_tensors, map_safetensors
+    from tests.models.gguf_writer import hf_model, write_gguf
+
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "kernels").symlink_to(cache_dir() / "kernels")
+    monkeypatch.setenv("OCTAVO_CACHE_DIR", str(tmp_path / "cache"))
+    write_gguf(hf_model("llama"), "llama", tmp_path / "m.gguf")
+    model_dir = resolve_model(tmp_path / "m.gguf")
+    _, kept = map_safetensors(model_dir / GGUF_BLOCKS_FILE)
+    assert kept and all(n.endswith(("q_proj.weight", "k_proj.weight")) or kept[n].dtype == torch.float32 for n in kept)
+    assert any(n.endswith("q_proj.weight") for n in kept)
+    header = read_header(tmp_path / "m.gguf")
+    data = np.fromfile(tmp_path / "m.gguf", dtype=np.uint8)
+    from_file = 0
+    for name, tensor, fmt in _gguf_tensors(tmp_path / "m.gguf", model_dir):
+        if name in kept:
+            continue
+        assert fmt is not None, name  # (every float32 tensor is kept)
+        assert any(t.num_bytes == tensor.numel() and np.array_equal(data[t.offset : t.offset + t.num_bytes],
+                                                                    tensor.numpy().reshape(-1))
+                   for t in header.tensors.values()), name  # the file's bytes as they lie
+        from_file += 1
+    assert from_file > 0
