@@ -156,6 +156,7 @@ class GGUFHeader:
         self.path, self.file_size, self.version = path, file_size, version
         self.metadata, self.value_types = metadata, value_types  # key -> value; key -> its VALUE_TYPES code
         self.tensors, self.data_offset = tensors, data_offset
+        self._content_key: str | None = None
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
@@ -208,7 +209,10 @@ class GGUFHeader:
     def content_key(self) -> str:
         """A digest of what the file holds, cheap to compute at every start: the whole header (all
         metadata and the tensor index) and, of every tensor, its first, middle and last 4 KiB, so
-        a file replaced in place (`cp -p`, `rsync -a`: same size and time) gets another key."""
+        a file replaced in place (`cp -p`, `rsync -a`: same size and time) gets another key.
+        Computed once per header (a start asks for it when naming, converting and checking)."""
+        if self._content_key is not None:
+            return self._content_key
         digest = hashlib.sha256()
         digest.update(f"{self.file_size}:".encode())
         with _mapped(self.path) as buf:
@@ -216,7 +220,8 @@ class GGUFHeader:
             for t in self.tensors.values():
                 for start in {t.offset, t.offset + max(0, t.num_bytes // 2 - 2048), t.offset + max(0, t.num_bytes - 4096)}:
                     digest.update(buf[start : min(start + 4096, t.offset + t.num_bytes)])
-        return digest.hexdigest()
+        self._content_key = digest.hexdigest()
+        return self._content_key
 
 
 class _mapped:
