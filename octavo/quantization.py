@@ -125,29 +125,6 @@ def dequantize(qweight: torch.Tensor, fmt: QuantFormat, in_features: int) -> tor
     return w.reshape(n, in_features)
 
 
-# Formats whose every weight is d * q with d the block's fp16 and q a small signed integer over 32
-# weights: Q8_0 holds any of them exactly (same d; q - 8 or q - 16 fits in int8).
-AS_Q8_0 = ("Q4_0", "Q5_0", "Q8_0")
-
-
-def as_q8_0(qweight: torch.Tensor, fmt: QuantFormat, in_features: int) -> torch.Tensor:
-    """Q4_0 / Q5_0 / Q8_0 blocks [N, row_bytes] -> the same weights as Q8_0 blocks, bit for bit
-    (dequantize gives identical float32: fl(d * q) with the same d and q). Lets the parts of one
-    fused projection stored in different formats (Gemma 3's q/k in Q5_0, v in Q8_0) run as one
-    quantized layer instead of dequantized float32."""
-    if fmt.name not in AS_Q8_0:
-        raise ValueError(f"{fmt.name} weights are not d * q with one fp16 d per 32: Q8_0 cannot hold them exactly")
-    if fmt is Q8_0:
-        return qweight
-    n, nb = qweight.shape[0], in_features // BLOCK
-    blocks = qweight.reshape(n, nb, fmt.block_bytes)
-    if fmt is Q4_0:
-        q = _nibbles(blocks[..., 2:18]).to(torch.int8) - 8
-    else:
-        q = _q5_low_high(blocks, 2).to(torch.int8) - 16
-    return torch.cat([blocks[..., 0:2], q.view(torch.uint8)], dim=-1).reshape(n, nb * Q8_0.block_bytes).contiguous()
-
-
 # MXFP4 (gpt-oss's experts in llama.cpp's files): 32 weights share an E8M0 exponent e, each weight a
 # 4-bit e2m1 code; gguf-py rebuilds w = 2^(e - 128) * k[code] with k the doubled e2m1 values. k is a
 # small integer and 2^(e - 128) an fp16 for e in [104, 143]: Q8_0 (fp16 d, int8 q) holds such a

@@ -75,10 +75,10 @@ class QuantLinear(nn.Module):
 
 class DeferredBlocks:
     """A layer's GGUF-layout blocks, made from the file's when the layer is prepared for the kernels
-    (QuantLinear.make_blocks): the parts of a fused projection stacked by rows, or a tensor
-    rewritten exactly in another format (`as_q8_0`). A start that maps the layers already prepared
-    (loader.prepare_through_cache) replaces them unmade: stacking the 1B shape's q|k|v and gate|up
-    parts was 0.7 s of each start. Until made, the layer's `qweight` is an empty placeholder."""
+    (QuantLinear.make_blocks): the parts of a fused projection stacked by rows. A start that maps
+    the layers already prepared (loader.prepare_through_cache) replaces them unmade: stacking the
+    1B shape's q|k|v and gate|up parts was 0.7 s of each start. Until made, the layer's `qweight`
+    is an empty placeholder."""
 
     def __init__(self, make: Callable[[], torch.Tensor], rows: int) -> None:
         self.make, self.shape = make, (rows,)

@@ -36,14 +36,11 @@ from octavo.models.layers import CausalLM, DeferredBlocks, QuantEmbedding, Quant
 from octavo.models.registry import load_model_config, model_class, model_config_from_hf
 from octavo.models.weight_files import map_safetensors, remove_stale_temporaries, wait_for_write, write_later, write_safetensors
 from octavo.quantization import (
-    AS_Q8_0,
     BY_GGUF_TYPE,
     FORMATS,
     HF_SCHEMES,
-    Q5_0,
     Q8_0,
     QuantFormat,
-    as_q8_0,
     can_quantize,
     mxfp4_as_q8_0,
     dequantize,
@@ -367,7 +364,7 @@ def load_model(
     model = _empty_model(cfg, device)
     source = gguf_source(model_dir) if quantization == "auto" else None
     if source is not None:
-        load_gguf_weights(model, source, model_dir, q5_0_as_q8_0=activation_dtype != "int8", defer_blocks=True)
+        load_gguf_weights(model, source, model_dir, defer_blocks=True)
     else:
         load_weights(model, dense_weights(model_dir))
     model = model.to(dtype=dtype).eval()
@@ -504,13 +501,10 @@ def describe_weights(model: torch.nn.Module) -> str:
     from octavo.kernels.dispatch import quant_kernel_name
 
     counts: Counter[str] = Counter()
-    rewritten: Counter[str] = Counter()  # formats of the file held exactly as another (`as_q8_0`)
     dense_dtype = None
     for module in model.modules():
         if isinstance(module, (QuantLinear, QuantEmbedding)):
             counts[module.fmt.name] += 1
-            if getattr(module, "file_fmt", None):
-                rewritten[f"{module.file_fmt} as {module.fmt.name}"] += 1
         elif isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
             counts["dense"] += 1
             dense_dtype = module.weight.dtype
@@ -518,8 +512,6 @@ def describe_weights(model: torch.nn.Module) -> str:
     if counts["dense"]:
         parts.append(f"{counts['dense']} x dense {str(dense_dtype).removeprefix('torch.')}")
     line = f"weights: {', '.join(parts)} ({weight_bytes(model) / 1e6:.1f} MB)"
-    if rewritten:
-        line += " [exact rewrites of the file's: " + ", ".join(f"{n} x {k}" for k, n in sorted(rewritten.items())) + "]"
     if any(name != "dense" for name in counts):
         act = next(p.dtype for p in model.parameters() if p.is_floating_point())
         int8 = any(getattr(m, "layout", "").endswith("_i8") for m in model.modules() if isinstance(m, QuantLinear))
@@ -547,18 +539,16 @@ def quantize_model(model: CausalLM, fmt: QuantFormat) -> None:
 
 
 def load_gguf_weights(model: CausalLM, gguf_path: Path, model_dir: Path | None = None,
-                      q5_0_as_q8_0: bool = True, defer_blocks: bool = False) -> None:
-    """Load a Llama GGUF's tensors into `model`: Q4_0 / Q4_1 / Q8_0 tensors stay in their blocks
-    (QuantLinear, QuantEmbedding); any other type is dequantized to float32 into the dense layer.
+                      defer_blocks: bool = False) -> None:
+    """Load a GGUF's tensors into `model`: tensors in a block format of FORMATS stay in their
+    blocks (QuantLinear, QuantEmbedding); any other type is dequantized to float32 into the dense
+    layer.
 
-    Parts of a fused layer (q/k/v, gate/up) in different formats run as Q8_0 when each is Q4_0,
-    Q5_0 or Q8_0 (exact: `as_q8_0`), else each in its own blocks (QuantLinearParts) when every
-    one is a kernel format, else are all dequantized. q5_0_as_q8_0 False (int8 activations, whose
-    kernels read Q5_0 as it is, at 22 bytes per 32 weights against Q8_0's 34) keeps Q5_0 tensors
-    and parts in their own blocks; the weights are the same either way. With
-    `model_dir`, the tensors are cached there after the first read (parsing a GGUF's metadata
-    takes seconds; the cache maps in milliseconds). With `defer_blocks`, blocks that are rewritten
-    or stacked from the file's are made only when a layer is prepared (`DeferredBlocks`: load_model,
+    Parts of a fused layer (q/k/v, gate/up) in one format are stacked into one layer; in different
+    formats each keeps its own blocks (QuantLinearParts), or all are dequantized when one has no
+    kernel format. With `model_dir`, the tensors are cached there after the first read (parsing a
+    GGUF's metadata takes seconds; the cache maps in milliseconds). With `defer_blocks`, blocks
+    stacked from the file's are made only when a layer is prepared (`DeferredBlocks`: load_model,
     whose later starts map the prepared layers instead). Raises ValueError for tensors with no
     place in the model, or missing ones.
     """
@@ -575,12 +565,7 @@ def load_gguf_weights(model: CausalLM, gguf_path: Path, model_dir: Path | None =
         if part is not None:
             parts.setdefault(name, {})[part] = (data, fmt)
             continue
-        if fmt is Q5_0 and q5_0_as_q8_0:
-            # Q5_0 held exactly as Q8_0: 34 bytes per 32 weights in the Q8_0 kernel's tiles against
-            # 40 in the K-quant kernel's (docs/BENCHMARKS.md, the Gemma 3 decode step)
-            rewrite = functools.partial(as_q8_0, data, fmt, params[name].shape[-1])
-            _set_quantized(model, name.removesuffix(".weight"), DeferredBlocks(rewrite, data.shape[0]), Q8_0, fmt)
-        elif fmt is not None:  # a linear layer or the embedding (norms are never block-quantized)
+        if fmt is not None:  # a linear layer or the embedding (norms are never block-quantized)
             _set_quantized(model, name.removesuffix(".weight"), data, fmt)
         else:
             if name.endswith("norm.weight") and model.NORM_WEIGHT_OFFSET:
@@ -595,19 +580,13 @@ def load_gguf_weights(model: CausalLM, gguf_path: Path, model_dir: Path | None =
             continue  # reported as missing below
         fmts = {by_part[p][1] for p in order}
         in_features = params[name].shape[-1]  # (a bias is never block-quantized)
-        if len(fmts) == 1 and None not in fmts and (Q5_0 not in fmts or not q5_0_as_q8_0):
+        if len(fmts) == 1 and None not in fmts:
             (fmt,) = fmts
             blocks = [by_part[p][0] for p in order]
             _set_quantized(model, name.removesuffix(".weight"),
                            DeferredBlocks(functools.partial(torch.cat, blocks), sum(b.shape[0] for b in blocks)), fmt)
-        elif q5_0_as_q8_0 and all(f is not None and f.name in AS_Q8_0 for f in fmts):  # q/k Q5_0, v Q8_0: exact as Q8_0
-            pieces = [by_part[p] for p in order]
-            file_fmt = "+".join(sorted({f.name for _, f in pieces}))
-            rewrite = functools.partial(_rewritten_as_q8_0, pieces, in_features)
-            _set_quantized(model, name.removesuffix(".weight"),
-                           DeferredBlocks(rewrite, sum(d.shape[0] for d, _ in pieces)), Q8_0, file_fmt)
-        elif None not in fmts:  # e.g. q/k Q4_K, v Q6_K: each part in its own blocks
-            _set_quantized_parts(model, name.removesuffix(".weight"), [by_part[p] for p in order], q5_0_as_q8_0)
+        elif None not in fmts:  # e.g. q/k Q4_K, v Q6_K, or Gemma 3's q/k Q5_0, v Q8_0: each part in its own blocks
+            _set_quantized_parts(model, name.removesuffix(".weight"), [by_part[p] for p in order])
         else:
             dense = [d if f is None else dequantize(d, f, in_features) for d, f in (by_part[p] for p in order)]
             with torch.no_grad():
@@ -618,10 +597,6 @@ def load_gguf_weights(model: CausalLM, gguf_path: Path, model_dir: Path | None =
         raise ValueError(f"GGUF {gguf_path.name} lacks: {', '.join(missing[:8])}")
     if not defer_blocks:
         make_deferred_blocks(model)
-
-
-def _rewritten_as_q8_0(pieces: list[tuple[torch.Tensor, QuantFormat]], in_features: int) -> torch.Tensor:
-    return torch.cat([as_q8_0(d, f, in_features) for d, f in pieces])
 
 
 def _tensor_data(buf: Any, info: TensorInfo) -> np.ndarray:
@@ -719,11 +694,10 @@ def _map_copy_on_write(path: Path) -> mmap.mmap:
 
 
 # Bytes per weight of each format load_gguf_weights keeps in blocks, as the CPU kernels hold it
-# after packing (kernels/cpu: Q4_0 / Q4_1 / Q8_0 tiles keep the block bytes; Q5_1 widens to int8
-# quants with float32 scale and min, quant_linear_k8.cpp; the K-quants keep their fields at the
-# file's widths, a byte each for Q4_K / Q5_K's 6-bit scales and mins, quant_linear_kq.cpp).
-_HELD_BYTES_PER_WEIGHT = {"Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q8_0": 34 / 32, "Q5_1": 40 / 32, "Q4_K": 148 / 256,
-                          "Q5_K": 180 / 256, "Q6_K": 210 / 256}
+# after packing (kernels/cpu: Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q6_K tiles keep the block bytes;
+# Q4_K / Q5_K take a byte each for their 6-bit scales and mins, quant_linear_kq.cpp).
+_HELD_BYTES_PER_WEIGHT = {"Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q8_0": 34 / 32, "Q5_0": 22 / 32, "Q5_1": 24 / 32,
+                          "Q4_K": 148 / 256, "Q5_K": 180 / 256, "Q6_K": 210 / 256}
 _FUSED_PARTS = {"attn_q": "attn_qkv", "attn_k": "attn_qkv", "attn_v": "attn_qkv", "ffn_gate": "ffn_gate_up",
                 "ffn_up": "ffn_gate_up", "ffn_gate_exps": "ffn_gate_up_exps", "ffn_up_exps": "ffn_gate_up_exps",
                 "ffn_gate_shexp": "ffn_gate_up_shexp", "ffn_up_shexp": "ffn_gate_up_shexp"}
@@ -731,8 +705,8 @@ _FUSED_PARTS = {"attn_q": "attn_qkv", "attn_k": "attn_qkv", "attn_v": "attn_qkv"
 
 def held_weight_bytes(header: GGUFHeader, dense_bytes: int = 4) -> int:
     """Bytes of weights the engine holds for this file with --quantization auto on a CPU, computed
-    from its header alone by load_gguf_weights' rules (a format of FORMATS kept in its blocks,
-    Q5_0 as Q8_0; a fused layer's parts in one format kept, all in AS_Q8_0 as Q8_0, else dense;
+    from its header alone by load_gguf_weights' rules (a format of FORMATS kept in its blocks; a
+    fused layer's parts kept in their blocks when each has a format of FORMATS, else dense;
     `dense_bytes` per dequantized weight; MXFP4 as Q8_0, see `mxfp4_as_q8_0`). `octavo plan
     FILE.gguf` reports it."""
     def kind(t) -> str:
@@ -753,41 +727,28 @@ def held_weight_bytes(header: GGUFHeader, dense_bytes: int = 4) -> int:
         if suffix == "weight" and len(parts) == 3 and parts[2] in _FUSED_PARTS:
             fused.setdefault(f"{parts[1]}.{_FUSED_PARTS[parts[2]]}", []).append(t)
         else:
-            total += held(t, Q8_0.name if kind(t) == Q5_0.name else kind(t))
+            total += held(t, kind(t))
     for tensors in fused.values():
-        types = {kind(t) for t in tensors}
-        if len(types) == 1 and types <= set(FORMATS) and Q5_0.name not in types:
+        if {kind(t) for t in tensors} <= set(FORMATS):  # stacked, or each part in its own blocks
             total += sum(held(t, kind(t)) for t in tensors)
-        elif types <= set(AS_Q8_0):
-            total += sum(held(t, Q8_0.name) for t in tensors)
-        elif types <= set(FORMATS):  # each part in its own blocks (QuantLinearParts)
-            total += sum(held(t, Q8_0.name if kind(t) == Q5_0.name else kind(t)) for t in tensors)
         else:
             total += sum(t.num_elements * dense_bytes for t in tensors)
     return total
 
 
-def _set_quantized_parts(model: CausalLM, module_name: str, parts: list[tuple[torch.Tensor, QuantFormat]],
-                         q5_0_as_q8_0: bool = True) -> None:
-    """A QuantLinearParts in place of the dense fused layer at `module_name` (Q5_0 parts held as
-    Q8_0 unless q5_0_as_q8_0 is False)."""
+def _set_quantized_parts(model: CausalLM, module_name: str, parts: list[tuple[torch.Tensor, QuantFormat]]) -> None:
+    """A QuantLinearParts in place of the dense fused layer at `module_name`."""
     parent_name, _, child_name = module_name.rpartition(".")
     parent = model.get_submodule(parent_name)
     old = getattr(parent, child_name)
     layers = []
     for data, fmt in parts:
-        if fmt is Q5_0 and q5_0_as_q8_0:
-            data, fmt = as_q8_0(data, fmt, old.in_features), Q8_0
         layers.append(QuantLinear(data, fmt, old.in_features, None, prepare=False))
     setattr(parent, child_name, QuantLinearParts(layers, old.bias))
 
 
-def _set_quantized(
-    model: CausalLM, module_name: str, qweight: torch.Tensor | DeferredBlocks, fmt: QuantFormat,
-    file_fmt: QuantFormat | str | None = None
-) -> None:
-    """Put a quantized module in place of the dense one at `module_name` (e.g. layers.3.mlp.down_proj).
-    `file_fmt`: the format(s) in the file where `qweight` was rewritten exactly (`as_q8_0`)."""
+def _set_quantized(model: CausalLM, module_name: str, qweight: torch.Tensor | DeferredBlocks, fmt: QuantFormat) -> None:
+    """Put a quantized module in place of the dense one at `module_name` (e.g. layers.3.mlp.down_proj)."""
     parent_name, _, child_name = module_name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     old = getattr(parent, child_name)
@@ -797,8 +758,6 @@ def _set_quantized(
         # the bias (Qwen2's q/k/v) stays the layer's parameter: it is loaded into it like any other
         new = QuantLinear(qweight, fmt, old.in_features, None, prepare=False)
         new.bias = old.bias
-    if file_fmt is not None:
-        new.file_fmt = file_fmt if isinstance(file_fmt, str) else file_fmt.name
     setattr(parent, child_name, new)
 
 

@@ -38,7 +38,7 @@ def _logits(model, ids=(1, 7, 30, 4, 96, 12)):
 
 def _no_packing(monkeypatch):
     """Fail if a load packs layers again, or makes the blocks the prepared file replaces (the
-    file's fused parts stacked, Q5_0 rewritten as Q8_0: deferred, and never needed then)."""
+    file's fused parts stacked: deferred, and never needed then)."""
     def refuse(*args, **kwargs):
         raise AssertionError("the layers were packed again: the prepared file was not used")
 
@@ -47,7 +47,6 @@ def _no_packing(monkeypatch):
             super().__init__(refuse, rows)
 
     monkeypatch.setattr(loader, "prepare_quantized_layers", refuse)
-    monkeypatch.setattr(loader, "as_q8_0", refuse)
     monkeypatch.setattr(loader, "DeferredBlocks", Unmade)
 
 
@@ -65,10 +64,10 @@ def test_a_second_load_maps_the_prepared_layers_and_computes_the_same(model_dir,
     assert torch.equal(_logits(first), _logits(second))
 
 
-def test_fused_and_rewritten_blocks_are_made_only_when_a_load_packs_them(tmp_path, monkeypatch):
-    """q and k in Q5_0 beside v in Q8_0 (Gemma 3's Q4_K_M layout): the exact path holds q|k|v as
-    Q8_0, rewritten from the file; gate|up one format, stacked. A first load makes and packs them,
-    a later one maps the packed layers without making them; both compute the same."""
+def test_fused_blocks_are_made_only_when_a_load_packs_them(tmp_path, monkeypatch):
+    """q and k in Q5_0 beside v in Q8_0 (Gemma 3's Q4_K_M layout): each part of q|k|v keeps its
+    own blocks; gate|up one format, stacked. A first load stacks and packs them, a later one maps
+    the packed layers without making them; both compute the same."""
     from octavo.cache import cache_dir
     from tests.models.gguf_writer import hf_model, write_gguf
 
@@ -81,10 +80,11 @@ def test_fused_and_rewritten_blocks_are_made_only_when_a_load_packs_them(tmp_pat
     model_dir = loader.resolve_model(tmp_path / "m.gguf")
     first, _ = loader.load_model(model_dir, quantization="auto", activation_dtype="float32")
     qkv = first.get_submodule("layers.0.self_attn.qkv_proj")
-    assert qkv.fmt.name == "Q8_0" and getattr(qkv, "file_fmt", None) == "Q5_0+Q8_0" and qkv.layout == "packed"
+    assert [(p.fmt.name, p.layout) for p in qkv.parts] == [("Q5_0", "packed"), ("Q5_0", "packed"), ("Q8_0", "packed")]
+    assert first.get_submodule("layers.0.mlp.down_proj").fmt.name == "Q5_0"
     kept = loader.load_model(model_dir, quantization="auto", prepare_quantized=False)[0]  # (to be sharded)
-    gguf_qkv = kept.get_submodule("layers.0.self_attn.qkv_proj")
-    assert gguf_qkv.layout == "gguf" and gguf_qkv.qweight.shape[0] == qkv.out_features  # made, not a placeholder
+    gate_up, gguf_gate_up = (m.get_submodule("layers.0.mlp.gate_up_proj") for m in (first, kept))
+    assert gguf_gate_up.layout == "gguf" and gguf_gate_up.qweight.shape[0] == gate_up.out_features  # made, not a placeholder
     _no_packing(monkeypatch)
     second, _ = loader.load_model(model_dir, quantization="auto", activation_dtype="float32")
     assert torch.equal(_logits(first), _logits(second))

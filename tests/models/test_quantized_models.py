@@ -98,8 +98,8 @@ HIDDEN, INTER, HEADS, KV_HEADS, VOCAB = 64, 96, 4, 2, 40
 TYPES = {  # GGUF tensor -> format (None: F32)
     "token_embd.weight": Q8_0, "output_norm.weight": None, "output.weight": Q4_0,
     "blk.0.attn_norm.weight": None, "blk.0.ffn_norm.weight": None,
-    "blk.0.attn_q.weight": Q4_1, "blk.0.attn_k.weight": Q8_0, "blk.0.attn_v.weight": Q4_1,  # mixed: dense
-    "blk.0.attn_output.weight": Q4_0, "blk.0.ffn_gate.weight": Q4_0, "blk.0.ffn_up.weight": Q8_0,  # mixed: Q8_0
+    "blk.0.attn_q.weight": Q4_1, "blk.0.attn_k.weight": Q8_0, "blk.0.attn_v.weight": Q4_1,  # mixed: parts
+    "blk.0.attn_output.weight": Q4_0, "blk.0.ffn_gate.weight": Q4_0, "blk.0.ffn_up.weight": Q8_0,  # mixed: parts
     "blk.0.ffn_down.weight": None,
 }
 SHAPES = {"token_embd.weight": (VOCAB, HIDDEN), "output.weight": (VOCAB, HIDDEN), "blk.0.attn_q.weight": (HIDDEN, HIDDEN),
@@ -164,9 +164,10 @@ def test_a_mixed_format_gguf_loads_as_its_dequantized_model(tmp_path):
     quant = fresh()
     load_gguf_weights(quant, path)
     layer = quant.layers[0]
-    assert not isinstance(layer.self_attn.qkv_proj, QuantLinear)  # q/k/v in different formats: dense
+    # parts of one projection in different formats: each in its own blocks
+    assert [p.fmt for p in layer.self_attn.qkv_proj.parts] == [Q4_1, Q8_0, Q4_1]
     assert layer.self_attn.o_proj.fmt is Q4_0
-    assert layer.mlp.gate_up_proj.fmt is Q8_0  # gate Q4_0 and up Q8_0 in the file: both exact as Q8_0
+    assert [p.fmt for p in layer.mlp.gate_up_proj.parts] == [Q4_0, Q8_0]
     assert not isinstance(layer.mlp.down_proj, QuantLinear)  # F32 in the file
     assert quant.lm_head.fmt is Q4_0 and quant.embed_tokens.fmt is Q8_0
 

@@ -1,7 +1,6 @@
 // Weight-only quantized linear layers for the CPU: out = x @ W^T, W in a GGML block format
 // (Q4_0, Q4_1, Q8_0: 32 consecutive weights of a row share an fp16 scale d, Q4_1 also an fp16 min
-// m), activations float32. Q5_0 and Q5_1 go to quant_linear_k8.cpp, the K-quants to
-// quant_linear_kq.cpp.
+// m), activations float32. Q5_0, Q5_1 and the K-quants go to quant_linear_kq.cpp.
 //
 // GGUF layout (what `pack` takes): uint8 [N, K / 32 * block_bytes], each row K / 32 blocks of
 //   Q4_0 (18 bytes): d, 16 bytes of nibbles          w = d * (q - 8)
@@ -35,7 +34,6 @@
 #include <vector>
 
 #include "quant_isa.h"
-#include "quant_linear_k8.h"
 #include "quant_linear_kq.h"
 
 namespace {
@@ -186,7 +184,6 @@ void check_packed(const at::Tensor& packed, int64_t fmt, int64_t N, int64_t K) {
 
 // GGUF blocks uint8 [N, K / 32 * block_bytes] -> packed uint8 [ceil(N / G), K / 32, tile_bytes].
 at::Tensor pack(at::Tensor qweight, int64_t fmt) {
-  if (octavo_k8::handles(fmt)) return octavo_k8::pack(qweight, fmt);
   if (octavo_kq::handles(fmt)) return octavo_kq::pack(qweight, fmt);
   check_format(fmt);
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
@@ -220,7 +217,6 @@ void quant_linear(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t fmt) 
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.dim() == 2 && out.is_contiguous(), "x, out: contiguous 2-D");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   TORCH_CHECK(out.size(0) == M, "out must have as many rows as x");
-  if (octavo_k8::handles(fmt)) return octavo_k8::quant_linear(out, x, packed, fmt);
   if (octavo_kq::handles(fmt)) return octavo_kq::quant_linear(out, x, packed, fmt);
   check_packed(packed, fmt, N, K);
   const float* xp = x.data_ptr<float>();
@@ -239,7 +235,6 @@ void dequantize_rows(at::Tensor out, at::Tensor packed, int64_t fmt, at::Tensor 
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous(), "out: contiguous float32");
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous() && rows.size(0) == out.size(0),
               "rows: int64 [len(out)]");
-  if (octavo_k8::handles(fmt)) return octavo_k8::dequantize_rows(out, packed, fmt, rows, N);
   if (octavo_kq::handles(fmt)) return octavo_kq::dequantize_rows(out, packed, fmt, rows, N);
   const int64_t K = out.size(1), nb = K / QK;
   check_packed(packed, fmt, N, K);
@@ -282,7 +277,6 @@ void dequantize_rows(at::Tensor out, at::Tensor packed, int64_t fmt, at::Tensor 
 void dequantize_transposed(at::Tensor out, at::Tensor packed, int64_t fmt) {
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous() && out.size(1) % G == 0,
               "out: contiguous float32 [K, groups * ", G, "]");
-  if (octavo_k8::handles(fmt)) return octavo_k8::dequantize_transposed(out, packed, fmt);
   if (octavo_kq::handles(fmt)) return octavo_kq::dequantize_transposed(out, packed, fmt);
   const int64_t K = out.size(0), N = out.size(1), nb = K / QK;
   check_packed(packed, fmt, N, K);

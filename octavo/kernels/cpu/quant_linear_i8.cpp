@@ -3,7 +3,7 @@
 // activations) and every 4 weights x 4 activations go through one integer dot product (VNNI's
 // vpdpbusd: 64 multiply-adds an instruction with AVX-512, where a float32 FMA does 16). Not exact:
 // the activations' rounding is the cost (measured by `octavo eval`); the float32 kernels
-// (quant_linear.cpp, _k8, _kq) stay the exact path.
+// (quant_linear.cpp, _kq) stay the exact path.
 //
 // Every format (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) is a run of 32-weight chunks of
 // unsigned quants u with scales:

@@ -1,28 +1,33 @@
-// Q4_K, Q5_K and Q6_K weights for the CPU at their file's size: out = x @ W^T, activations float32.
+// Q5_0, Q5_1 and the K-quants (Q4_K, Q5_K, Q6_K) for the CPU at their file's size: out = x @ W^T,
+// activations float32.
 //
 // A K-quant block holds 256 weights of a row: fp16 super-scales and, per sub-block, small integer
 // scales, the weights' quants split in bit planes. gguf-py rebuilds a weight as
 //   Q4_K / Q5_K: fl(fl(D * q) - fl(dmin * mn)), D = fl(d * sc), q = 4 / 5 bits, sub-blocks of 32
 //   Q6_K:        fl(D * (q - 32)),               D = fl(d * sc), q = 6 bits,     sub-blocks of 16
-// with d, dmin fp16 and sc, mn the sub-block's 6-bit (Q4_K, Q5_K) or int8 (Q6_K) fields.
+// with d, dmin fp16 and sc, mn the sub-block's 6-bit (Q4_K, Q5_K) or int8 (Q6_K) fields. A Q5_0 /
+// Q5_1 block is 32 weights with one fp16 d (and m): fl(d * (q - 16)) / fl(fl(d * q) + m), q 5 bits.
 //
 // `pack` reorders each block into a tile of G rows (G = the vector width in floats), keeping the
 // same fields at the same widths, so that one vector load gives one field of G rows:
 //   Q4_K (148 G bytes): d[G] fp16 | dmin[G] fp16 | sc[8][G] | mn[8][G] | per sub-block lo[16][G]
 //   Q5_K (180 G bytes): the same, per sub-block lo[16][G] then hi[4][G]
 //   Q6_K (210 G bytes): d[G] fp16 | sc[16][G] int8 | per sub-block lo[8][G] then hi[4][G]
+//   Q5_0 (22 G bytes):  d[G] fp16 | lo[16][G] | hi[4][G]
+//   Q5_1 (24 G bytes):  d[G] fp16 | m[G] fp16 | lo[16][G] | hi[4][G]
 // lo byte p holds the low 4 bits of weights 2p (low nibble) and 2p + 1 (high nibble) of the
-// sub-block; Q5_K's hi byte h holds the fifth bit of weight 8h + j at bit j; Q6_K's hi byte p
-// (p < 4) the top two bits of weights 2p, 2p + 1, 8 + 2p, 9 + 2p at bits 0, 2, 4, 6: aligned with
-// lo bytes p and 4 + p, so that four rows of G lanes are assembled by one set of byte operations
-// (`for_q6`: about 1/4 of an integer operation per weight instead of 6). Bytes per weight: Q4_K 0.578 (file 0.5625: the 6-bit
-// scales and mins take a byte each), Q5_K 0.703 (0.6875), Q6_K 0.820 (the same). A decode step is
-// bound by these bytes (docs/BENCHMARKS.md); the kernels unpack in registers: a few integer
-// operations per G weights, and D, -dmin * mn once per sub-block.
+// sub-block; Q5_K's hi byte h holds the fifth bit of weight 8h + j at bit j; Q5_0 / Q5_1's hi byte
+// h the fifth bits of weights 2p, 2p + 1 at bits 2j, 2j + 1 for lo byte p = 4j + h; Q6_K's hi byte p
+// (p < 4) the top two bits of weights 2p, 2p + 1, 8 + 2p, 9 + 2p at bits 0, 2, 4, 6. Both are
+// aligned with lo bytes, so that four rows of G lanes are assembled by one set of byte operations
+// (`for_q5`, `for_q6`: about 1/4 of an integer operation per weight instead of 6). Bytes per weight: Q4_K 0.578 (file 0.5625: the 6-bit
+// scales and mins take a byte each), Q5_K 0.703 (0.6875), Q6_K 0.820, Q5_0 0.6875, Q5_1 0.75 (the
+// file's). A decode step is bound by these bytes (docs/BENCHMARKS.md); the kernels unpack in
+// registers: a few integer operations per G weights, and D, -dmin * mn once per sub-block.
 //
 // The small-batch kernel factors each sub-block's scale out, as quant_linear.cpp's does:
-//   sum_i (D q_i + M) x_i = D * sum_i q_i x_i + M * sum_i x_i,   M = -(dmin * mn)
-// (Q6_K subtracts its 32 in integers: no M). For many rows the caller rebuilds W^T, each weight
+//   sum_i (D q_i + M) x_i = D * sum_i q_i x_i + M * sum_i x_i,   M = -(dmin * mn), or m (Q5_1)
+// (Q6_K and Q5_0 subtract their 32 / 16 in integers: no M). For many rows the caller rebuilds W^T, each weight
 // bit for bit gguf-py's value (-ffp-contract=off keeps the two roundings), for a float32 GEMM.
 #include "quant_linear_kq.h"
 
@@ -45,18 +50,34 @@ using V = Isa::V;
 using I = Isa::I;
 constexpr int G = Isa::G;
 constexpr int MAX_R = G == 16 ? 8 : 4;
-constexpr int64_t QK = 256;
-
-constexpr int64_t file_block_bytes(int64_t fmt) { return fmt == kQ4_K ? 144 : fmt == kQ5_K ? 176 : 210; }
-constexpr int64_t tile_bytes(int64_t fmt) { return (fmt == kQ4_K ? 148 : fmt == kQ5_K ? 180 : 210) * G; }
-// Q4_K / Q5_K: bytes of one sub-block's quants in a tile, and where the first starts
-constexpr int64_t sub_bytes(int64_t fmt) { return (fmt == kQ5_K ? 20 : fmt == kQ4_K ? 16 : 12) * G; }
-constexpr int64_t q_start(int64_t fmt) { return (fmt == kQ6_K ? 18 : 20) * G; }
-constexpr int64_t num_subs(int64_t fmt) { return fmt == kQ6_K ? 16 : 8; }
+constexpr bool is_q5(int64_t fmt) { return fmt == kQ5_0 || fmt == kQ5_1; }  // one 32-weight block, no super-block
+constexpr int64_t block_weights(int64_t fmt) { return is_q5(fmt) ? 32 : 256; }
+constexpr int64_t file_block_bytes(int64_t fmt) {
+  return fmt == kQ5_0 ? 22 : fmt == kQ5_1 ? 24 : fmt == kQ4_K ? 144 : fmt == kQ5_K ? 176 : 210;
+}
+constexpr int64_t tile_bytes(int64_t fmt) {
+  return (fmt == kQ5_0 ? 22 : fmt == kQ5_1 ? 24 : fmt == kQ4_K ? 148 : fmt == kQ5_K ? 180 : 210) * G;
+}
+// bytes of one sub-block's quants in a tile, and where the first starts
+constexpr int64_t sub_bytes(int64_t fmt) { return (fmt == kQ4_K ? 16 : fmt == kQ6_K ? 12 : 20) * G; }
+constexpr int64_t q_start(int64_t fmt) { return (fmt == kQ5_0 ? 2 : fmt == kQ5_1 ? 4 : fmt == kQ6_K ? 18 : 20) * G; }
 
 }  // namespace
 
 void read_block(int64_t fmt, const uint8_t* b, Fields& f) {
+  if (is_q5(fmt)) {  // d, (m), 32 fifth bits, 16 bytes: weight j low nibble, j + 16 high nibble
+    const int64_t at = fmt == kQ5_0 ? 2 : 4;
+    f.d = load_u16(b);
+    f.dmin = fmt == kQ5_1 ? load_u16(b + 2) : 0;
+    uint32_t qh;
+    std::memcpy(&qh, b + at, 4);
+    const uint8_t* qs = b + at + 4;
+    for (int j = 0; j < 16; ++j) {
+      f.q[j] = static_cast<uint8_t>((qs[j] & 0x0f) | (((qh >> j) & 1) << 4));
+      f.q[j + 16] = static_cast<uint8_t>((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
+    }
+    return;
+  }
   if (fmt == kQ6_K) {  // ql[128], qh[64], int8 scales[16], fp16 d
     const uint8_t *ql = b, *qh = b + 128;
     std::memcpy(f.sc, b + 192, 16);
@@ -89,9 +110,31 @@ void read_block(int64_t fmt, const uint8_t* b, Fields& f) {
 
 namespace {
 
+// Lane c of one sub-block's quants q[32] (4 bits, or 5 with FIVE): lo pairs, then hi fifth bits.
+void write_sub(const uint8_t* q, uint8_t* lo, int64_t c, bool five) {
+  for (int p = 0; p < 16; ++p) lo[p * G + c] = static_cast<uint8_t>((q[2 * p] & 15) | ((q[2 * p + 1] & 15) << 4));
+  if (five)
+    for (int h = 0; h < 4; ++h) {
+      int v = 0;
+      for (int j = 0; j < 8; ++j) v |= (q[8 * h + j] >> 4) << j;
+      lo[(16 + h) * G + c] = static_cast<uint8_t>(v);
+    }
+}
+
 // Lane c of a tile <- one row's block.
 void write_lane(int64_t fmt, const Fields& f, uint8_t* t, int64_t c) {
   std::memcpy(t + 2 * c, &f.d, 2);
+  if (is_q5(fmt)) {
+    if (fmt == kQ5_1) std::memcpy(t + 2 * G + 2 * c, &f.dmin, 2);
+    uint8_t* lo = t + q_start(fmt);
+    write_sub(f.q, lo, c, false);
+    for (int h = 0; h < 4; ++h) {
+      int v = 0;
+      for (int j = 0; j < 4; ++j) v |= ((f.q[2 * (4 * j + h)] >> 4) << (2 * j)) | ((f.q[2 * (4 * j + h) + 1] >> 4) << (2 * j + 1));
+      lo[(16 + h) * G + c] = static_cast<uint8_t>(v);
+    }
+    return;
+  }
   if (fmt == kQ6_K) {
     for (int s = 0; s < 16; ++s) {
       t[2 * G + s * G + c] = f.sc[s];
@@ -109,21 +152,21 @@ void write_lane(int64_t fmt, const Fields& f, uint8_t* t, int64_t c) {
   for (int s = 0; s < 8; ++s) {
     t[4 * G + s * G + c] = f.sc[s];
     t[12 * G + s * G + c] = f.mn[s];
-    uint8_t* lo = t + q_start(fmt) + s * sub_bytes(fmt);
-    const uint8_t* q = f.q + 32 * s;
-    for (int p = 0; p < 16; ++p) lo[p * G + c] = static_cast<uint8_t>((q[2 * p] & 15) | ((q[2 * p + 1] & 15) << 4));
-    if (fmt == kQ5_K)
-      for (int h = 0; h < 4; ++h) {
-        int v = 0;
-        for (int j = 0; j < 8; ++j) v |= (q[8 * h + j] >> 4) << j;
-        lo[(16 + h) * G + c] = static_cast<uint8_t>(v);
-      }
+    write_sub(f.q + 32 * s, t + q_start(fmt) + s * sub_bytes(fmt), c, fmt == kQ5_K);
   }
 }
 
 // Weight k (< 256) of lane c of a tile, rebuilt as gguf-py does.
 float weight_at(int64_t fmt, const uint8_t* t, int64_t c, int64_t k) {
   const float d = fp16_to_float(load_u16(t + 2 * c));
+  if (is_q5(fmt)) {
+    const uint8_t* lo = t + q_start(fmt);
+    const int64_t p = k / 2, at = 2 * (p / 4) + k % 2;  // lo byte p, its hi byte p % 4
+    const int q = ((lo[p * G + c] >> (4 * (k % 2))) & 15) | (((lo[(16 + p % 4) * G + c] >> at) & 1) << 4);
+    if (fmt == kQ5_0) return d * static_cast<float>(q - 16);
+    const float w = d * static_cast<float>(q);
+    return w + fp16_to_float(load_u16(t + 2 * G + 2 * c));
+  }
   if (fmt == kQ6_K) {
     const int64_t s = k / 16, i = k % 16;
     const float D = d * static_cast<float>(static_cast<int8_t>(t[2 * G + s * G + c]));
@@ -175,6 +218,34 @@ inline void for_pairs(const uint8_t* lo, F&& f) {
   }
 }
 
+// The 32 quants of a Q5_0 / Q5_1 tile's `lo` (minus 16 with SUB16), assembled four tile rows at a
+// time in bytes as for_q6 does, then widened one row of G lanes at a time: f(p, w[2p], w[2p + 1]).
+template <bool SUB16, typename F>
+inline void for_q5(const uint8_t* lo, F&& f) {
+  using B = Isa::B;
+  const B hi = Isa::load4(lo + 16 * G);
+  alignas(64) uint8_t w[2][4 * G];  // weights 2p, 2p + 1 of rows p = 4j .. 4j + 3, int8
+  const auto fifth = [](B h) { return Isa::and4(h, 0x10); };
+  const auto done = [](B v) { return SUB16 ? Isa::sub4(v, 16) : v; };
+  const auto rows = [&](auto jj) {
+    constexpr int j = decltype(jj)::value;  // fifth bits at 2j, 2j + 1 of hi -> bit 4
+    const B l = Isa::load4(lo + 4 * j * G);
+    B even, odd;
+    if constexpr (j == 0) even = fifth(Isa::shl4<4>(hi)), odd = fifth(Isa::shl4<3>(hi));
+    else if constexpr (j == 1) even = fifth(Isa::shl4<2>(hi)), odd = fifth(Isa::shl4<1>(hi));
+    else if constexpr (j == 2) even = fifth(hi), odd = fifth(Isa::shr4<1>(hi));
+    else even = fifth(Isa::shr4<2>(hi)), odd = fifth(Isa::shr4<3>(hi));
+    Isa::store4(w[0], done(Isa::or4(Isa::and4(l, 0x0f), even)));
+    Isa::store4(w[1], done(Isa::or4(Isa::and4(Isa::shr4<4>(l), 0x0f), odd)));
+    for (int i = 0; i < 4; ++i)
+      f(4 * j + i, Isa::to_float(Isa::bytes_s(w[0] + i * G)), Isa::to_float(Isa::bytes_s(w[1] + i * G)));
+  };
+  rows(std::integral_constant<int, 0>());
+  rows(std::integral_constant<int, 1>());
+  rows(std::integral_constant<int, 2>());
+  rows(std::integral_constant<int, 3>());
+}
+
 // The 16 quants (minus 32) of Q6_K sub-block `lo`, assembled four tile rows at a time in bytes
 // (Isa::B), then widened one row of G lanes at a time: f(p, w[2p], w[2p + 1], w[8 + 2p], w[9 + 2p]).
 template <typename F>
@@ -205,10 +276,25 @@ inline void group_small(const float* x, int64_t K, const uint8_t* tiles, const f
     // hardware prefetcher ramps up on it
     for (int64_t l = 0; l < TB; l += 64) __builtin_prefetch(t + TB + l, 0, 3);
     const V d = Isa::halves(t);
-    if constexpr (F == kQ6_K) {
+    if constexpr (is_q5(F)) {  // Q5_0 subtracts its 16 in integers: no M
+      const float* xb = x + b * 32;
+      V s0[R], s1[R];
+      for (int r = 0; r < R; ++r) s0[r] = s1[r] = Isa::zero();
+      for_q5<F == kQ5_0>(t + Q0, [&](int p, V w0, V w1) {
+        for (int r = 0; r < R; ++r) {
+          s0[r] = Isa::fma(w0, Isa::set1(xb[r * K + 2 * p]), s0[r]);
+          s1[r] = Isa::fma(w1, Isa::set1(xb[r * K + 2 * p + 1]), s1[r]);
+        }
+      });
+      for (int r = 0; r < R; ++r) acc[r] = Isa::fma(d, Isa::add(s0[r], s1[r]), acc[r]);
+      if constexpr (F == kQ5_1) {
+        const V m = Isa::halves(t + 2 * G);
+        for (int r = 0; r < R; ++r) acc[r] = Isa::fma(m, Isa::set1(xs[r * nb + b]), acc[r]);
+      }
+    } else if constexpr (F == kQ6_K) {
       for (int s = 0; s < 16; ++s) {
         const V D = Isa::mul(d, Isa::to_float(Isa::bytes_s(t + 2 * G + s * G)));
-        const float* xb = x + b * QK + s * 16;
+        const float* xb = x + b * 256 + s * 16;
         V s0[R], s1[R];  // two chains per row: half the latency of one
         for (int r = 0; r < R; ++r) s0[r] = s1[r] = Isa::zero();
         for_q6(t + Q0 + s * SB, [&](int p, V w0, V w1, V w8, V w9) {
@@ -226,7 +312,7 @@ inline void group_small(const float* x, int64_t K, const uint8_t* tiles, const f
       for (int s = 0; s < 8; ++s) {
         const V D = Isa::mul(d, Isa::to_float(Isa::bytes_u(t + 4 * G + s * G)));
         const V M = Isa::mul(Isa::mul(dmin, Isa::to_float(Isa::bytes_u(t + 12 * G + s * G))), Isa::set1(-1.f));
-        const float* xb = x + b * QK + s * 32;
+        const float* xb = x + b * 256 + s * 32;
         V s0[R], s1[R];
         for (int r = 0; r < R; ++r) s0[r] = s1[r] = Isa::zero();
         for_pairs<F == kQ5_K>(t + Q0 + s * SB, [&](int p, V w0, V w1) {
@@ -257,8 +343,8 @@ inline void group_rows(const float* x, int64_t M, int64_t K, const uint8_t* tile
 
 template <int64_t F>
 void run(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N, float* out) {
-  const int64_t nb = K / QK, num_groups = (N + G - 1) / G, group_bytes = nb * tile_bytes(F);
-  constexpr bool HAS_M = F != kQ6_K;
+  const int64_t nb = K / block_weights(F), num_groups = (N + G - 1) / G, group_bytes = nb * tile_bytes(F);
+  constexpr bool HAS_M = F != kQ6_K && F != kQ5_0;
   const std::vector<float> xs = HAS_M ? octavo_quant::block_sums(x, M, K, 32, [](int64_t b, int64_t e, int64_t g, const auto& f) {
     at::parallel_for(b, e, g, f);
   }) : std::vector<float>();
@@ -280,7 +366,18 @@ template <int64_t F>
 inline void rebuild_tile(const uint8_t* t, float* w, int64_t stride) {
   constexpr int64_t SB = sub_bytes(F), Q0 = q_start(F);
   const V d = Isa::halves(t);
-  if constexpr (F == kQ6_K) {
+  if constexpr (is_q5(F)) {
+    const V m = F == kQ5_1 ? Isa::halves(t + 2 * G) : Isa::zero();
+    for_q5<F == kQ5_0>(t + Q0, [&](int p, V w0, V w1) {
+      if constexpr (F == kQ5_0) {  // fl(d * (q - 16))
+        Isa::store(w + (2 * p) * stride, Isa::mul(w0, d));
+        Isa::store(w + (2 * p + 1) * stride, Isa::mul(w1, d));
+      } else {
+        Isa::store(w + (2 * p) * stride, Isa::add(Isa::mul(w0, d), m));
+        Isa::store(w + (2 * p + 1) * stride, Isa::add(Isa::mul(w1, d), m));
+      }
+    });
+  } else if constexpr (F == kQ6_K) {
     for (int s = 0; s < 16; ++s) {
       const V D = Isa::mul(d, Isa::to_float(Isa::bytes_s(t + 2 * G + s * G)));
       float* ws = w + s * 16 * stride;
@@ -306,15 +403,16 @@ inline void rebuild_tile(const uint8_t* t, float* w, int64_t stride) {
 }
 
 void check_packed(const at::Tensor& packed, int64_t fmt, int64_t N, int64_t K) {
-  TORCH_CHECK(K % QK == 0, "in_features must be a multiple of 256, got ", K);
+  const int64_t bw = block_weights(fmt);
+  TORCH_CHECK(K % bw == 0, "in_features must be a multiple of ", bw, ", got ", K);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
-                  packed.size(0) == (N + G - 1) / G && packed.size(1) == K / QK && packed.size(2) == tile_bytes(fmt),
-              "packed weight must be uint8 [ceil(N / ", G, "), K / 256, ", tile_bytes(fmt), "] (from `pack`)");
+                  packed.size(0) == (N + G - 1) / G && packed.size(1) == K / bw && packed.size(2) == tile_bytes(fmt),
+              "packed weight must be uint8 [ceil(N / ", G, "), K / ", bw, ", ", tile_bytes(fmt), "] (from `pack`)");
 }
 
 }  // namespace
 
-// GGUF blocks uint8 [N, K / 256 * block bytes] -> packed uint8 [ceil(N / G), K / 256, tile bytes].
+// GGUF blocks uint8 [N, K / block weights * block bytes] -> packed uint8 [ceil(N / G), K / block weights, tile bytes].
 at::Tensor pack(at::Tensor qweight, int64_t fmt) {
   const int64_t bb = file_block_bytes(fmt);
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
@@ -343,6 +441,8 @@ void quant_linear(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t fmt) 
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   switch (fmt) {
+    case kQ5_0: return run<kQ5_0>(xp, M, K, pp, N, op);
+    case kQ5_1: return run<kQ5_1>(xp, M, K, pp, N, op);
     case kQ4_K: return run<kQ4_K>(xp, M, K, pp, N, op);
     case kQ5_K: return run<kQ5_K>(xp, M, K, pp, N, op);
     default: return run<kQ6_K>(xp, M, K, pp, N, op);
@@ -350,7 +450,7 @@ void quant_linear(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t fmt) 
 }
 
 void dequantize_rows(at::Tensor out, at::Tensor packed, int64_t fmt, at::Tensor rows, int64_t N) {
-  const int64_t K = out.size(1), nb = K / QK, tb = tile_bytes(fmt);
+  const int64_t K = out.size(1), bw = block_weights(fmt), nb = K / bw, tb = tile_bytes(fmt);
   check_packed(packed, fmt, N, K);
   const int64_t* rp = rows.data_ptr<int64_t>();
   const uint8_t* pp = packed.data_ptr<uint8_t>();
@@ -361,13 +461,13 @@ void dequantize_rows(at::Tensor out, at::Tensor packed, int64_t fmt, at::Tensor 
     for (int64_t j = j0; j < j1; ++j) {
       const int64_t g = rp[j] / G, c = rp[j] % G;
       for (int64_t b = 0; b < nb; ++b)
-        for (int64_t k = 0; k < QK; ++k) op[j * K + b * QK + k] = weight_at(fmt, pp + (g * nb + b) * tb, c, k);
+        for (int64_t k = 0; k < bw; ++k) op[j * K + b * bw + k] = weight_at(fmt, pp + (g * nb + b) * tb, c, k);
     }
   });
 }
 
 void dequantize_transposed(at::Tensor out, at::Tensor packed, int64_t fmt) {
-  const int64_t K = out.size(0), N = out.size(1), nb = K / QK, tb = tile_bytes(fmt);
+  const int64_t K = out.size(0), N = out.size(1), bw = block_weights(fmt), nb = K / bw, tb = tile_bytes(fmt);
   check_packed(packed, fmt, N, K);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
@@ -375,8 +475,10 @@ void dequantize_transposed(at::Tensor out, at::Tensor packed, int64_t fmt) {
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* t = pp + (g * nb + b) * tb;
-        float* w = op + b * QK * N + g * G;
-        if (fmt == kQ4_K) rebuild_tile<kQ4_K>(t, w, N);
+        float* w = op + b * bw * N + g * G;
+        if (fmt == kQ5_0) rebuild_tile<kQ5_0>(t, w, N);
+        else if (fmt == kQ5_1) rebuild_tile<kQ5_1>(t, w, N);
+        else if (fmt == kQ4_K) rebuild_tile<kQ4_K>(t, w, N);
         else if (fmt == kQ5_K) rebuild_tile<kQ5_K>(t, w, N);
         else rebuild_tile<kQ6_K>(t, w, N);
       }
