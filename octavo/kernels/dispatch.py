@@ -118,14 +118,18 @@ REBUILD_MIN_ROWS = 128
 REBUILD_MAX_WEIGHTS = 4 << 20
 
 
-def prepare_quant_weight(qweight: torch.Tensor, fmt: QuantFormat, activations: str = "float32") -> tuple[torch.Tensor, str]:
-    """GGUF-layout blocks -> (the tensor the kernels will read, its layout). `activations` float32:
-    "packed" for the C++ kernels (a CPU tensor, kernels built), else "gguf" as given (the reference
-    reads it). int8: "packed_i8" for the int8-activation kernels, else "gguf_i8" (the reference's
-    `quant_linear_int8`, same numbers)."""
+def prepare_quant_weight(qweight: torch.Tensor | list[torch.Tensor], fmt: QuantFormat,
+                         activations: str = "float32") -> tuple[torch.Tensor, str]:
+    """GGUF-layout blocks (or a fused layer's parts, stacked by rows) -> (the tensor the kernels
+    will read, its layout). `activations` float32: "packed" for the C++ kernels (a CPU tensor,
+    kernels built), else "gguf" as given (the reference reads it). int8: "packed_i8" for the
+    int8-activation kernels, else "gguf_i8" (the reference's `quant_linear_int8`, same numbers)."""
     if activations not in ("float32", "int8"):
         raise ValueError(f"activations must be float32 or int8, got {activations!r}")
-    kernels = qweight.device.type == "cpu" and _cpu_kernels()
+    if isinstance(qweight, list):
+        if not (qweight[0].device.type == "cpu" and _cpu_kernels()):
+            qweight = torch.cat(qweight)  # (the kernels read parts in place)
+    kernels = (qweight[0] if isinstance(qweight, list) else qweight).device.type == "cpu" and _cpu_kernels()
     if activations == "int8":
         if kernels:
             cpu.amx_enabled()  # probed once per process (a child's self-test), before the first step

@@ -4,7 +4,6 @@ the quantized embedding, RMSNorm, rotary embeddings and paged attention with its
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -48,10 +47,12 @@ class QuantLinear(nn.Module):
 
     def prepare(self, activations: str = "float32") -> None:
         """Put the blocks in the layout the kernels for `activations` (float32 or int8) read
-        (dispatch.prepare_quant_weight); idempotent."""
-        self.make_blocks()
+        (dispatch.prepare_quant_weight: deferred parts packed where they lie, never stacked);
+        idempotent."""
         if self.layout == "gguf":
-            self.qweight, self.layout = dispatch.prepare_quant_weight(self.qweight, self.fmt, activations)
+            deferred = self.__dict__.pop("_deferred", None)
+            blocks = self.qweight if deferred is None else deferred.parts
+            self.qweight, self.layout = dispatch.prepare_quant_weight(blocks, self.fmt, activations)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
         return dispatch.quant_linear(x, self.qweight, self.layout, self.fmt, self.in_features, self.out_features, self.bias,
@@ -61,11 +62,11 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}"
 
     def make_blocks(self) -> None:
-        """Make deferred blocks now (prepare() does; so does a load that keeps the GGUF layout):
-        no layer leaves the loader with them."""
+        """Stack deferred parts into GGUF-layout blocks now (a load that keeps that layout, to be
+        sharded): no layer leaves the loader with them."""
         deferred = self.__dict__.pop("_deferred", None)
         if deferred is not None:
-            self.qweight = deferred.make()
+            self.qweight = torch.cat(deferred.parts)
 
     def __setattr__(self, name: str, value: object) -> None:
         if name == "qweight":  # blocks given: deferred ones are never made
@@ -74,14 +75,14 @@ class QuantLinear(nn.Module):
 
 
 class DeferredBlocks:
-    """A layer's GGUF-layout blocks, made from the file's when the layer is prepared for the kernels
-    (QuantLinear.make_blocks): the parts of a fused projection stacked by rows. A start that maps
-    the layers already prepared (loader.prepare_through_cache) replaces them unmade: stacking the
-    1B shape's q|k|v and gate|up parts was 0.7 s of each start. Until made, the layer's `qweight`
-    is an empty placeholder."""
+    """The parts of a fused projection as the file holds them, stacked by rows only where a layer
+    keeps the GGUF layout (QuantLinear.make_blocks: a load to be sharded); the kernels pack them
+    where they lie (QuantLinear.prepare). A start that maps the layers already prepared
+    (loader.prepare_through_cache) replaces them untouched: stacking the 1B shape's q|k|v and
+    gate|up parts was 0.7 s of each start. Until then the layer's `qweight` is an empty placeholder."""
 
-    def __init__(self, make: Callable[[], torch.Tensor], rows: int) -> None:
-        self.make, self.shape = make, (rows,)
+    def __init__(self, parts: list[torch.Tensor]) -> None:
+        self.parts, self.shape = parts, (sum(p.shape[0] for p in parts),)
 
 
 class QuantLinearParts(nn.Module):

@@ -10,7 +10,6 @@ parallelism, the transformers comparisons): see `dense_weights`.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -583,8 +582,7 @@ def load_gguf_weights(model: CausalLM, gguf_path: Path, model_dir: Path | None =
         if len(fmts) == 1 and None not in fmts:
             (fmt,) = fmts
             blocks = [by_part[p][0] for p in order]
-            _set_quantized(model, name.removesuffix(".weight"),
-                           DeferredBlocks(functools.partial(torch.cat, blocks), sum(b.shape[0] for b in blocks)), fmt)
+            _set_quantized(model, name.removesuffix(".weight"), DeferredBlocks(blocks), fmt)
         elif None not in fmts:  # e.g. q/k Q4_K, v Q6_K, or Gemma 3's q/k Q5_0, v Q8_0: each part in its own blocks
             _set_quantized_parts(model, name.removesuffix(".weight"), [by_part[p] for p in order])
         else:

@@ -105,3 +105,21 @@ def test_kernel_matches_reference(name, n, k, m):
     size = x.abs() @ dequantize_k(q, fmt, k).abs().t()
     err = (got - expect).abs()
     assert bool((err <= 1e-5 * size + 1e-5).all()), float((err / size).max())
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", *sorted(K_FORMATS)])
+@pytest.mark.parametrize("pack", ["pack", "pack_i8"])
+def test_a_fused_layer_packs_from_its_parts_as_from_their_stack(name, pack):
+    """A fused projection's parts are packed where they lie (no stacked copy): the tiles equal those
+    of the stacked blocks, across parts whose rows do not fill a group of the layout."""
+    from octavo.quantization import FORMATS
+
+    fmt = {**FORMATS, **K_FORMATS}[name]
+    q = torch.from_numpy(random_blocks(fmt, 37, 512, seed=5)) if name in K_FORMATS else \
+        torch.randint(0, 256, (37, 16 * fmt.block_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    parts = [q[:17], q[17:22], q[22:]]
+    packed = getattr(cpu, pack)(parts, fmt)
+    assert torch.equal(packed, getattr(cpu, pack)(q, fmt))
+    with pytest.raises(RuntimeError, match="rows of the same bytes"):
+        getattr(cpu, pack)([q, q[:, : q.shape[1] // 2]], fmt)

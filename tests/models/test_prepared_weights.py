@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from octavo.kernels import dispatch
 from octavo.models import loader
 from octavo.models.layers import QuantLinear
 
@@ -43,10 +44,16 @@ def _no_packing(monkeypatch):
         raise AssertionError("the layers were packed again: the prepared file was not used")
 
     class Unmade(loader.DeferredBlocks):
-        def __init__(self, make, rows):
-            super().__init__(refuse, rows)
+        @property
+        def parts(self):
+            refuse()
+
+        @parts.setter
+        def parts(self, value):
+            self.__dict__["_parts"] = value
 
     monkeypatch.setattr(loader, "prepare_quantized_layers", refuse)
+    monkeypatch.setattr(dispatch, "prepare_quant_weight", refuse)
     monkeypatch.setattr(loader, "DeferredBlocks", Unmade)
 
 

@@ -62,10 +62,15 @@ def _module() -> ModuleType:
     return module
 
 
+def _parts(qweight) -> list:
+    return [p.contiguous() for p in qweight] if isinstance(qweight, (list, tuple)) else [qweight.contiguous()]
+
+
 def pack(qweight, fmt):
-    """GGUF-layout blocks [N, row_bytes] -> the layout `quant_linear` reads (same bytes, reordered:
-    see quant_linear.cpp)."""
-    return _module().pack(qweight.contiguous(), fmt.code)
+    """GGUF-layout blocks [N, row_bytes] (or a list of such parts, stacked by rows: a fused layer
+    packed without a stacked copy) -> the layout `quant_linear` reads (same bytes, reordered: see
+    quant_linear.cpp)."""
+    return _module().pack(_parts(qweight), fmt.code)
 
 
 def quant_linear(x, packed, fmt, out_features: int, bias=None):
@@ -78,9 +83,9 @@ def quant_linear(x, packed, fmt, out_features: int, bias=None):
 
 
 def pack_i8(qweight, fmt):
-    """GGUF-layout blocks [N, row_bytes] -> the layout `quant_linear_i8` reads (same bytes per
-    weight, reordered: see quant_linear_i8.cpp)."""
-    return _module().pack_i8(qweight.contiguous(), fmt.code)
+    """GGUF-layout blocks [N, row_bytes] (or a list of parts, as `pack`) -> the layout
+    `quant_linear_i8` reads (same bytes per weight, reordered: see quant_linear_i8.cpp)."""
+    return _module().pack_i8(_parts(qweight), fmt.code)
 
 
 def quant_linear_i8(x, packed, fmt, out_features: int, bias=None):

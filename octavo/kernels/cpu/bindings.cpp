@@ -5,12 +5,12 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
                      torch::Tensor block_tables, torch::Tensor q_starts, torch::Tensor q_lens,
                      torch::Tensor context_lens, double scale, int64_t q_tile, int64_t window, double softcap,
                      torch::Tensor sinks);
-torch::Tensor pack(torch::Tensor qweight, int64_t fmt);
+torch::Tensor pack(const std::vector<torch::Tensor>& parts, int64_t fmt);
 void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t fmt);
 void dequantize_rows(torch::Tensor out, torch::Tensor packed, int64_t fmt, torch::Tensor rows, int64_t N);
 void dequantize_transposed(torch::Tensor out, torch::Tensor packed, int64_t fmt);
 const char* quant_isa();
-torch::Tensor pack_i8(torch::Tensor qweight, int64_t fmt);
+torch::Tensor pack_i8(const std::vector<torch::Tensor>& parts, int64_t fmt);
 void quant_linear_i8(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t fmt);
 void quantize_activations_i8(torch::Tensor xq, torch::Tensor dx, torch::Tensor x);
 void dequantize_rows_i8(torch::Tensor out, torch::Tensor packed, int64_t fmt, torch::Tensor rows, int64_t N);
@@ -44,7 +44,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     softcap, sinks.has_value() ? *sinks : at::Tensor(at::empty({0}, q.options())));
     return out;
   }, "paged attention over the block pool (CPU, float32): a new [tokens, heads, head_dim] output", nogil);
-  m.def("pack", &pack, "GGUF blocks (Q4_0, Q4_1, Q8_0) -> the kernels' column-interleaved layout", nogil);
+  m.def("pack", &pack, "GGUF blocks (any format; a fused layer's parts, stacked by rows) -> the float32 kernels' layout", nogil);
   m.def("quant_linear", [](at::Tensor x, at::Tensor packed, int64_t fmt, int64_t n) {
     at::Tensor out = at::empty({x.size(0), n}, x.options());
     quant_linear(out, x, packed, fmt);
@@ -52,7 +52,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "x @ W^T, W packed, x float32: a new [rows, n] output", nogil);
   m.def("dequantize_rows", &dequantize_rows, "rows of a packed W -> float32, as gguf-py rebuilds them", nogil);
   m.def("dequantize_transposed", &dequantize_transposed, "packed W -> float32 W^T (padded), as gguf-py rebuilds it", nogil);
-  m.def("pack_i8", &pack_i8, "GGUF blocks (any format) -> the int8-activation kernels' layout (same size)", nogil);
+  m.def("pack_i8", &pack_i8, "GGUF blocks (any format; a fused layer's parts, stacked by rows) -> the int8-activation kernels' layout (same size)", nogil);
   m.def("quant_linear_i8", [](at::Tensor x, at::Tensor packed, int64_t fmt, int64_t n) {
     at::Tensor out = at::empty({x.size(0), n}, x.options());
     quant_linear_i8(out, x, packed, fmt);

@@ -33,6 +33,7 @@
 #include <cstring>
 #include <vector>
 
+#include "packing.h"
 #include "quant_isa.h"
 #include "quant_linear_kq.h"
 
@@ -182,17 +183,15 @@ void check_packed(const at::Tensor& packed, int64_t fmt, int64_t N, int64_t K) {
 
 }  // namespace
 
-// GGUF blocks uint8 [N, K / 32 * block_bytes] -> packed uint8 [ceil(N / G), K / 32, tile_bytes].
-at::Tensor pack(at::Tensor qweight, int64_t fmt) {
-  if (octavo_kq::handles(fmt)) return octavo_kq::pack(qweight, fmt);
+// GGUF blocks uint8 [N, K / 32 * block_bytes] (or the parts of a fused layer, stacked by rows)
+// -> packed uint8 [ceil(N / G), K / 32, tile_bytes].
+at::Tensor pack(const std::vector<at::Tensor>& parts, int64_t fmt) {
+  if (octavo_kq::handles(fmt)) return octavo_kq::pack(parts, fmt);
   check_format(fmt);
-  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
-              "a GGUF-layout weight is a contiguous uint8 tensor [out_features, blocks * block_bytes]");
   const int64_t bb = block_bytes(fmt);
-  TORCH_CHECK(qweight.size(1) % bb == 0, "row of ", qweight.size(1), " bytes is not whole blocks of ", bb);
-  const int64_t N = qweight.size(0), nb = qweight.size(1) / bb, num_groups = (N + G - 1) / G;
-  auto packed = at::zeros({num_groups, nb, tile_bytes(fmt)}, qweight.options());
-  const uint8_t* src = qweight.data_ptr<uint8_t>();
+  const octavo_quant::SourceRows src = octavo_quant::source_rows(parts, bb);
+  const int64_t N = src.size(), nb = src.row_bytes / bb, num_groups = (N + G - 1) / G;
+  auto packed = octavo_quant::empty_tiles(N, G, nb, tile_bytes(fmt));
   uint8_t* dst = packed.data_ptr<uint8_t>();
   const int64_t qo = q_offset(fmt), num_q = fmt == kQ8_0 ? QK : 16;
   at::parallel_for(0, num_groups, 1, [&](int64_t g0, int64_t g1) {
@@ -200,7 +199,7 @@ at::Tensor pack(at::Tensor qweight, int64_t fmt) {
       for (int64_t b = 0; b < nb; ++b) {
         uint8_t* t = dst + (g * nb + b) * tile_bytes(fmt);
         for (int64_t c = 0; c < G && g * G + c < N; ++c) {
-          const uint8_t* blk = src + (g * G + c) * nb * bb + b * bb;
+          const uint8_t* blk = src.row[g * G + c] + b * bb;
           std::memcpy(t + 2 * c, blk, 2);                                 // d
           if (fmt == kQ4_1) std::memcpy(t + 2 * G + 2 * c, blk + 2, 2);  // m
           const uint8_t* q = blk + (fmt == kQ4_1 ? 4 : 2);

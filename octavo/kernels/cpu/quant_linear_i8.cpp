@@ -50,6 +50,7 @@
 #include <utility>
 #include <vector>
 
+#include "packing.h"
 #include "quant_isa.h"
 #include "quant_linear_kq.h"
 
@@ -169,12 +170,19 @@ void write_lane(int64_t fmt, const Block& f, uint8_t* t, int64_t c) {
     for (int j = 0; j < 4; ++j)
       for (int b = 0; b < 4; ++b)
         q[j * 4 * G + 4 * c + b] = static_cast<uint8_t>((u[8 * j + b] & 15) | ((u[8 * j + 4 + b] & 15) << 4));
-    for (int v = 0; v < 8; ++v)
-      for (int b = 0; b < 4; ++b) {
-        if (s.bits == 5) q[16 * G + 4 * c + b] |= static_cast<uint8_t>(((u[4 * v + b] >> 4) & 1) << v);
-        if (s.bits == 6)
-          q[16 * G + (v / 4) * 4 * G + 4 * c + b] |= static_cast<uint8_t>(((u[4 * v + b] >> 4) & 3) << (2 * (v % 4)));
+    for (int b = 0; b < 4; ++b) {  // (each byte assigned whole: the tiles are not zero-filled)
+      if (s.bits == 5) {
+        int h = 0;
+        for (int v = 0; v < 8; ++v) h |= ((u[4 * v + b] >> 4) & 1) << v;
+        q[16 * G + 4 * c + b] = static_cast<uint8_t>(h);
       }
+      if (s.bits == 6)
+        for (int half = 0; half < 2; ++half) {
+          int h = 0;
+          for (int v = 4 * half; v < 4 * half + 4; ++v) h |= ((u[4 * v + b] >> 4) & 3) << (2 * (v % 4));
+          q[16 * G + half * 4 * G + 4 * c + b] = static_cast<uint8_t>(h);
+        }
+    }
   }
 }
 
@@ -579,24 +587,21 @@ void check_packed(const at::Tensor& packed, int64_t fmt, int64_t N, int64_t K) {
 
 }  // namespace
 
-// GGUF blocks uint8 [N, K / block * file_bytes] -> the int8-activation layout uint8
-// [ceil(N / G), K / block, tile_bytes].
-at::Tensor pack_i8(at::Tensor qweight, int64_t fmt) {
+// GGUF blocks uint8 [N, K / block * file_bytes] (or the parts of a fused layer, stacked by rows)
+// -> the int8-activation layout uint8 [ceil(N / G), K / block, tile_bytes].
+at::Tensor pack_i8(const std::vector<at::Tensor>& parts, int64_t fmt) {
   TORCH_CHECK(valid_format(fmt), "unknown quantization format ", fmt);
-  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
-              "a GGUF-layout weight is a contiguous uint8 tensor [out_features, blocks * block_bytes]");
   const int64_t bb = spec(fmt).file_bytes;
-  TORCH_CHECK(qweight.size(1) % bb == 0, "row of ", qweight.size(1), " bytes is not whole blocks of ", bb);
-  const int64_t N = qweight.size(0), nb = qweight.size(1) / bb, num_groups = (N + G - 1) / G, tb = tile_bytes(fmt);
-  auto packed = at::zeros({num_groups, nb, tb}, qweight.options());
-  const uint8_t* src = qweight.data_ptr<uint8_t>();
+  const octavo_quant::SourceRows src = octavo_quant::source_rows(parts, bb);
+  const int64_t N = src.size(), nb = src.row_bytes / bb, num_groups = (N + G - 1) / G, tb = tile_bytes(fmt);
+  auto packed = octavo_quant::empty_tiles(N, G, nb, tb);
   uint8_t* dst = packed.data_ptr<uint8_t>();
   at::parallel_for(0, num_groups, 1, [&](int64_t g0, int64_t g1) {
     Block f;
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t b = 0; b < nb; ++b)
         for (int64_t c = 0; c < G && g * G + c < N; ++c) {
-          read_block(fmt, src + ((g * G + c) * nb + b) * bb, f);
+          read_block(fmt, src.row[g * G + c] + b * bb, f);
           write_lane(fmt, f, dst + (g * nb + b) * tb, c);
         }
   });

@@ -38,6 +38,7 @@
 #include <cstring>
 #include <vector>
 
+#include "packing.h"
 #include "quant_isa.h"
 
 namespace octavo_kq {
@@ -413,21 +414,18 @@ void check_packed(const at::Tensor& packed, int64_t fmt, int64_t N, int64_t K) {
 }  // namespace
 
 // GGUF blocks uint8 [N, K / block weights * block bytes] -> packed uint8 [ceil(N / G), K / block weights, tile bytes].
-at::Tensor pack(at::Tensor qweight, int64_t fmt) {
+at::Tensor pack(const std::vector<at::Tensor>& parts, int64_t fmt) {
   const int64_t bb = file_block_bytes(fmt);
-  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
-              "a GGUF-layout weight is a contiguous uint8 tensor [out_features, blocks * block_bytes]");
-  TORCH_CHECK(qweight.size(1) % bb == 0, "row of ", qweight.size(1), " bytes is not whole blocks of ", bb);
-  const int64_t N = qweight.size(0), nb = qweight.size(1) / bb, num_groups = (N + G - 1) / G, tb = tile_bytes(fmt);
-  auto packed = at::zeros({num_groups, nb, tb}, qweight.options());
-  const uint8_t* src = qweight.data_ptr<uint8_t>();
+  const octavo_quant::SourceRows src = octavo_quant::source_rows(parts, bb);
+  const int64_t N = src.size(), nb = src.row_bytes / bb, num_groups = (N + G - 1) / G, tb = tile_bytes(fmt);
+  auto packed = octavo_quant::empty_tiles(N, G, nb, tb);
   uint8_t* dst = packed.data_ptr<uint8_t>();
   at::parallel_for(0, num_groups, 1, [&](int64_t g0, int64_t g1) {
     Fields f;
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t c = 0; c < G && g * G + c < N; ++c)
         for (int64_t b = 0; b < nb; ++b) {
-          read_block(fmt, src + ((g * G + c) * nb + b) * bb, f);
+          read_block(fmt, src.row[g * G + c] + b * bb, f);
           write_lane(fmt, f, dst + (g * nb + b) * tb, c);
         }
   });

@@ -6,6 +6,7 @@
 #include <ATen/ops/zeros.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace octavo_kq {
 
@@ -23,7 +24,7 @@ struct Fields {
 };
 void read_block(int64_t fmt, const uint8_t* b, Fields& f);
 
-at::Tensor pack(at::Tensor qweight, int64_t fmt);
+at::Tensor pack(const std::vector<at::Tensor>& parts, int64_t fmt);
 void quant_linear(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t fmt);
 void dequantize_rows(at::Tensor out, at::Tensor packed, int64_t fmt, at::Tensor rows, int64_t N);
 void dequantize_transposed(at::Tensor out, at::Tensor packed, int64_t fmt);
