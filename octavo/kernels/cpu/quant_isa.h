@@ -201,6 +201,17 @@ struct Isa {  // plain C++ over G-float arrays (the compiler vectorises what it 
 };
 #endif
 
+// Ask for the TB bytes PREFETCH_BYTES past a tile the kernel is about to read (the tile there may
+// be in the next group), into L2. A decode step streams each layer once from DRAM, and the
+// hardware prefetcher alone left the kernels short of a plain read's bandwidth: on a 2-core Xeon
+// (a plain 2-thread sum: 24 GB/s), int8 Q8_0 layers at one row streamed 22.6 -> 26.0 GB/s with
+// 8 KB ahead into L2 against one or two tiles ahead into L1 (docs/BENCHMARKS.md).
+constexpr int64_t PREFETCH_BYTES = 8192;
+template <int64_t TB>
+inline void prefetch_ahead(const uint8_t* tile) {
+  for (int64_t l = 0; l < TB; l += 64) __builtin_prefetch(tile + PREFETCH_BYTES + l, 0, 2);
+}
+
 // A kernel's accumulators acc[r] (r < rows: one vector of G output columns each) into rows of out,
 // `stride` floats apart; only the first `cols` lanes where a group's last columns pass N.
 inline void store_rows(const Isa::V* acc, int64_t rows, int64_t cols, float* out, int64_t stride) {

@@ -53,7 +53,6 @@ constexpr int G = Isa::G;
 // Rows per register tile: 3 vectors per row (sum, two partial chains) must fit the register file
 // (32 vector registers with AVX-512, 16 with AVX2).
 constexpr int MAX_R = G == 16 ? 8 : 4;
-constexpr int64_t PREFETCH_TILES = 4;
 
 // Bytes of one (group, block) tile, and where its parts start.
 constexpr int64_t tile_bytes(int64_t fmt) { return G * block_bytes(fmt); }
@@ -71,9 +70,7 @@ inline void group_small(const float* x, int64_t K, const uint8_t* tiles, const f
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* t = tiles + b * TB;
     const uint8_t* q = t + QO;
-    // Ask for the tile PREFETCH_TILES ahead (it may be in the next group): a layer's weight is a
-    // few hundred KB, so the hardware prefetcher would spend much of it ramping up.
-    for (int64_t l = 0; l < TB; l += 64) __builtin_prefetch(t + PREFETCH_TILES * TB + l, 0, 3);
+    octavo_quant::prefetch_ahead<TB>(t);
     V s0[R], s1[R];  // two chains per row: half the latency of one
     for (int r = 0; r < R; ++r) s0[r] = s1[r] = Isa::zero();
     if constexpr (F == kQ8_0) {

@@ -76,7 +76,6 @@ using V = Isa::V;
 using I = Isa::I;
 constexpr int G = Isa::G;
 constexpr int MAX_R = G == 16 ? 8 : 4;
-constexpr int64_t PREFETCH_TILES = 2;
 
 enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ5_0 = 3, kQ5_1 = 4, kQ4_K = 5, kQ5_K = 6, kQ6_K = 7 };
 enum Kind { kOffset, kMin, kKMin, kK6 };
@@ -490,7 +489,7 @@ void group_i8(const Act& a, int64_t row0, const uint8_t* tiles, float* out, int6
   for (int r = 0; r < R; ++r) acc[r] = Isa::zero();
   for (int64_t blk = 0; blk < nb; ++blk) {
     const uint8_t* t = tiles + blk * TB;
-    for (int64_t l = 0; l < TB; l += 64) __builtin_prefetch(t + PREFETCH_TILES * TB + l, 0, 3);
+    octavo_quant::prefetch_ahead<TB>(t);
     const V d = Isa::halves(t);
     [[maybe_unused]] const V m = S.kind == kMin || S.kind == kKMin ? Isa::halves(t + 2 * G) : Isa::zero();
     for (int64_t ch = 0; ch < NCH; ++ch) {

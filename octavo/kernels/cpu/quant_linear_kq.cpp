@@ -273,9 +273,7 @@ inline void group_small(const float* x, int64_t K, const uint8_t* tiles, const f
   for (int r = 0; r < R; ++r) acc[r] = Isa::zero();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* t = tiles + b * TB;
-    // the next tile (in this group or the next one): a layer is streamed once, faster than the
-    // hardware prefetcher ramps up on it
-    for (int64_t l = 0; l < TB; l += 64) __builtin_prefetch(t + TB + l, 0, 3);
+    octavo_quant::prefetch_ahead<TB>(t);
     const V d = Isa::halves(t);
     if constexpr (is_q5(F)) {  // Q5_0 subtracts its 16 in integers: no M
       const float* xb = x + b * 32;
