@@ -14,6 +14,7 @@ import torch
 
 from octavo.beam_search import BeamGroup
 from octavo.config import EngineConfig
+from octavo.models import weight_files
 from octavo.models.registry import for_context
 from octavo.distributed.executor import TensorParallelExecutor, TensorParallelGroup
 from octavo.engine_args import EngineArgs
@@ -62,6 +63,7 @@ class LLMEngine:
         runners make every call this one makes (octavo.distributed.executor)."""
         config = rope_for_context(config, model, tensor_parallel is not None)
         self.tokenizer = tokenizer
+        self._answered = False  # (a request has finished: weight_files.release_writes)
         eos = config.model_config.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
         options = RunnerOptions(
@@ -303,6 +305,9 @@ class LLMEngine:
             self.spec.finish(ended)
         for rid in processed.finished_request_ids:
             self.structured.release(rid)
+        if processed.finished_request_ids and not self._answered:
+            self._answered = True
+            weight_files.release_writes()  # the first answer is out: a first start's files may be written now
         if sched_out.scheduled:  # the dashboard's timeline
             self.step_log.add(StepRecord(self._num_steps, time.time(), time.perf_counter() - start, num_prompt,
                                          sched_out.num_scheduled_tokens - num_prompt, len(sched_out.scheduled),

@@ -81,13 +81,28 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
 _pending: dict[Path, threading.Thread] = {}
 _pending_lock = threading.Lock()
 
+# Writes wait until the process has answered its first request (the engine calls `release_writes`),
+# WRITE_HOLD_S at most, or less when the file is wanted (`wait_for_write`) or the interpreter
+# exits: even at nice 19 a write slowed the 1B shape's first answer by ~0.5 s (its copy still
+# takes memory bandwidth and a core's time slices from the step's threads).
+WRITE_HOLD_S = 10.0
+_released = threading.Event()
+threading._register_atexit(lambda: _released.set())  # (run before the interpreter joins non-daemon threads)
+
+
+def release_writes() -> None:
+    """Let the writes `write_later` holds start (the engine: its first request has finished)."""
+    _released.set()
+
 
 def write_later(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """`write_safetensors` in a thread, returning at once; a failure (a full or read-only cache) is
-    a warning, as the file is only a shortcut for the next start. The process waits for it at exit
-    (not a daemon thread), and `wait_for_write` before reading or writing the same path."""
+    """`write_safetensors` in a thread, returning at once, held until `release_writes` (at most
+    WRITE_HOLD_S); a failure (a full or read-only cache) is a warning, as the file is only a
+    shortcut for the next start. The process waits for it at exit (not a daemon thread), and
+    `wait_for_write` before reading or writing the same path."""
     def write() -> None:
         try:
+            _released.wait(WRITE_HOLD_S)
             # the lowest priority: a step's threads (which wait for each other at every op) keep
             # the cores; the file is written in what they leave (measured: at the same priority the
             # 1B shape's first answer took 1.5 s longer, its step threads starved by the copy)
@@ -100,7 +115,7 @@ def write_later(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str
             with _pending_lock:
                 _pending.pop(path, None)
 
-    wait_for_write(path)
+    _join(path)  # (an earlier write of the same file: held writes stay held)
     # not a daemon even when started from one (an engine loads in a daemon thread, whose flag a
     # thread inherits): the interpreter's exit waits for it instead of cutting the file short
     thread = threading.Thread(target=write, name=f"write {path.name}", daemon=False)
@@ -110,7 +125,12 @@ def write_later(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str
 
 
 def wait_for_write(path: Path | None = None) -> None:
-    """Until this process's write of `path` (of every file: None) is done."""
+    """Until this process's write of `path` (of every file: None) is done; held writes start now."""
+    release_writes()
+    _join(path)
+
+
+def _join(path: Path | None) -> None:
     with _pending_lock:
         threads = list(_pending.values()) if path is None else [t for p, t in _pending.items() if p == path]
     for thread in threads:

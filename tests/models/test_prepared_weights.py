@@ -208,10 +208,36 @@ def test_an_engine_start_writes_its_prepared_layers_while_it_serves(model_dir, m
     assert torch.equal(_logits(first), _logits(second))
 
 
+def test_a_write_waits_for_the_first_answer(tmp_path, monkeypatch, make_llm):
+    """A first start's files are written once the engine has answered its first request (the
+    write slowed that answer), not before; the engine releases them then."""
+    import threading
+    import time
+
+    from octavo.models import weight_files
+    from octavo.sampling.params import SamplingParams
+
+    monkeypatch.setattr(weight_files, "_released", threading.Event())
+    monkeypatch.setattr(weight_files, "WRITE_HOLD_S", 600.0)
+    path = tmp_path / "w.safetensors"
+    weight_files.write_later(path, {"t": torch.arange(64, dtype=torch.int32)}, {})
+    llm = make_llm()
+    time.sleep(0.5)
+    assert not path.exists()  # held while nothing has been answered
+    llm.generate(["Hello"], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    deadline = time.monotonic() + 60
+    while not path.exists() and time.monotonic() < deadline:  # (not wait_for_write: it releases writes itself)
+        time.sleep(0.05)
+    assert path.exists(), "the engine's first answer did not release the held write within 60 s"
+    weight_files.wait_for_write(path)
+    assert torch.equal(loader.map_safetensors(path)[1]["t"], torch.arange(64, dtype=torch.int32))
+
+
 def test_a_write_started_from_a_daemon_thread_is_finished_before_the_process_exits(tmp_path):
     """An engine loads in a daemon thread, whose flag a thread inherits: a process that exits
     while the write is under way must still leave the whole file (it once left the temporary
-    and aborted in C++ teardown). The write is slowed so that the exit always comes first."""
+    and aborted in C++ teardown). The write is slowed so that the exit always comes first, and
+    held as before a first answer: the exit releases it (else the run passes its timeout)."""
     import os
     import subprocess
     import sys
@@ -226,6 +252,7 @@ def test_a_write_started_from_a_daemon_thread_is_finished_before_the_process_exi
             time.sleep(1.0)
             real(*args, **kwargs)
         weight_files.write_safetensors = slow
+        weight_files.WRITE_HOLD_S = 600.0  # held: the interpreter's exit must release it
         loader = threading.Thread(target=lambda: weight_files.write_later(
             Path({str(tmp_path / 'w.safetensors')!r}), {{"t": torch.arange(1 << 20, dtype=torch.int32)}}, {{}}), daemon=True)
         loader.start(); loader.join()
