@@ -126,10 +126,9 @@ def prepare_quant_weight(qweight: torch.Tensor | list[torch.Tensor], fmt: QuantF
     int8-activation kernels, else "gguf_i8" (the reference's `quant_linear_int8`, same numbers)."""
     if activations not in ("float32", "int8"):
         raise ValueError(f"activations must be float32 or int8, got {activations!r}")
-    if isinstance(qweight, list):
-        if not (qweight[0].device.type == "cpu" and _cpu_kernels()):
-            qweight = torch.cat(qweight)  # (the kernels read parts in place)
     kernels = (qweight[0] if isinstance(qweight, list) else qweight).device.type == "cpu" and _cpu_kernels()
+    if isinstance(qweight, list) and not kernels:
+        qweight = torch.cat(qweight)  # (the kernels read parts in place; the reference reads one tensor)
     if activations == "int8":
         if kernels:
             cpu.amx_enabled()  # probed once per process (a child's self-test), before the first step
