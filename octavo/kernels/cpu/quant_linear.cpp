@@ -24,7 +24,6 @@
 // run a float32 GEMM. Either way the model is the GGUF's dequantized weights; only the order of
 // the float sums differs, as between two GEMM libraries.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/zeros.h>
 
 #include <ATen/Parallel.h>
 

@@ -38,7 +38,6 @@
 // integers (one float step per many chunks) are what could change it.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 
 #include <ATen/Parallel.h>
 

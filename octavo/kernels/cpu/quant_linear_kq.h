@@ -3,7 +3,6 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/zeros.h>
 
 #include <cstdint>
 #include <vector>
