@@ -51,7 +51,13 @@ Q5_1 = QuantFormat("Q5_1", 4, 24, 7)
 Q4_K = QuantFormat("Q4_K", 5, 144, 12, 256)
 Q5_K = QuantFormat("Q5_K", 6, 176, 13, 256)
 Q6_K = QuantFormat("Q6_K", 7, 210, 14, 256)
-K_FORMATS = {f.name: f for f in (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)}  # read from files, never made here
+# MXFP4 (gpt-oss's experts in llama.cpp's files): 32 weights share an E8M0 exponent e, each weight a
+# 4-bit e2m1 code; gguf-py rebuilds w = 2^(e - 128) * k[code], k the doubled e2m1 values (17 bytes).
+MXFP4 = QuantFormat("MXFP4", 8, 17, 39)
+K_FORMATS = {f.name: f for f in (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, MXFP4)}  # read from files, never made here
+# formats the int8-activation kernels read (quant_linear_i8.cpp); a layer in another (MXFP4) keeps
+# the exact float32 kernel in that mode
+INT8_FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"})
 FORMATS = {f.name: f for f in (Q4_0, Q4_1, Q8_0, *K_FORMATS.values())}
 BY_GGUF_TYPE = {f.gguf_type: f for f in FORMATS.values()}
 
@@ -125,26 +131,14 @@ def dequantize(qweight: torch.Tensor, fmt: QuantFormat, in_features: int) -> tor
     return w.reshape(n, in_features)
 
 
-# MXFP4 (gpt-oss's experts in llama.cpp's files): 32 weights share an E8M0 exponent e, each weight a
-# 4-bit e2m1 code; gguf-py rebuilds w = 2^(e - 128) * k[code] with k the doubled e2m1 values. k is a
-# small integer and 2^(e - 128) an fp16 for e in [104, 143]: Q8_0 (fp16 d, int8 q) holds such a
-# block exactly (fl(d * q) is the same product), at twice the file's bytes (34 against 17).
-MXFP4_BLOCK_BYTES = 17
-_MXFP4_K = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8)
+_MXFP4_K = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.float32)
 
 
-def mxfp4_as_q8_0(raw: torch.Tensor) -> torch.Tensor | None:
-    """MXFP4 blocks uint8 [N, row_bytes] -> the same weights as Q8_0 blocks, bit for bit; None when
-    a block's exponent has no exact fp16 (then the caller dequantizes)."""
-    n = raw.shape[0]
-    blocks = raw.reshape(n, -1, MXFP4_BLOCK_BYTES)
-    e = blocks[..., 0].to(torch.int32)
-    if bool(((e < 104) | (e > 143)).any()):
-        return None
-    d = torch.pow(2.0, (e - 128).float()).to(torch.float16).view(torch.uint8).reshape(*e.shape, 2)
-    codes = _nibbles(blocks[..., 1:]).long()  # weight j: byte j's low nibble, j + 16: its high one
-    q = _MXFP4_K[codes].view(torch.uint8)
-    return torch.cat([d, q], dim=-1).reshape(n, -1).contiguous()
+def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """E8M0 exponent bytes -> 2^(e - 128) as float32, as ggml's e8m0_to_fp32_half (e < 2: subnormal)."""
+    e = e.to(torch.int64)
+    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    return bits.to(torch.int32).view(torch.float32)
 
 
 # ---- Q5_0, Q5_1 and the K-quants: read from files, dequantized with gguf-py's arithmetic ----
@@ -210,6 +204,9 @@ def dequantize_k(qweight: torch.Tensor, fmt: QuantFormat, in_features: int) -> t
             high = torch.stack([(qh >> i) & 1 for i in range(8)], dim=-2)  # [N, nb, 8, 32]
             q = _k_sub_blocks(blocks[..., 48:176]) | (high << 4)
         w = d * q.float() - dm
+    elif fmt is MXFP4:
+        d = _e8m0_half(blocks[..., 0:1])  # [N, nb, 1]
+        w = d * _MXFP4_K[_nibbles(blocks[..., 1:]).long()]
     elif fmt is Q6_K:
         ql = blocks[..., 0:128].reshape(n, nb, 2, 64)
         low = torch.stack([ql & 0x0F, ql >> 4], dim=-2).reshape(n, nb, 8, 32)

@@ -11,8 +11,9 @@ from octavo.models.gguf_file import GGUFHeader, read_header
 
 # a subdirectory: never taken for HF weights. v2: K-quant and Q5 tensors are kept as blocks (v1
 # dequantized them); v3: only the tensors that differ from the file's bytes, the rest read from the GGUF
-# (loader._gguf_tensors). A directory converted before is converted again.
-GGUF_BLOCKS_FILE = "gguf-blocks/blocks-v3.safetensors"
+# (loader._gguf_tensors); v4: MXFP4 kept as the file's blocks (v3 rewrote them as Q8_0). A directory
+# converted before is converted again.
+GGUF_BLOCKS_FILE = "gguf-blocks/blocks-v4.safetensors"
 
 
 def converted_path(header: GGUFHeader, name: str) -> Path:

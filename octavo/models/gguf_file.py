@@ -42,7 +42,7 @@ STRING, ARRAY = 8, 9
 
 # ggml tensor types Octavo reads: code -> (name, weights per block, bytes per block) (ggml.h /
 # ggml.c type traits). The I-quants, ternary types and NVFP4 are refused by name (MXFP4, gpt-oss's
-# experts, is read: quantization.mxfp4_as_q8_0).
+# experts, is read and kept in its blocks: quantization.MXFP4).
 TENSOR_TYPES: dict[int, tuple[str, int, int]] = {
     0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2),
     2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),

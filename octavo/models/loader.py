@@ -41,7 +41,6 @@ from octavo.quantization import (
     Q8_0,
     QuantFormat,
     can_quantize,
-    mxfp4_as_q8_0,
     dequantize,
     quantize,
 )
@@ -616,8 +615,7 @@ def _gguf_tensors(
     rows un-interleaved as in `convert_gguf` (whole rows move, so this applies to blocks as well).
     Blocks that are the file's bytes as they lie (most of a quantized file) are views of the GGUF
     mapped copy-on-write: nothing is read or copied until a layer uses them, and the pages are the
-    page cache's. Every other tensor (q/k rows moved, tensors dequantized to float32, MXFP4 experts
-    rewritten) is made once and kept in `model_dir`'s blocks cache, which later starts map; a first
+    page cache's. Every other tensor (q/k rows moved, tensors dequantized to float32) is made once and kept in `model_dir`'s blocks cache, which later starts map; a first
     start copied and wrote all 800 MB of the 1B shape's blocks there (2.5 s of it).
     `header`, `hf_config`: the file's checked header and its config, so that the conversion does
     not read and check it twice."""
@@ -638,18 +636,13 @@ def _gguf_tensors(
         hf_name = gguf_arch.hf_name(t.name, arch)
         fmt = BY_GGUF_TYPE.get(t.ggml_type)
         raw = _tensor_data(buf, t)
-        as_q8 = None
-        if t.type_name == "MXFP4":  # gpt-oss's experts: exactly as Q8_0 where every exponent allows
-            as_q8 = mxfp4_as_q8_0(torch.from_numpy(np.array(raw.reshape(-1, raw.shape[-1]))))
-        if as_q8 is not None:
-            data, fmt = as_q8.numpy(), Q8_0
-        elif fmt is not None:
+        if fmt is not None:
             data = raw.reshape(-1, raw.shape[-1])  # [rows, row_bytes]
         else:
             data = np.asarray(gguf_dequantize(raw, GGMLQuantizationType(t.ggml_type)), dtype=np.float32)
             data = data.reshape(tuple(reversed(t.shape)))
         rows = gguf_arch.to_checkpoint(hf_name, data, hf_config, is_float=fmt is None)
-        in_file = rows is data and fmt is not None and as_q8 is None  # the file's blocks, untouched
+        in_file = rows is data and fmt is not None  # the file's blocks, untouched
         tensor = torch.from_numpy(rows if in_file else np.array(rows, order="C"))  # (else an own, writable copy)
         if not in_file:
             kept[hf_name] = tensor
@@ -692,10 +685,10 @@ def _map_copy_on_write(path: Path) -> mmap.mmap:
 
 
 # Bytes per weight of each format load_gguf_weights keeps in blocks, as the CPU kernels hold it
-# after packing (kernels/cpu: Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q6_K tiles keep the block bytes;
+# after packing (kernels/cpu: Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q6_K / MXFP4 tiles keep the block bytes;
 # Q4_K / Q5_K take a byte each for their 6-bit scales and mins, quant_linear_kq.cpp).
 _HELD_BYTES_PER_WEIGHT = {"Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q8_0": 34 / 32, "Q5_0": 22 / 32, "Q5_1": 24 / 32,
-                          "Q4_K": 148 / 256, "Q5_K": 180 / 256, "Q6_K": 210 / 256}
+                          "Q4_K": 148 / 256, "Q5_K": 180 / 256, "Q6_K": 210 / 256, "MXFP4": 17 / 32}
 _FUSED_PARTS = {"attn_q": "attn_qkv", "attn_k": "attn_qkv", "attn_v": "attn_qkv", "ffn_gate": "ffn_gate_up",
                 "ffn_up": "ffn_gate_up", "ffn_gate_exps": "ffn_gate_up_exps", "ffn_up_exps": "ffn_gate_up_exps",
                 "ffn_gate_shexp": "ffn_gate_up_shexp", "ffn_up_shexp": "ffn_gate_up_shexp"}
@@ -705,11 +698,8 @@ def held_weight_bytes(header: GGUFHeader, dense_bytes: int = 4) -> int:
     """Bytes of weights the engine holds for this file with --quantization auto on a CPU, computed
     from its header alone by load_gguf_weights' rules (a format of FORMATS kept in its blocks; a
     fused layer's parts kept in their blocks when each has a format of FORMATS, else dense;
-    `dense_bytes` per dequantized weight; MXFP4 as Q8_0, see `mxfp4_as_q8_0`). `octavo plan
+    `dense_bytes` per dequantized weight). `octavo plan
     FILE.gguf` reports it."""
-    def kind(t) -> str:
-        return Q8_0.name if t.type_name == "MXFP4" else t.type_name
-
     def held(t, fmt: str) -> int:
         if fmt in _HELD_BYTES_PER_WEIGHT:
             return int(t.num_elements * _HELD_BYTES_PER_WEIGHT[fmt])
@@ -725,10 +715,10 @@ def held_weight_bytes(header: GGUFHeader, dense_bytes: int = 4) -> int:
         if suffix == "weight" and len(parts) == 3 and parts[2] in _FUSED_PARTS:
             fused.setdefault(f"{parts[1]}.{_FUSED_PARTS[parts[2]]}", []).append(t)
         else:
-            total += held(t, kind(t))
+            total += held(t, t.type_name)
     for tensors in fused.values():
-        if {kind(t) for t in tensors} <= set(FORMATS):  # stacked, or each part in its own blocks
-            total += sum(held(t, kind(t)) for t in tensors)
+        if {t.type_name for t in tensors} <= set(FORMATS):  # stacked, or each part in its own blocks
+            total += sum(held(t, t.type_name) for t in tensors)
         else:
             total += sum(t.num_elements * dense_bytes for t in tensors)
     return total

@@ -1,4 +1,4 @@
-"""Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks dequantized by octavo.quantization equal gguf-py's
+"""Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and MXFP4 blocks dequantized by octavo.quantization equal gguf-py's
 dequantization bit for bit, on a grid of shapes, from random block bytes (every bit pattern a
 file may hold, fp16 scales kept finite) and from gguf-py's own quantizer where it has one; the C++
 kernels' packed layout rebuilds every weight bit for bit, and their products equal the torch
@@ -19,7 +19,7 @@ from octavo.quantization import K_FORMATS, QuantFormat as BlockFormat, dequantiz
 SHAPES = [(1, 256), (3, 512), (16, 1024), (7, 2560)]
 
 # where each format keeps its fp16 values, as (offset, count) within a block
-FP16_AT = {"Q5_0": [(0, 1)], "Q5_1": [(0, 2)], "Q4_K": [(0, 2)], "Q5_K": [(0, 2)], "Q6_K": [(208, 1)]}
+FP16_AT = {"Q5_0": [(0, 1)], "Q5_1": [(0, 2)], "Q4_K": [(0, 2)], "Q5_K": [(0, 2)], "Q6_K": [(208, 1)], "MXFP4": []}
 
 
 def random_blocks(fmt: BlockFormat, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -29,6 +29,8 @@ def random_blocks(fmt: BlockFormat, rows: int, cols: int, seed: int) -> np.ndarr
     for offset, count in FP16_AT[fmt.name]:  # finite scales: random bytes could be inf or NaN
         values = g.uniform(-0.05, 0.05, size=(rows, nb, count)).astype(np.float16)
         blocks[..., offset : offset + 2 * count] = values.view(np.uint8)
+    if fmt.name == "MXFP4":  # exponents of weights up to ~2^13 and down to ~2^-28 (every one: test_mxfp4_...)
+        blocks[..., 0] = g.integers(100, 141, size=(rows, nb), dtype=np.uint8)
     return blocks.reshape(rows, nb * fmt.block_bytes)
 
 
@@ -85,7 +87,8 @@ def test_packed_layout_rebuilds_every_weight_bit_for_bit(name, n, k):
     # bytes per weight and row held: the K-quants' file blocks with 6-bit scales and mins widened to
     # a byte each (Q6_K, Q5_0, Q5_1: exactly the file's)
     g = cpu.load().pack_width()
-    per_weight = {"Q4_K": 148 / 256, "Q5_K": 180 / 256, "Q6_K": 210 / 256, "Q5_0": 22 / 32, "Q5_1": 24 / 32}[name]
+    per_weight = {"Q4_K": 148 / 256, "Q5_K": 180 / 256, "Q6_K": 210 / 256, "Q5_0": 22 / 32, "Q5_1": 24 / 32,
+                  "MXFP4": 17 / 32}[name]
     assert packed.numel() == -(-n // g) * g * k * per_weight
 
 
@@ -113,8 +116,10 @@ def test_kernel_matches_reference(name, n, k, m):
 def test_a_fused_layer_packs_from_its_parts_as_from_their_stack(name, pack):
     """A fused projection's parts are packed where they lie (no stacked copy): the tiles equal those
     of the stacked blocks, across parts whose rows do not fill a group of the layout."""
-    from octavo.quantization import FORMATS
+    from octavo.quantization import FORMATS, INT8_FORMATS
 
+    if pack == "pack_i8" and name not in INT8_FORMATS:
+        pytest.skip(f"{name} has no int8-activation kernel (it keeps the float32 one in that mode)")
     fmt = {**FORMATS, **K_FORMATS}[name]
     q = torch.from_numpy(random_blocks(fmt, 37, 512, seed=5)) if name in K_FORMATS else \
         torch.randint(0, 256, (37, 16 * fmt.block_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
@@ -123,3 +128,24 @@ def test_a_fused_layer_packs_from_its_parts_as_from_their_stack(name, pack):
     assert torch.equal(packed, getattr(cpu, pack)(q, fmt))
     with pytest.raises(RuntimeError, match="rows of the same bytes"):
         getattr(cpu, pack)([q, q[:, : q.shape[1] // 2]], fmt)
+
+
+def test_mxfp4_every_exponent_dequantizes_as_gguf_py_does():
+    """All 256 E8M0 exponents (2^-128 and 2^-127 are subnormal floats, 255 is 2^127, not NaN) and
+    all 16 codes, in the torch reference and in the C++ kernels' rebuild of their packed layout."""
+    fmt = K_FORMATS["MXFP4"]
+    codes = np.arange(16, dtype=np.uint8)
+    qs = codes | (codes[::-1] << 4)  # weight j: code j, weight j + 16: code 15 - j
+    blocks = np.concatenate([np.arange(256, dtype=np.uint8)[:, None], np.tile(qs, (256, 1))], axis=1)  # [256, 17]
+    blocks = blocks.reshape(32, 8 * 17)  # 32 rows of 8 blocks
+    with np.errstate(over="ignore"):  # 12 * 2^127 is inf in gguf-py's float32 product, as in ours
+        expected = np.asarray(gguf_dequantize(blocks, GGMLQuantizationType.MXFP4), dtype=np.float32).reshape(32, 256)
+    got = dequantize_k(torch.from_numpy(blocks.copy()), fmt, 256)
+    np.testing.assert_array_equal(got.numpy().view(np.uint32), expected.view(np.uint32))
+    assert np.isinf(expected).any() and (expected[expected != 0] != 0).all()  # both ends reached
+    if cpu.load() is not None:
+        packed = cpu.pack(torch.from_numpy(blocks.copy()), fmt)
+        assert torch.equal(cpu.dequantize_rows(packed, fmt, torch.arange(32), 256, 32).view(torch.int32),
+                           got.view(torch.int32))
+        assert torch.equal(cpu.dequantize_transposed(packed, fmt, 256, 32).contiguous().view(torch.int32),
+                           got.t().contiguous().view(torch.int32))

@@ -1,12 +1,11 @@
 """gpt-oss's pieces against their references: a transformers `GptOssForCausalLM` directory (experts
 stacked x @ W with gate and up columns interleaved, the router named `router`, sinks) loads as the
 same model (logits through the paged path, prefill then decode, past the 5-token window); the
-routing rule and the clamped SwiGLU against transformers' own modules; MXFP4 blocks rewritten as
-Q8_0 bit for bit as gguf-py dequantizes them, and refused where fp16 cannot hold the scale."""
+routing rule and the clamped SwiGLU against transformers' own modules; MXFP4 safetensors refused
+by name (MXFP4 blocks themselves: tests/kernels/test_k_quants.py)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -14,7 +13,6 @@ from octavo.config import CacheConfig
 from octavo.kernels import reference
 from octavo.model_runner import ModelRunner
 from octavo.models.loader import load_model
-from octavo.quantization import Q8_0, dequantize, mxfp4_as_q8_0
 from tests.models.gguf_writer import hf_model
 from tests.models.test_tiny_models import entry, run
 
@@ -55,23 +53,6 @@ def test_routing_and_the_clamped_swiglu_match_transformers():
     ours = reference.swiglu_oai_and_mul(gate_up, experts.alpha, experts.limit)
     torch.testing.assert_close(ours, experts._apply_gate(interleaved))
     assert (gate_up.abs() > 7).any()
-
-
-def test_mxfp4_blocks_become_q8_0_bit_for_bit():
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize as gguf_dequantize
-
-    g = np.random.default_rng(5)
-    blocks = g.integers(0, 256, size=(6, 4, 17), dtype=np.uint8)
-    blocks[..., 0] = g.integers(104, 144, size=(6, 4))  # every exponent fp16 can hold
-    raw = blocks.reshape(6, 4 * 17)
-    expect = np.asarray(gguf_dequantize(raw, GGMLQuantizationType.MXFP4), dtype=np.float32).reshape(6, 128)
-    q8 = mxfp4_as_q8_0(torch.from_numpy(raw.copy()))
-    assert q8 is not None and q8.shape == (6, 4 * Q8_0.block_bytes)
-    got = dequantize(q8, Q8_0, 128).numpy()
-    np.testing.assert_array_equal(got.view(np.uint32), expect.view(np.uint32))
-    blocks[2, 1, 0] = 150  # 2^22: no fp16
-    assert mxfp4_as_q8_0(torch.from_numpy(blocks.reshape(6, 4 * 17).copy())) is None
 
 
 @pytest.mark.parametrize("leaf", ["gate_up_proj_blocks", "down_proj_scales"])

@@ -157,8 +157,8 @@ def test_the_families_files_are_what_the_converter_writes(family):
         assert config.layer_types == ("sliding", "full") * 2 and config.sliding_window == 5
         assert config.rope.scaling_type == "yarn" and config.rope.truncate
         assert torch.equal(model.layers[1].self_attn.sinks, family[-1].model.layers[1].self_attn.sinks)
-        expert = model.layers[0].mlp.experts[3].gate_up_proj  # MXFP4 blocks held exactly as Q8_0
-        assert expert.fmt.name == "Q8_0"
+        expert = model.layers[0].mlp.experts[3].gate_up_proj  # the file's MXFP4 blocks, 17 bytes per 32 weights
+        assert expert.fmt.name == "MXFP4" and expert.qweight.numel() == 2 * 32 * 64 * 17 // 32
     if name == "lfm2":  # the short convolutions: which layers, the kernel, their own KV groups (a window of 3)
         assert config.layer_types == ("conv", "conv", "full", "conv", "full", "conv") and config.conv_kernel == 3
         assert [(g.kind, g.window, g.layers) for g in config.kv_groups()] == [

@@ -40,6 +40,14 @@ inline float fp16_to_float(uint16_t h) {
 #endif
 }
 
+// An E8M0 exponent byte as ggml's e8m0_to_fp32_half reads it: 2^(e - 128), exactly.
+inline float e8m0_to_float_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 inline uint16_t load_u16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
@@ -70,6 +78,17 @@ struct Isa {
   template <int N> static I shr(I v) { return _mm512_srli_epi32(v, N); }
   static V to_float(I v) { return _mm512_cvtepi32_ps(v); }
   static V halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  // MXFP4: a table of 16 floats, looked up per lane by a 4-bit code; G E8M0 bytes as the scale
+  // 2^(e - 128) (ggml's e8m0_to_fp32_half: e < 2 gives the subnormals 2^-128, 2^-127).
+  using L = __m512;
+  static L lut_load(const float* t) { return _mm512_loadu_ps(t); }
+  static V lut16(I code, L t) { return _mm512_permutexvar_ps(code, t); }
+  static V e8m0_half(const uint8_t* p) {
+    const I e = bytes_u(p), one = _mm512_set1_epi32(1);
+    const I normal = _mm512_slli_epi32(_mm512_sub_epi32(e, one), 23);
+    const I subnormal = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmpgt_epi32_mask(e, one), subnormal, normal));
+  }
   // 4 G bytes at once (4 tile rows of G lanes): shifts move bits within 16-bit lanes (mask after)
   using B = __m512i;
   static B load4(const uint8_t* p) { return _mm512_loadu_si512(p); }
@@ -123,6 +142,18 @@ struct Isa {
   template <int N> static I shr(I v) { return _mm256_srli_epi32(v, N); }
   static V to_float(I v) { return _mm256_cvtepi32_ps(v); }
   static V halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  struct L { __m256 lo, hi; };  // a table's entries 0-7 and 8-15 (one permute reaches 8)
+  static L lut_load(const float* t) { return {_mm256_loadu_ps(t), _mm256_loadu_ps(t + 8)}; }
+  static V lut16(I code, L t) {
+    const V lo = _mm256_permutevar8x32_ps(t.lo, code), hi = _mm256_permutevar8x32_ps(t.hi, code);
+    return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));  // bit 3 picks
+  }
+  static V e8m0_half(const uint8_t* p) {
+    const I e = bytes_u(p), one = _mm256_set1_epi32(1);
+    const I normal = _mm256_slli_epi32(_mm256_sub_epi32(e, one), 23);
+    const I subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(subnormal, normal, _mm256_cmpgt_epi32(e, one)));
+  }
   using B = __m256i;
   static B load4(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static void store4(uint8_t* p, B v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
@@ -172,6 +203,10 @@ struct Isa {  // plain C++ over G-float arrays (the compiler vectorises what it 
   template <int N> static I shr(I a) { for (auto& e : a.v) e = static_cast<int32_t>(static_cast<uint32_t>(e) >> N); return a; }
   static V to_float(I a) { V r; for (int i = 0; i < G; ++i) r.v[i] = static_cast<float>(a.v[i]); return r; }
   static V halves(const uint8_t* p) { V r; for (int i = 0; i < G; ++i) r.v[i] = fp16_to_float(load_u16(p + 2 * i)); return r; }
+  struct L { float v[16]; };
+  static L lut_load(const float* t) { L r; std::memcpy(r.v, t, sizeof r.v); return r; }
+  static V lut16(I code, const L& t) { V r; for (int i = 0; i < G; ++i) r.v[i] = t.v[code.v[i] & 15]; return r; }
+  static V e8m0_half(const uint8_t* p) { V r; for (int i = 0; i < G; ++i) r.v[i] = e8m0_to_float_half(p[i]); return r; }
   struct B { uint8_t v[4 * G]; };  // byte-wise here: the vector paths' 16-bit shifts then masks agree
   static B load4(const uint8_t* p) { B r; std::memcpy(r.v, p, sizeof r.v); return r; }
   static void store4(uint8_t* p, B v) { std::memcpy(p, v.v, sizeof v.v); }

@@ -1,25 +1,29 @@
 // Weight-only quantized linear layers for the CPU: out = x @ W^T, W in a GGML block format
 // (Q4_0, Q4_1, Q8_0: 32 consecutive weights of a row share an fp16 scale d, Q4_1 also an fp16 min
-// m), activations float32. Q5_0, Q5_1 and the K-quants go to quant_linear_kq.cpp.
+// m; MXFP4: an E8M0 exponent), activations float32. Q5_0, Q5_1 and the K-quants go to
+// quant_linear_kq.cpp.
 //
 // GGUF layout (what `pack` takes): uint8 [N, K / 32 * block_bytes], each row K / 32 blocks of
 //   Q4_0 (18 bytes): d, 16 bytes of nibbles          w = d * (q - 8)
 //   Q4_1 (20 bytes): d, m, 16 bytes of nibbles       w = d * q + m
 //   Q8_0 (34 bytes): d, 32 int8                       w = d * q
-// where byte j of a Q4 block holds weight j in its low nibble and weight j + 16 in its high one.
+//   MXFP4 (17 bytes): e, 16 bytes of nibbles         w = 2^(e - 128) * k[q]
+// where byte j of a 4-bit block holds weight j in its low nibble and weight j + 16 in its high
+// one, and k is MXFP4's table of doubled e2m1 values (gpt-oss's experts; gguf-py's arithmetic).
 //
 // Packed layout (what the kernels read; the same bytes, reordered once at load): rows go in groups
 // of G = the vector width in floats (16 with AVX-512, 8 otherwise), padded with zero rows. For
 // group g and block b there is one tile:
-//   d[G] fp16 | m[G] fp16 (Q4_1 only) | q[i][G] for i < 16 (Q4: bytes, weights i and i + 16 of the
-//   G rows) or i < 32 (Q8_0: int8)
+//   d[G] fp16 (MXFP4: e[G] bytes) | m[G] fp16 (Q4_1 only) | q[i][G] for i < 16 (4-bit: bytes,
+//   weights i and i + 16 of the G rows) or i < 32 (Q8_0: int8)
 // so one vector load gives weight i of G output rows: the lanes are output columns, x[k] is a
 // broadcast, and a weight costs about three vector instructions, not the eight of rebuilding it in
 // row order (measured: 2x on Q4_1 at batch 1; docs/BENCHMARKS.md).
 //
 // Arithmetic: the scale is factored out of each block,
 //   sum_i (d q_i + m) x_i = d * sum_i q_i x_i + m * sum_i x_i       (Q4_0: m = -8 d)
-// with up to MAX_R rows sharing each weight's conversion. For steps of many rows the caller can
+// with up to MAX_R rows sharing each weight's conversion (MXFP4: k[q] looked up as a float, then
+// sum_i 2^(e - 128) k[q_i] x_i = 2^(e - 128) * sum_i k[q_i] x_i). For steps of many rows the caller can
 // instead rebuild W^T (`dequantize_transposed`: each weight exactly as gguf-py computes it) and
 // run a float32 GEMM. Either way the model is the GGUF's dequantized weights; only the order of
 // the float sums differs, as between two GEMM libraries.
@@ -42,10 +46,12 @@ using octavo_quant::fp16_to_float;
 using octavo_quant::Isa;
 using octavo_quant::load_u16;
 
-enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
+enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kMXFP4 = 8 };
 constexpr int64_t QK = 32;
 
-constexpr int64_t block_bytes(int64_t fmt) { return fmt == kQ4_0 ? 18 : fmt == kQ4_1 ? 20 : 34; }
+constexpr int64_t block_bytes(int64_t fmt) { return fmt == kQ4_0 ? 18 : fmt == kQ4_1 ? 20 : fmt == kMXFP4 ? 17 : 34; }
+// MXFP4's values, doubled e2m1 (index 8 is +0, as gguf-py's table)
+alignas(64) constexpr float MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 using V = Isa::V;
 constexpr int G = Isa::G;
@@ -55,7 +61,7 @@ constexpr int MAX_R = G == 16 ? 8 : 4;
 
 // Bytes of one (group, block) tile, and where its parts start.
 constexpr int64_t tile_bytes(int64_t fmt) { return G * block_bytes(fmt); }
-constexpr int64_t q_offset(int64_t fmt) { return fmt == kQ4_1 ? 4 * G : 2 * G; }
+constexpr int64_t q_offset(int64_t fmt) { return fmt == kQ4_1 ? 4 * G : fmt == kMXFP4 ? G : 2 * G; }
 
 // ---- decode: up to SMALL_M rows, scales factored out of each block ------------------------------
 
@@ -80,6 +86,16 @@ inline void group_small(const float* x, int64_t K, const uint8_t* tiles, const f
           s1[r] = Isa::fma(w1, Isa::set1(x[r * K + b * QK + i + 1]), s1[r]);
         }
       }
+    } else if constexpr (F == kMXFP4) {
+      const auto table = Isa::lut_load(MXFP4_VALUES);
+      for (int i = 0; i < 16; ++i) {
+        const auto v = Isa::bytes_u(q + i * G);
+        const V lo = Isa::lut16(Isa::low_nibble(v), table), hi = Isa::lut16(Isa::high_nibble(v), table);
+        for (int r = 0; r < R; ++r) {
+          s0[r] = Isa::fma(lo, Isa::set1(x[r * K + b * QK + i]), s0[r]);
+          s1[r] = Isa::fma(hi, Isa::set1(x[r * K + b * QK + 16 + i]), s1[r]);
+        }
+      }
     } else {
       for (int i = 0; i < 16; ++i) {
         const auto v = Isa::bytes_u(q + i * G);
@@ -90,11 +106,12 @@ inline void group_small(const float* x, int64_t K, const uint8_t* tiles, const f
         }
       }
     }
-    const V d = Isa::halves(t);
-    if constexpr (F == kQ8_0) {
+    if constexpr (F == kQ8_0 || F == kMXFP4) {
+      const V d = F == kQ8_0 ? Isa::halves(t) : Isa::e8m0_half(t);
       for (int r = 0; r < R; ++r) acc[r] = Isa::fma(d, Isa::add(s0[r], s1[r]), acc[r]);
     } else {
       // Q4_1: + m * sum(x); Q4_0: the "- 8" of every weight is m = -8 d (exact: a power of two).
+      const V d = Isa::halves(t);
       const V m = F == kQ4_1 ? Isa::halves(t + 2 * G) : Isa::mul(d, Isa::set1(-8.f));
       for (int r = 0; r < R; ++r) {
         acc[r] = Isa::fma(d, Isa::add(s0[r], s1[r]), acc[r]);
@@ -108,15 +125,26 @@ inline void group_small(const float* x, int64_t K, const uint8_t* tiles, const f
 // ---- many rows: rebuild W^T once, for a float32 GEMM ------------------------------------------
 
 // Weights of one group as float32, k-major: w[k * stride + c] = weight k of the group's row c,
-// with gguf-py's arithmetic: d * q (Q8_0), d * (q - 8) (Q4_0), d * q + m (Q4_1).
+// with gguf-py's arithmetic: d * q (Q8_0), d * (q - 8) (Q4_0), d * q + m (Q4_1), 2^(e - 128) * k[q]
+// (MXFP4: k[q] and the power of two are exact, so is their product).
 template <int64_t F>
 inline void rebuild_group(const uint8_t* tiles, int64_t nb, float* w, int64_t stride) {
   constexpr int64_t TB = tile_bytes(F), QO = q_offset(F);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* t = tiles + b * TB;
     const uint8_t* q = t + QO;
-    const V d = Isa::halves(t);
     float* wb = w + b * QK * stride;
+    if constexpr (F == kMXFP4) {
+      const V d = Isa::e8m0_half(t);
+      const auto table = Isa::lut_load(MXFP4_VALUES);
+      for (int i = 0; i < 16; ++i) {
+        const auto v = Isa::bytes_u(q + i * G);
+        Isa::store(wb + i * stride, Isa::mul(Isa::lut16(Isa::low_nibble(v), table), d));
+        Isa::store(wb + (16 + i) * stride, Isa::mul(Isa::lut16(Isa::high_nibble(v), table), d));
+      }
+      continue;
+    }
+    const V d = Isa::halves(t);
     if constexpr (F == kQ8_0) {
       for (int i = 0; i < QK; ++i) Isa::store(wb + i * stride, Isa::mul(Isa::to_float(Isa::bytes_s(q + i * G)), d));
     } else {
@@ -166,7 +194,7 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
 }
 
 void check_format(int64_t fmt) {
-  TORCH_CHECK(fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ8_0, "unknown quantization format ", fmt);
+  TORCH_CHECK(fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ8_0 || fmt == kMXFP4, "unknown quantization format ", fmt);
 }
 
 void check_packed(const at::Tensor& packed, int64_t fmt, int64_t N, int64_t K) {
@@ -196,9 +224,13 @@ at::Tensor pack(const std::vector<at::Tensor>& parts, int64_t fmt) {
         uint8_t* t = dst + (g * nb + b) * tile_bytes(fmt);
         for (int64_t c = 0; c < G && g * G + c < N; ++c) {
           const uint8_t* blk = src.row[g * G + c] + b * bb;
-          std::memcpy(t + 2 * c, blk, 2);                                 // d
-          if (fmt == kQ4_1) std::memcpy(t + 2 * G + 2 * c, blk + 2, 2);  // m
-          const uint8_t* q = blk + (fmt == kQ4_1 ? 4 : 2);
+          if (fmt == kMXFP4) {
+            t[c] = blk[0];  // e
+          } else {
+            std::memcpy(t + 2 * c, blk, 2);                                 // d
+            if (fmt == kQ4_1) std::memcpy(t + 2 * G + 2 * c, blk + 2, 2);  // m
+          }
+          const uint8_t* q = blk + (fmt == kQ4_1 ? 4 : fmt == kMXFP4 ? 1 : 2);
           for (int64_t i = 0; i < num_q; ++i) t[qo + i * G + c] = q[i];
         }
       }
@@ -220,6 +252,7 @@ void quant_linear(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t fmt) 
   switch (fmt) {
     case kQ4_0: return run<kQ4_0>(xp, M, K, pp, N, op);
     case kQ4_1: return run<kQ4_1>(xp, M, K, pp, N, op);
+    case kMXFP4: return run<kMXFP4>(xp, M, K, pp, N, op);
     default: return run<kQ8_0>(xp, M, K, pp, N, op);
   }
 }
@@ -245,8 +278,16 @@ void dequantize_rows(at::Tensor out, at::Tensor packed, int64_t fmt, at::Tensor 
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* t = pp + (g * nb + b) * tb;
         const uint8_t* q = t + qo;
-        const float d = fp16_to_float(load_u16(t + 2 * c));
         float* w = op + j * K + b * QK;
+        if (fmt == kMXFP4) {
+          const float d = octavo_quant::e8m0_to_float_half(t[c]);
+          for (int i = 0; i < 16; ++i) {
+            w[i] = MXFP4_VALUES[q[i * G + c] & 0x0f] * d;
+            w[i + 16] = MXFP4_VALUES[q[i * G + c] >> 4] * d;
+          }
+          continue;
+        }
+        const float d = fp16_to_float(load_u16(t + 2 * c));
         if (fmt == kQ8_0) {
           for (int i = 0; i < QK; ++i) w[i] = static_cast<float>(static_cast<int8_t>(q[i * G + c])) * d;
         } else if (fmt == kQ4_0) {
@@ -282,6 +323,7 @@ void dequantize_transposed(at::Tensor out, at::Tensor packed, int64_t fmt) {
     for (int64_t g = g0; g < g1; ++g) {
       if (fmt == kQ4_0) rebuild_group<kQ4_0>(pp + g * group_bytes, nb, op + g * G, N);
       else if (fmt == kQ4_1) rebuild_group<kQ4_1>(pp + g * group_bytes, nb, op + g * G, N);
+      else if (fmt == kMXFP4) rebuild_group<kMXFP4>(pp + g * group_bytes, nb, op + g * G, N);
       else rebuild_group<kQ8_0>(pp + g * group_bytes, nb, op + g * G, N);
     }
   });
