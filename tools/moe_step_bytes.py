@@ -39,14 +39,14 @@ def main() -> int:
     expert_bytes = sum(t.numel() * t.element_size() for t in layers[0].experts[0].state_dict().values())
     per_layer_total = expert_bytes * layers[0].num_experts
     counts: list[int] = []
-    original = dispatch.group_by_expert
+    original = dispatch.moe_route
 
-    def counting(ids, num_experts):
-        order, per_expert = original(ids, num_experts)
-        counts.append(sum(1 for c in per_expert if c))
-        return order, per_expert
+    def counting(*args, **kwargs):
+        weights, ids = original(*args, **kwargs)
+        counts.append(int(ids.unique().numel()))  # the experts this layer's step runs
+        return weights, ids
 
-    dispatch.group_by_expert = counting
+    dispatch.moe_route = counting
     print(f"{len(layers)} MoE layers; {layers[0].num_experts} experts of {expert_bytes / 2**20:.2f} MiB, "
           f"{layers[0].top_k} per token; {per_layer_total / 2**20:.0f} MiB of experts per layer")
     print("| requests decoding | experts run per layer (mean) | expert bytes read per step | of all experts | step time (median) |")

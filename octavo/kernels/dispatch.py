@@ -137,6 +137,24 @@ def prepare_quant_weight(qweight: torch.Tensor | list[torch.Tensor], fmt: QuantF
     return (cpu.pack(qweight, fmt), "packed") if kernels else (qweight, "gguf")
 
 
+def moe_experts_kernel(gate_up: list[tuple[torch.Tensor, str, QuantFormat]],
+                       down: list[tuple[torch.Tensor, str, QuantFormat]], hidden: int, inter: int):
+    """The C++ experts (cpu.moe_experts) for a layer whose experts' gate|up and down weights are
+    each (prepared weight, layout, format), all in one of the kernels' layouts and one format per
+    projection; None otherwise (the caller runs `reference.moe_experts` over the modules). Its
+    results are the reference's bit for bit on the rows it takes: any, in the int8 layout; fewer
+    than REBUILD_MIN_ROWS tokens in the float32 one (from there `quant_linear` rebuilds W for a
+    GEMM, which the C++ call does not)."""
+    layouts = {layout for _, layout, _ in gate_up + down}
+    if len(layouts) != 1 or not layouts <= {"packed", "packed_i8"}:
+        return None
+    formats = [{fmt for _, _, fmt in part} for part in (gate_up, down)]
+    if any(len(f) != 1 for f in formats):
+        return None
+    return cpu.moe_experts([w for w, _, _ in gate_up], [w for w, _, _ in down], formats[0].pop(), formats[1].pop(),
+                           hidden, inter, int8=layouts == {"packed_i8"})
+
+
 def packed_layout_key() -> str | None:
     """What `prepare_quant_weight`'s layouts depend on here (the CPU kernels' build: sources, flags,
     torch, CPU), for files of prepared weights; None where no kernels run (layouts "gguf*")."""

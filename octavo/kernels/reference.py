@@ -329,6 +329,29 @@ def moe_route(
     return weights, ids
 
 
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts, meta) -> torch.Tensor:
+    """sum over a token's k experts of weight * expert(x): the pairs grouped by expert, each chosen
+    expert run once on its rows (gathered), its rows scaled and added in expert order. `experts`:
+    modules called as expert(rows, meta); `meta.prompt_rows` (int8 prompt tiles) narrowed to each
+    expert's rows. x [n, hidden], weights / ids [n, k] -> [n, hidden]."""
+    import dataclasses
+
+    order, counts = group_by_expert(ids, len(experts))
+    tokens = order // ids.shape[1]  # the token of each routed pair, expert by expert
+    pair_weights = weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            rows = tokens[start : start + count]
+            expert_meta = meta if meta.prompt_rows is None else dataclasses.replace(
+                meta, prompt_rows=meta.prompt_rows.select(rows))  # its rows, not the step's
+            y = experts[expert](x[rows], expert_meta) * pair_weights[start : start + count]
+            out.index_add_(0, rows, y)
+            start += count
+    return out
+
+
 def group_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
     """The (token, slot) pairs of a routing sorted by expert: (positions into the flattened
     [n * k] routing, expert by expert, tokens in order within one; how many each expert got)."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from octavo.config import MoEConfig, ModelConfig, RopeConfig
-from octavo.kernels import reference
+from octavo.kernels import cpu, reference
 from octavo.models.moe import SparseMoE
 
 
@@ -59,3 +59,48 @@ def test_sparse_moe_equals_a_loop_over_tokens(shared):
     meta = type("Meta", (), {"backend": "reference", "prompt_rows": None})()
     with torch.no_grad():
         torch.testing.assert_close(layer(x, meta), expect, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(cpu.load() is None, reason="the C++ CPU kernels are not built on this machine")
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+@pytest.mark.parametrize("n", [1, 3, 40])
+def test_the_experts_in_one_cpp_call_give_the_loops_bits(activations, n):
+    """kernels/cpu/moe.cpp against `reference.moe_experts` over the same packed experts (Q4_K
+    gate|up, Q6_K down, as in a Q4_K_M file): equal bit for bit, at one token, a few, and more
+    tokens than experts (every expert with several rows, some with none at n = 1)."""
+    from octavo.kernels import dispatch
+    from octavo.models.layers import QuantLinear
+    from octavo.quantization import K_FORMATS
+    from tests.kernels.test_k_quants import random_blocks
+
+    hidden, inter, experts, k = 256, 512, 8, 3
+    moe = MoEConfig(num_experts=experts, top_k=k, intermediate_size=inter, norm_topk_prob=True)
+    cfg = ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=10, hidden_size=hidden, intermediate_size=64,
+                      num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope=RopeConfig(),
+                      max_position=64, moe=moe)
+    layer = SparseMoE(cfg)
+    torch.nn.init.normal_(layer.gate.weight, std=0.3)
+    q4k, q6k = K_FORMATS["Q4_K"], K_FORMATS["Q6_K"]
+    for e, mlp in enumerate(layer.experts):
+        mlp.gate_up_proj = QuantLinear(torch.from_numpy(random_blocks(q4k, 2 * inter, hidden, seed=e)), q4k, hidden, None,
+                                       prepare=False)
+        mlp.down_proj = QuantLinear(torch.from_numpy(random_blocks(q6k, hidden, inter, seed=100 + e)), q6k, inter, None,
+                                    prepare=False)
+        mlp.gate_up_proj.prepare(activations)
+        mlp.down_proj.prepare(activations)
+    x = torch.randn(n, hidden, generator=torch.Generator().manual_seed(n)) * 0.05
+    meta = type("Meta", (), {"backend": "reference", "prompt_rows": None})()
+    with torch.no_grad():
+        kernel = layer._kernel(x, meta)
+        assert kernel is not None
+        weights, ids = dispatch.moe_route(layer.gate(x, meta), k, True, "softmax_topk")
+        got = kernel.forward(x, ids, weights)
+        expect = reference.moe_experts(x, weights, ids, layer.experts, meta)
+        assert torch.equal(got, expect)
+        assert torch.equal(layer(x, meta), expect)
+        assert expect.abs().sum() > 0
+        # an expert changed changes the tokens routed to it: the comparison is not vacuous
+        chosen = int(ids[0, 0])
+        layer.experts[chosen].down_proj.qweight.view(torch.uint8)[..., 7] ^= 0x10
+        layer.__dict__.pop("_made")
+        assert not torch.equal(layer._kernel(x, meta).forward(x, ids, weights)[0], expect[0])

@@ -169,6 +169,11 @@ def test_the_families_files_are_what_the_converter_writes(family):
         assert (moe.num_experts, moe.top_k, moe.intermediate_size) == (8, 2, 32)
         assert moe.norm_topk_prob == (name == "qwen3moe") == hf.norm_topk_prob
         assert moe.shared_intermediate_size == (64 if name == "qwen2moe" else 0)
+        from octavo.kernels import cpu
+
+        if cpu.load() is not None:  # a decode step's experts run as one C++ call (kernels/cpu/moe.cpp)
+            plain = type("Meta", (), {"prompt_rows": None})()
+            assert family[2].layers[0].mlp._kernel(torch.zeros(1, config.hidden_size), plain) is not None
 
 
 @pytest.mark.parametrize("option", [{"enable_lora": True}, {"tensor_parallel_size": 2}])

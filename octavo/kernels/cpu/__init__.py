@@ -276,6 +276,13 @@ def silu_and_mul(gate_up):
     return _module().silu_and_mul(gate_up.contiguous())
 
 
+def moe_experts(gate_up, down, fmt_gate_up, fmt_down, hidden: int, inter: int, int8: bool):
+    """A layer's experts for moe.cpp: gate_up[e], down[e] packed (by `pack_i8` when `int8`, else
+    `pack`), one format per projection. `.forward(x, ids, weights)` has the contract of
+    `octavo.kernels.reference.moe_experts` on float32 x and contiguous ids / weights."""
+    return _module().MoeExperts(gate_up, down, fmt_gate_up.code, fmt_down.code, hidden, inter, int8)
+
+
 def quant_isa() -> str | None:
     """The vector instructions the quantized kernels use here (avx512, avx2, scalar), or None."""
     module = load()

@@ -1,6 +1,8 @@
 // The Python module of Octavo's CPU kernels: one binding per kernel, defined in its own file.
 #include <torch/python.h>
 
+#include "moe.h"
+
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                      torch::Tensor block_tables, torch::Tensor q_starts, torch::Tensor q_lens,
                      torch::Tensor context_lens, double scale, int64_t q_tile, int64_t window, double softcap,
@@ -86,4 +88,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return out;
   }, "silu(gate) * up from [n, 2 * inter] (float32): a new [n, inter] output", nogil);
   m.def("pack_width", &pack_width, "output rows per group of the packed layout");
+  py::class_<MoeExperts>(m, "MoeExperts", "a mixture-of-experts layer's packed experts (moe.cpp)")
+      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t, int64_t, int64_t, bool>(),
+           py::arg("gate_up"), py::arg("down"), py::arg("fmt_gate_up"), py::arg("fmt_down"), py::arg("hidden"),
+           py::arg("inter"), py::arg("int8"))
+      .def("forward", &MoeExperts::forward, "x [n, hidden], expert ids and weights [n, k] -> the experts' sum [n, hidden]",
+           nogil);
 }
