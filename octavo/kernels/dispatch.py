@@ -124,7 +124,7 @@ def prepare_quant_weight(qweight: torch.Tensor | list[torch.Tensor], fmt: QuantF
     will read, its layout). `activations` float32: "packed" for the C++ kernels (a CPU tensor,
     kernels built), else "gguf" as given (the reference reads it). int8: "packed_i8" for the
     int8-activation kernels, else "gguf_i8" (the reference's `quant_linear_int8`, same numbers); a
-    format the int8 kernels do not read (MXFP4) keeps the float32 layouts in that mode."""
+    format the int8 kernels do not read (none today: INT8_FORMATS) keeps the float32 layouts."""
     if activations not in ("float32", "int8"):
         raise ValueError(f"activations must be float32 or int8, got {activations!r}")
     kernels = (qweight[0] if isinstance(qweight, list) else qweight).device.type == "cpu" and _cpu_kernels()

@@ -16,7 +16,7 @@ from tests.kernels.test_k_quants import FP16_AT
 
 needs_kernels = pytest.mark.skipif(cpu.load() is None, reason="the C++ CPU kernels are not built on this machine")
 
-ALL = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+ALL = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 FP16 = {**FP16_AT, "Q4_0": [(0, 1)], "Q4_1": [(0, 2)], "Q8_0": [(0, 1)]}
 
 
@@ -29,6 +29,8 @@ def random_blocks(name: str, rows: int, cols: int, seed: int) -> torch.Tensor:
     for offset, count in FP16[name]:
         values = g.uniform(-0.05, 0.05, size=(rows, nb, count)).astype(np.float16)
         blocks[..., offset : offset + 2 * count] = values.view(np.uint8)
+    if name == "MXFP4":  # exponents of weights near the other formats' (2^-8 .. 2^1 a step)
+        blocks[..., 0] = g.integers(120, 130, size=(rows, nb), dtype=np.uint8)
     return torch.from_numpy(blocks.reshape(rows, nb * fmt.block_bytes))
 
 

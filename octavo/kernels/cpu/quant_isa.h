@@ -107,6 +107,10 @@ struct Isa {
   static I set1_i(int32_t v) { return _mm512_set1_epi32(v); }
   static I add_i(I a, I b) { return _mm512_add_epi32(a, b); }
   static I sub_i(I a, I b) { return _mm512_sub_epi32(a, b); }
+  // each byte (0..15) replaced by table[byte]: vpshufb with the 16-byte table in every 128-bit lane
+  static I lut_bytes(I idx, const uint8_t* table) {
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table))), idx);
+  }
 #if defined(__AVX512VNNI__)
   static constexpr bool vnni = true;
   static I dot4(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
@@ -168,6 +172,9 @@ struct Isa {
   static I set1_i(int32_t v) { return _mm256_set1_epi32(v); }
   static I add_i(I a, I b) { return _mm256_add_epi32(a, b); }
   static I sub_i(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I lut_bytes(I idx, const uint8_t* table) {
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table))), idx);
+  }
 #if defined(__AVXVNNI__)
   static constexpr bool vnni = true;
   static I dot4(I acc, I u, I s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
@@ -221,6 +228,13 @@ struct Isa {  // plain C++ over G-float arrays (the compiler vectorises what it 
   static I set1_i(int32_t x) { I r; for (auto& e : r.v) e = x; return r; }
   static I add_i(I a, I b) { for (int i = 0; i < G; ++i) a.v[i] += b.v[i]; return a; }
   static I sub_i(I a, I b) { for (int i = 0; i < G; ++i) a.v[i] -= b.v[i]; return a; }
+  static I lut_bytes(I idx, const uint8_t* table) {
+    uint8_t b[4 * G];
+    std::memcpy(b, idx.v, sizeof b);
+    for (auto& e : b) e = table[e & 15];
+    std::memcpy(idx.v, b, sizeof b);
+    return idx;
+  }
   static constexpr bool vnni = false;
   static I dot4(I acc, I u, I s) {  // exact, no int16 step: the vector fallbacks' saturation cannot happen here
     for (int i = 0; i < G; ++i) {

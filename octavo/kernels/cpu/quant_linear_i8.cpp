@@ -5,9 +5,11 @@
 // the activations' rounding is the cost (measured by `octavo eval`); the float32 kernels
 // (quant_linear.cpp, _kq) stay the exact path.
 //
-// Every format (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) is a run of 32-weight chunks of
-// unsigned quants u with scales:
-//   offset  w = d * (u - o)               Q4_0 (o = 8), Q5_0 (16), Q8_0 (u = q + 128, o = 128)
+// Every format (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, MXFP4) is a run of 32-weight chunks
+// of unsigned quants u with scales:
+//   offset  w = d * (u - o)               Q4_0 (o = 8), Q5_0 (16), Q8_0 (u = q + 128, o = 128),
+//                                         MXFP4 (d = 2^(e - 128), u = k[code] + 12, o = 12: the tile
+//                                         keeps the file's 4-bit codes, looked up into u by vpshufb)
 //   min     w = d * u + m                 Q4_1, Q5_1
 //   K min   w = (d * sc) * u - dmin * mn  Q4_K, Q5_K (sc, mn per chunk; d, dmin per 256)
 //   Q6_K    w = (d * sc) * (u - 32)       sc per 16 weights, d per 256
@@ -17,13 +19,13 @@
 //
 // `pack` lays each format's blocks out again at the file's size: rows in groups of G (the vector
 // width in floats), per group and block (32 weights, or 256 for the K-quants) one tile:
-//   header   d[G] fp16 | m or dmin[G] fp16 (min, K min) | sc[8][G], mn[8][G] (K min) | sc[16][G] (Q6_K)
+//   header   d[G] fp16 (MXFP4: e[G] bytes) | m or dmin[G] fp16 (min, K min) | sc[8][G], mn[8][G] (K min) | sc[16][G] (Q6_K)
 //   chunks   per 32 weights: nib[4][G][4] | hi5[G][4] (5-bit) | hi6[2][G][4] (6-bit); 8-bit: u[8][G][4]
 // 32-bit lane c of a vector holds 4 consecutive weights of row c, the unit vpdpbusd multiplies by
 // one broadcast of 4 activations: vector v (k = 4v .. 4v + 3) is nib[v / 2]'s low nibbles (v even)
 // or high ones (v odd); a 5-bit weight's fifth bit is bit v of its lane byte in hi5, a 6-bit
 // weight's two top bits are bits 2 (v % 4), + 1 of hi6[v / 4]. Bytes per tile: 18, 20, 34, 22, 24,
-// 148, 180, 210 x G: the file's bytes (the K-quants' 6-bit scales take a byte each).
+// 148, 180, 210, 17 x G: the file's bytes (the K-quants' 6-bit scales take a byte each).
 //
 // AMX-INT8 (AVX-512 builds on CPUs that list it): a chunk's 8 unpacked vectors are exactly the
 // rows of an AMX B tile (16 columns x 4 bytes a row), so for steps of 16+ rows one tdpbsud gives
@@ -76,8 +78,11 @@ using I = Isa::I;
 constexpr int G = Isa::G;
 constexpr int MAX_R = G == 16 ? 8 : 4;
 
-enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ5_0 = 3, kQ5_1 = 4, kQ4_K = 5, kQ5_K = 6, kQ6_K = 7 };
-enum Kind { kOffset, kMin, kKMin, kK6 };
+enum Format : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ5_0 = 3, kQ5_1 = 4, kQ4_K = 5, kQ5_K = 6, kQ6_K = 7,
+                        kMXFP4 = 8 };
+enum Kind { kOffset, kMin, kKMin, kK6, kMx };
+// MXFP4's doubled e2m1 values k[code] + 12 (0..24: unsigned for vpdpbusd, the 12 taken back as Q4_0's 8)
+alignas(16) constexpr uint8_t MX_U[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
 struct Spec {
   int64_t block;       // weights per block (file and tile)
@@ -97,13 +102,14 @@ constexpr Spec spec(int64_t fmt) {
     case kQ5_1: return {32, 24, 5, kMin, 0, 4};
     case kQ4_K: return {256, 144, 4, kKMin, 0, 20};
     case kQ5_K: return {256, 176, 5, kKMin, 0, 20};
+    case kMXFP4: return {32, 17, 4, kMx, 12, 1};
     default: return {256, 210, 6, kK6, 32, 18};
   }
 }
 constexpr int64_t chunk_units(int bits) { return bits == 8 ? 32 : bits == 6 ? 24 : bits == 5 ? 20 : 16; }
 constexpr int64_t tile_bytes(int64_t fmt) { return (spec(fmt).head + spec(fmt).block / 32 * chunk_units(spec(fmt).bits)) * G; }
 
-bool valid_format(int64_t fmt) { return fmt >= kQ4_0 && fmt <= kQ6_K; }
+bool valid_format(int64_t fmt) { return fmt >= kQ4_0 && fmt <= kMXFP4; }
 
 // ---- packing -------------------------------------------------------------------------------------
 
@@ -116,7 +122,15 @@ struct Block {
 };
 
 void read_block(int64_t fmt, const uint8_t* b, Block& f) {
-  if (fmt >= kQ4_K) {
+  if (fmt == kMXFP4) {  // e, then the 4-bit codes (weight j: byte j's low nibble, j + 16: its high one)
+    f.d = b[0];
+    for (int j = 0; j < 16; ++j) {
+      f.u[j] = b[1 + j] & 0x0f;
+      f.u[j + 16] = b[1 + j] >> 4;
+    }
+    return;
+  }
+  if (fmt >= kQ4_K && fmt <= kQ6_K) {
     octavo_kq::Fields k;
     octavo_kq::read_block(fmt, b, k);
     f.d = k.d;
@@ -148,7 +162,8 @@ void read_block(int64_t fmt, const uint8_t* b, Block& f) {
 // Lane c of a tile <- one row's block.
 void write_lane(int64_t fmt, const Block& f, uint8_t* t, int64_t c) {
   const Spec s = spec(fmt);
-  std::memcpy(t + 2 * c, &f.d, 2);
+  if (s.kind == kMx) t[c] = static_cast<uint8_t>(f.d);  // e
+  else std::memcpy(t + 2 * c, &f.d, 2);
   if (s.kind == kMin || s.kind == kKMin) std::memcpy(t + 2 * G + 2 * c, &f.m, 2);
   if (s.kind == kKMin)
     for (int i = 0; i < 8; ++i) {
@@ -198,6 +213,7 @@ float weight_at(int64_t fmt, const uint8_t* t, int64_t c, int64_t k) {
     if (s.bits == 5) u |= ((q[16 * G + 4 * c + b] >> v) & 1) << 4;
     if (s.bits == 6) u |= ((q[16 * G + (v / 4) * 4 * G + 4 * c + b] >> (2 * (v % 4))) & 3) << 4;
   }
+  if (s.kind == kMx) return octavo_quant::e8m0_to_float_half(t[c]) * static_cast<float>(MX_U[u] - s.offset);
   const float d = fp16_to_float(load_u16(t + 2 * c));
   switch (s.kind) {
     case kOffset: return d * static_cast<float>(u - s.offset);
@@ -261,14 +277,16 @@ Act quantize(const float* x, int64_t M, int64_t K, int64_t pad_to = 1) {
 
 // ---- the kernel ----------------------------------------------------------------------------------
 
-// Vector v (k = 4v .. 4v + 3 of the chunk at q) of G lanes' unsigned quants.
-template <int BITS, int VV>
+// Vector v (k = 4v .. 4v + 3 of the chunk at q) of G lanes' unsigned quants (MX: MXFP4's codes
+// looked up into k[code] + 12).
+template <int BITS, int VV, bool MX = false>
 inline I quants(const uint8_t* q) {
   if constexpr (BITS == 8) {
     return Isa::load_i(q + VV * 4 * G);
   } else {
     const I n = Isa::load_i(q + (VV / 2) * 4 * G);
     I u = VV % 2 == 0 ? Isa::and_(n, 0x0f0f0f0f) : Isa::and_(Isa::shr<4>(n), 0x0f0f0f0f);
+    if constexpr (MX) return Isa::lut_bytes(u, MX_U);
     if constexpr (BITS == 5) {  // bit VV of each byte -> bit 4
       const I h = Isa::load_i(q + 16 * G);
       if constexpr (VV < 4) u = Isa::or_(u, Isa::and_(Isa::shl<4 - VV>(h), 0x10101010));
@@ -288,16 +306,16 @@ inline I quants(const uint8_t* q) {
 
 // For rows r < R: s0[r] (and s1[r]: the chunk's second 16 weights, Q6_K) += the chunk's integer
 // dot products, xq pointing at row 0's chunk.
-template <int BITS, bool SPLIT, int R, int VV = 0>
+template <int BITS, bool SPLIT, int R, int VV = 0, bool MX = false>
 inline void chunk_dots(const uint8_t* q, const int8_t* xq, int64_t K, I* s0, I* s1) {
   if constexpr (VV < 8) {
-    const I u = quants<BITS, VV>(q);
+    const I u = quants<BITS, VV, MX>(q);
     for (int r = 0; r < R; ++r) {
       const I xb = Isa::bcast4(xq + r * K + 4 * VV);
       I& s = SPLIT && VV >= 4 ? s1[r] : s0[r];
       s = BITS == 8 ? octavo_quant::dot4_wide(s, u, xb) : Isa::dot4(s, u, xb);
     }
-    chunk_dots<BITS, SPLIT, R, VV + 1>(q, xq, K, s0, s1);
+    chunk_dots<BITS, SPLIT, R, VV + 1, MX>(q, xq, K, s0, s1);
   }
 }
 
@@ -328,20 +346,20 @@ inline void load_tile_config(int kt) {
   _tile_loadconfig(&cfg);
 }
 
-template <int BITS, int VV = 0>
+template <int BITS, bool MX, int VV = 0>
 inline void unpack_chunk(const uint8_t* q, uint8_t* b) {
   if constexpr (VV < 8) {
-    _mm512_store_si512(b + 64 * VV, quants<BITS, VV>(q));
-    unpack_chunk<BITS, VV + 1>(q, b);
+    _mm512_store_si512(b + 64 * VV, quants<BITS, VV, MX>(q));
+    unpack_chunk<BITS, MX, VV + 1>(q, b);
   }
 }
 
 // The chunk's dot products for 16 rows through one (two for Q6_K) tile multiply.
-template <int BITS, bool SPLIT>
+template <int BITS, bool SPLIT, bool MX>
 inline void amx_dots(const uint8_t* q, const int8_t* xq, int64_t K, I* s0, I* s1) {
   alignas(64) uint8_t b[8 * 64];
   alignas(64) int32_t c[16 * 16];
-  unpack_chunk<BITS>(q, b);
+  unpack_chunk<BITS, MX>(q, b);
   for (int half = 0; half < (SPLIT ? 2 : 1); ++half) {
     _tile_loadd(1, xq + 16 * half, K);
     _tile_loadd(2, b + 256 * half, 64);
@@ -370,8 +388,8 @@ std::atomic<bool> amx_bf16_on{false};
 template <int64_t F>
 inline void chunk_scale(const uint8_t* t, int64_t ch, int half, V& D, V& B) {
   constexpr Spec S = spec(F);
-  const V d = Isa::halves(t);
-  if constexpr (S.kind == kOffset) {
+  const V d = S.kind == kMx ? Isa::e8m0_half(t) : Isa::halves(t);
+  if constexpr (S.kind == kOffset || S.kind == kMx) {
     D = d;
     B = Isa::mul(d, Isa::set1(-static_cast<float>(S.offset)));
   } else if constexpr (S.kind == kMin) {
@@ -398,7 +416,7 @@ template <int64_t F, int VV = 0>
 inline void chunk_bf16(const uint8_t* q, const V* D, const V* B, uint8_t* rows) {
   if constexpr (VV < 8) {
     const int h = spec(F).kind == kK6 && VV >= 4 ? 1 : 0;
-    const I u = quants<spec(F).bits, VV>(q);
+    const I u = quants<spec(F).bits, VV, spec(F).kind == kMx>(q);
     V w[4];
     for (int j = 0; j < 4; ++j) w[j] = Isa::fma(D[h], Isa::to_float(Isa::and_(_mm512_srli_epi32(u, 8 * j), 0xff)), B[h]);
     _mm512_store_si512(rows + 64 * (2 * VV), bf16_pairs(w[0], w[1]));
@@ -489,7 +507,7 @@ void group_i8(const Act& a, int64_t row0, const uint8_t* tiles, float* out, int6
   for (int64_t blk = 0; blk < nb; ++blk) {
     const uint8_t* t = tiles + blk * TB;
     octavo_quant::prefetch_ahead<TB>(t);
-    const V d = Isa::halves(t);
+    const V d = S.kind == kMx ? Isa::e8m0_half(t) : Isa::halves(t);
     [[maybe_unused]] const V m = S.kind == kMin || S.kind == kKMin ? Isa::halves(t + 2 * G) : Isa::zero();
     for (int64_t ch = 0; ch < NCH; ++ch) {
       const int64_t kc = blk * NCH + ch;  // the chunk's index in the row
@@ -498,15 +516,15 @@ void group_i8(const Act& a, int64_t row0, const uint8_t* tiles, float* out, int6
       const int8_t* xq = a.xq.data() + row0 * K + kc * 32;
 #if OCTAVO_AMX
       if constexpr (AMX) {
-        amx_dots<S.bits, S.kind == kK6>(q, xq, K, s0, s1);
+        amx_dots<S.bits, S.kind == kK6, S.kind == kMx>(q, xq, K, s0, s1);
       } else
 #endif
       {
         for (int r = 0; r < R; ++r) s0[r] = s1[r] = Isa::zero_i();
-        chunk_dots<S.bits, S.kind == kK6, R>(q, xq, K, s0, s1);
+        chunk_dots<S.bits, S.kind == kK6, R, 0, S.kind == kMx>(q, xq, K, s0, s1);
       }
       const int64_t at = row0 * nc + kc;
-      if constexpr (S.kind == kOffset) {
+      if constexpr (S.kind == kOffset || S.kind == kMx) {
         for (int r = 0; r < R; ++r) {
           const int32_t sum = a.s16[2 * (at + r * nc)] + a.s16[2 * (at + r * nc) + 1];
           const V isum = Isa::to_float(Isa::sub_i(s0[r], Isa::set1_i(S.offset * sum)));
@@ -625,6 +643,7 @@ void quant_linear_i8(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t fm
     case kQ5_1: return run<kQ5_1>(a, pp, N, op, amx);
     case kQ4_K: return run<kQ4_K>(a, pp, N, op, amx);
     case kQ5_K: return run<kQ5_K>(a, pp, N, op, amx);
+    case kMXFP4: return run<kMXFP4>(a, pp, N, op, amx);
     default: return run<kQ6_K>(a, pp, N, op, amx);
   }
 }
@@ -798,6 +817,7 @@ void quant_linear_bf16_i8(at::Tensor out, at::Tensor x, at::Tensor packed, int64
     case kQ5_1: return run_bf16<kQ5_1>(xb.data(), Mp, M, K, pp, N, op);
     case kQ4_K: return run_bf16<kQ4_K>(xb.data(), Mp, M, K, pp, N, op);
     case kQ5_K: return run_bf16<kQ5_K>(xb.data(), Mp, M, K, pp, N, op);
+    case kMXFP4: return run_bf16<kMXFP4>(xb.data(), Mp, M, K, pp, N, op);
     default: return run_bf16<kQ6_K>(xb.data(), Mp, M, K, pp, N, op);
   }
 #else
