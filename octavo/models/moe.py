@@ -40,7 +40,7 @@ class SparseMoE(nn.Module):
         weights, ids = dispatch.moe_route(self.gate(x, meta), self.top_k, self.normalize, self.routing)  # [n, k] each
         kernel = self._kernel(x, meta)
         if kernel is not None:
-            out = kernel.forward(x, ids, weights)
+            out = kernel.forward(x.contiguous(), ids.contiguous(), weights.contiguous())
         else:
             out = reference.moe_experts(x, weights, ids, self.experts, meta)
         if self.shared_expert is not None:
