@@ -55,9 +55,6 @@ Q6_K = QuantFormat("Q6_K", 7, 210, 14, 256)
 # 4-bit e2m1 code; gguf-py rebuilds w = 2^(e - 128) * k[code], k the doubled e2m1 values (17 bytes).
 MXFP4 = QuantFormat("MXFP4", 8, 17, 39)
 K_FORMATS = {f.name: f for f in (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, MXFP4)}  # read from files, never made here
-# formats the int8-activation kernels read (quant_linear_i8.cpp: all of them); a layer in another
-# keeps the exact float32 kernel in that mode
-INT8_FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4"})
 FORMATS = {f.name: f for f in (Q4_0, Q4_1, Q8_0, *K_FORMATS.values())}
 BY_GGUF_TYPE = {f.gguf_type: f for f in FORMATS.values()}
 

@@ -14,14 +14,13 @@ import torch
 from octavo.kernels import cpu, reference, row_paths
 from octavo.kernels import triton as triton_kernels
 from octavo.kernels.metadata import BACKENDS, AttentionMetadata, PromptRows
-from octavo.quantization import INT8_FORMATS, QuantFormat, dequantize
+from octavo.quantization import QuantFormat, dequantize
 
 copy_blocks = reference.copy_blocks
 add_lora = reference.add_lora  # grouped shrink/expand in torch everywhere (matmuls dominate it)
 # MoE routing and grouping: a few small ops on [tokens, experts] beside the experts' matmuls
 moe_route = reference.moe_route
 short_conv = reference.short_conv  # (torch ops on every backend: a few gathers per conv layer)
-group_by_expert = reference.group_by_expert
 
 
 def _cpu_f32(x: torch.Tensor) -> bool:
@@ -123,14 +122,13 @@ def prepare_quant_weight(qweight: torch.Tensor | list[torch.Tensor], fmt: QuantF
     """GGUF-layout blocks (or a fused layer's parts, stacked by rows) -> (the tensor the kernels
     will read, its layout). `activations` float32: "packed" for the C++ kernels (a CPU tensor,
     kernels built), else "gguf" as given (the reference reads it). int8: "packed_i8" for the
-    int8-activation kernels, else "gguf_i8" (the reference's `quant_linear_int8`, same numbers); a
-    format the int8 kernels do not read (none today: INT8_FORMATS) keeps the float32 layouts."""
+    int8-activation kernels, else "gguf_i8" (the reference's `quant_linear_int8`, same numbers)."""
     if activations not in ("float32", "int8"):
         raise ValueError(f"activations must be float32 or int8, got {activations!r}")
     kernels = (qweight[0] if isinstance(qweight, list) else qweight).device.type == "cpu" and _cpu_kernels()
     if isinstance(qweight, list) and not kernels:
         qweight = torch.cat(qweight)  # (the kernels read parts in place; the reference reads one tensor)
-    if activations == "int8" and fmt.name in INT8_FORMATS:
+    if activations == "int8":
         if kernels:
             cpu.amx_enabled()  # probed once per process (a child's self-test), before the first step
         return (cpu.pack_i8(qweight, fmt), "packed_i8") if kernels else (qweight, "gguf_i8")
