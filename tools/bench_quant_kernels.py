@@ -30,9 +30,10 @@ SHAPES = [
     ("Q6_K", 2048, 8192, "Llama-3.2-1B down"),
     ("Q4_1", 3072, 576, "SmolLM2-135M gate|up"),
     ("Q8_0", 49152, 576, "SmolLM2-135M tied head"),
+    ("MXFP4", 5760, 2880, "gpt-oss-20b expert gate|up"),
 ]
 FP16_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
-           "Q6_K": [208]}
+           "Q6_K": [208], "MXFP4": []}
 
 
 def random_blocks(name: str, rows: int, cols: int) -> torch.Tensor:
@@ -41,6 +42,8 @@ def random_blocks(name: str, rows: int, cols: int) -> torch.Tensor:
     blocks = g.integers(0, 256, size=(rows, cols // fmt.block_size, fmt.block_bytes), dtype=np.uint8)
     for at in FP16_AT[name]:
         blocks[..., at : at + 2] = g.uniform(-0.05, 0.05, size=blocks.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
+    if name == "MXFP4":  # E8M0 exponents of ordinary weights (random bytes reach 2^127)
+        blocks[..., 0] = g.integers(118, 124, size=blocks.shape[:2])
     return torch.from_numpy(blocks.reshape(rows, -1))
 
 

@@ -176,10 +176,11 @@ inline void group_rows(const float* x, int64_t M, int64_t K, const uint8_t* tile
 template <int64_t F>
 void run(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N, float* out) {
   const int64_t nb = K / QK, num_groups = (N + G - 1) / G, group_bytes = nb * tile_bytes(F);
-  // block sums of x (the m term)
-  const std::vector<float> xs = octavo_quant::block_sums(x, M, K, QK, [](int64_t b, int64_t e, int64_t g, const auto& f) {
+  // block sums of x (the m term: Q4_0, Q4_1; Q8_0 and MXFP4 have none, their values are the weights')
+  constexpr bool has_m = F == kQ4_0 || F == kQ4_1;
+  const std::vector<float> xs = has_m ? octavo_quant::block_sums(x, M, K, QK, [](int64_t b, int64_t e, int64_t g, const auto& f) {
     at::parallel_for(b, e, g, f);
-  });
+  }) : std::vector<float>();
   // Each group's tiles (K / 32 x tile_bytes: a few KB) stay in L1 while every row chunk uses them.
   at::parallel_for(0, num_groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
@@ -187,7 +188,7 @@ void run(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
       const int64_t cols = std::min<int64_t>(G, N - g * G);
       for (int64_t m = 0; m < M; m += MAX_R) {
         const int64_t rows = std::min<int64_t>(MAX_R, M - m);
-        group_rows<F>(x + m * K, rows, K, tiles, xs.data() + m * nb, nb, out + m * N + g * G, N, cols);
+        group_rows<F>(x + m * K, rows, K, tiles, has_m ? xs.data() + m * nb : nullptr, nb, out + m * N + g * G, N, cols);
       }
     }
   });
