@@ -182,7 +182,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         http_server.should_exit = True
 
     # The engine is built on its own thread, which then runs every step (see AsyncEngine).
-    async_engine = AsyncEngine(lambda: LLMEngine.from_args(engine_args), EngineMetrics(name), args.log_interval,
+    async_engine = AsyncEngine(lambda: LLMEngine.from_args(engine_args), EngineMetrics(name, args.metrics_prefix), args.log_interval,
                                args.max_waiting_requests, on_dead)
     _start_or_exit_on_signal(async_engine, log)
     server = OpenAIServer(async_engine, name, args.api_key, limits)
@@ -541,6 +541,9 @@ def _add_serve(sub) -> None:
     serve.add_argument("--served-model-name", default=None, help="model name clients send (default: the model path, or SmolLM2-135M-Instruct)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     serve.add_argument("--log-interval", type=float, default=10.0, help="seconds between throughput log lines while busy")
+    serve.add_argument("--metrics-prefix", choices=("octavo", "vllm"), default="octavo",
+                       help="name /metrics as octavo:* (default) or with vLLM's names and labels (vllm:*), which "
+                            "endpoint pickers (the Gateway API inference extension, llm-d, KServe) and vLLM dashboards read")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
     serve.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False, help="log every HTTP request")
     serve.add_argument("--max-waiting-requests", type=int, default=1024, help="requests that may wait for a slot; past it new ones get 429 with Retry-After")

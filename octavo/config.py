@@ -238,6 +238,9 @@ def blocks_to_hold(
     return total
 
 
+PREFIX_HASH_ALGOS = ("sha256", "sha256_cbor")
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     """KV cache shape and sizing. `num_blocks` is None until the engine sizes the pool."""
@@ -252,6 +255,9 @@ class CacheConfig:
     kv_offload_medium: str = "auto"  # disk, host (memory), or auto: host on CUDA, disk on the CPU
     kv_offload_required: bool = False  # a tier that cannot be used stops the start (else: run without it)
     pinned_prefix_share: float = 0.25  # the most of the pool pinned prefixes may hold
+    # how full blocks are hashed (kv_cache/prefix_cache.py): sha256 of pickle, or sha256 of
+    # canonical CBOR (vLLM's sha256_cbor: reproducible outside Python, what KV events publish)
+    prefix_caching_hash_algo: str = "sha256"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -268,6 +274,9 @@ class CacheConfig:
             raise ValueError(f"kv_offload_size must be >= 0 bytes, got {self.kv_offload_bytes}")
         if self.kv_offload_bytes and not self.enable_prefix_caching:
             raise ValueError("the second KV tier (kv_offload_size) keeps prefix-cache blocks: it needs prefix caching on")
+        if self.prefix_caching_hash_algo not in PREFIX_HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {', '.join(PREFIX_HASH_ALGOS)}, "
+                             f"got {self.prefix_caching_hash_algo!r}")
         if not 0.0 <= self.pinned_prefix_share < 1.0:
             raise ValueError(f"pinned_prefix_share must be in [0, 1), got {self.pinned_prefix_share}")
 
@@ -374,6 +383,73 @@ class SchedulerConfig:
             )
 
 
+KV_EVENT_PUBLISHERS = ("null", "zmq")
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsConfig:
+    """vLLM's --kv-events-config: publish the prefix cache's changes (octavo/kv_events.py). The
+    names and defaults are vLLM's; `hash_format` and `encoding` are Octavo's (vLLM sets the first
+    by an environment variable and has changed the second between releases)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # null or zmq; None: zmq when enabled
+    endpoint: str = "tcp://*:5557"  # PUB socket: bound when it has * (or is ipc:// / inproc://), else connected
+    replay_endpoint: str | None = None  # ROUTER socket a subscriber asks for missed batches on
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark
+    max_queue_size: int = 100_000  # batches waiting for the publishing thread
+    topic: str = ""
+    hash_format: str = "int"  # int: a hash's last 8 bytes, big-endian (vLLM's default); bytes: all 32
+    encoding: str = "map"  # events as tagged maps (vLLM's current form) or arrays (its earlier one)
+
+    def __post_init__(self) -> None:
+        publisher = self.publisher or ("zmq" if self.enable_kv_cache_events else "null")
+        if publisher not in KV_EVENT_PUBLISHERS:
+            raise ValueError(f"kv_events_config publisher must be one of {', '.join(KV_EVENT_PUBLISHERS)}, got {publisher!r}")
+        object.__setattr__(self, "publisher", publisher)
+        if self.hash_format not in ("int", "bytes"):
+            raise ValueError(f"kv_events_config hash_format must be int or bytes, got {self.hash_format!r}")
+        if self.encoding not in ("map", "array"):
+            raise ValueError(f"kv_events_config encoding must be map or array, got {self.encoding!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"kv_events_config {name} must be an integer >= 1, got {value!r}")
+        if not self.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"kv_events_config endpoint must be a tcp://, ipc:// or inproc:// address, got {self.endpoint!r}")
+
+    @property
+    def is_on(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher != "null"
+
+    @classmethod
+    def from_json(cls, text: str | dict) -> KVEventsConfig:
+        """From vLLM's JSON form (or a dict); ValueError naming what is wrong."""
+        import json
+
+        conf = text
+        if isinstance(text, str):
+            try:
+                conf = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"kv_events_config is not valid JSON: {exc}") from None
+        if not isinstance(conf, dict):
+            raise ValueError('kv_events_config must be a JSON object, e.g. {"enable_kv_cache_events": true}')
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(conf) - known)
+        if unknown:
+            raise ValueError(f"kv_events_config keys not supported: {', '.join(unknown)} (supported: {', '.join(sorted(known))})")
+        for key, value in conf.items():
+            want = cls.__dataclass_fields__[key].type
+            ok = (isinstance(value, bool) if want == "bool" else
+                  isinstance(value, int) and not isinstance(value, bool) if want == "int" else
+                  isinstance(value, str) or (value is None and "None" in want))
+            if not ok:
+                raise ValueError(f"kv_events_config {key} must be {want}, got {value!r}")
+        return cls(**conf)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything the engine was started with; derived values come as new objects (dataclasses.replace)."""
@@ -395,3 +471,4 @@ class EngineConfig:
     # whether scheduler.max_model_len is the user's (a pool that cannot hold it is an error) or the
     # model's (capped to what the pool holds)
     max_model_len_explicit: bool = True
+    kv_events: KVEventsConfig | None = None  # publishing KV events (None: off)

@@ -27,7 +27,8 @@ from octavo.model_runner import ModelRunner, RunnerOptions
 from octavo.output_processor import OutputProcessor
 from octavo.request import FinishReason, Request, RequestOutput, RequestStatus, check_inputs, child_request_id
 from octavo.sampling.params import BeamSearchParams, SamplingParams
-from octavo.outputs import EngineStats, StepLog, StepRecord
+from octavo.kv_events import BatchEncoder, KVEventStream, group_specs, make_publisher
+from octavo.outputs import EngineStats, LoRAStats, StepLog, StepRecord
 from octavo.scheduler import Scheduler
 from octavo.spec_decode import SpecDecodeController, make_proposer
 from octavo.spec_decode.draft_model import load_draft_model
@@ -94,10 +95,16 @@ class LLMEngine:
                             tuple(g.window for g in config.model_config.kv_groups()),
                             tier=None if opened is None else opened.index,
                             group_kinds=tuple(g.kind for g in config.model_config.kv_groups()),
-                            prompt_tiles=self.runner.prompt_tiles)
+                            prompt_tiles=self.runner.prompt_tiles, hash_algo=config.cache.prefix_caching_hash_algo)
         if opened is not None:
             kv.connector.swap_preempted = opened.swap_preempted
         kv.pins.max_blocks = int(config.cache.pinned_prefix_share * sizing.num_blocks)
+        self.kv_events: KVEventStream | None = None
+        if config.kv_events is not None and config.kv_events.is_on:
+            groups = config.model_config.kv_groups()
+            specs = group_specs([g.window for g in groups], [g.kind for g in groups])
+            self.kv_events = KVEventStream(kv.enable_events(), BatchEncoder(config.kv_events, specs, self.lora_name),
+                                           make_publisher(config.kv_events))
         self.scheduler = Scheduler(config.scheduler, kv)
         self.structured = StructuredOutputManager(tokenizer, config.model_config.vocab_size, self.eos_token_ids,
                                                   config.grammar_cache_bytes)
@@ -177,6 +184,8 @@ class LLMEngine:
         self.structured.close()
         if isinstance(self.executor, TensorParallelExecutor):
             self.executor.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     # ---- LoRA adapters -----------------------------------------------------------------------
 
@@ -274,7 +283,15 @@ class LLMEngine:
         return self.scheduler.num_waiting
 
     def reset_prefix_cache(self) -> int:
-        return self.scheduler.reset_prefix_cache()
+        num_forgotten = self.scheduler.reset_prefix_cache()
+        if self.kv_events is not None:  # subscribers learn of it now, not at the next step
+            self.kv_events.flush()
+        return num_forgotten
+
+    def lora_name(self, lora_id: int) -> str | None:
+        """An adapter's name (what KV events and lora_requests_info call it), None if unknown."""
+        adapter = None if self.runner.lora is None else self.runner.lora.adapters.get(lora_id)
+        return None if adapter is None else adapter.name
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -289,6 +306,8 @@ class LLMEngine:
         sched_out = self.scheduler.schedule(drafts)
         result = self.executor.execute(sched_out, self.structured.step_bitmask(sched_out.scheduled))
         changed = self.scheduler.update(sched_out, result)
+        if self.kv_events is not None:
+            self.kv_events.flush()
         if self.spec is not None:
             self.spec.observe(sched_out, result)
         self._num_steps += 1
@@ -322,5 +341,16 @@ class LLMEngine:
             num_steps=self._num_steps,
             spec=None if self.spec is None else dataclasses.replace(
                 self.spec.stats, acceptance_counts=list(self.spec.stats.acceptance_counts)),
+            lora=self._lora_stats(),
         )
+
+    def _lora_stats(self) -> LoRAStats | None:
+        slots, max_loras = self.runner.lora, self.config.scheduler.max_loras
+        if slots is None or max_loras is None:
+            return None
+        running, waiting = self.scheduler.lora_ids()
+
+        def names(ids: set[int]) -> tuple[str, ...]:
+            return tuple(sorted(self.lora_name(i) or str(i) for i in ids))
+        return LoRAStats(max_loras, names(running), names(waiting))
 

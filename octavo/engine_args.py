@@ -14,11 +14,13 @@ from octavo.config import (
     DEFAULT_SPEC_MAX_BATCH,
     ACTIVATION_DTYPES,
     PREEMPTION_VICTIMS,
+    PREFIX_HASH_ALGOS,
     QUANTIZATION_CHOICES,
     SCHEDULING_POLICIES,
     SPECULATIVE_METHODS,
     CacheConfig,
     EngineConfig,
+    KVEventsConfig,
     ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -45,6 +47,9 @@ class EngineArgs:
         "help": "token budget of one step"})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "share full KV blocks between requests by a hash of their tokens"})
+    prefix_caching_hash_algo: str = field(default="sha256", metadata={
+        "help": "how a full block's chained hash is made: sha256 of a pickle, or sha256_cbor (canonical CBOR, as "
+                "vLLM's: reproducible outside the process, e.g. by a KV-event subscriber)", "choices": PREFIX_HASH_ALGOS})
     enable_chunked_prefill: bool = field(default=True, metadata={
         "help": "split long prompts into chunks that share a step with decodes"})
     kv_cache_memory: int | None = field(default=None, metadata={
@@ -107,6 +112,10 @@ class EngineArgs:
     speculative_config: str | None = field(default=None, metadata={
         "help": "vLLM's form, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
                 "\"prompt_lookup_min\": 2} (sets the flags of the same names)"})
+    kv_events_config: str | None = field(default=None, metadata={
+        "help": "vLLM's KV events, as JSON: {\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
+                "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv\"}: every block the prefix cache "
+                "stores or evicts (and the KV tier's), msgpack over ZMQ (docs/API.md; needs pip install 'octavo[kv-events]')"})
     dtype: str = field(default="auto", metadata={
         "help": "activations, dense weights and KV cache. auto: float32 for quantized weights (the C++ "
                 "kernels' input); for dense weights stored as bfloat16, bfloat16 where the CPU has AMX-BF16 "
@@ -150,6 +159,8 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
             self._apply_speculative_config()
+        if self.kv_events_config is not None:
+            KVEventsConfig.from_json(self.kv_events_config)  # refused at start, not at the first step
         object.__setattr__(self, "lora_modules", tuple(self.lora_modules) if isinstance(self.lora_modules, list)
                            else self.lora_modules)
         object.__setattr__(self, "pinned_prefix", tuple(self.pinned_prefix) if isinstance(self.pinned_prefix, list)
@@ -157,6 +168,9 @@ class EngineArgs:
         self._check_types_and_ranges()
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
+        if self.prefix_caching_hash_algo not in PREFIX_HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {', '.join(PREFIX_HASH_ALGOS)}, "
+                             f"got {self.prefix_caching_hash_algo!r}")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
         if self.activation_dtype not in ACTIVATION_DTYPES:
@@ -269,6 +283,7 @@ class EngineArgs:
             cache=CacheConfig(
                 block_size=self.block_size,
                 enable_prefix_caching=self.enable_prefix_caching,
+                prefix_caching_hash_algo=self.prefix_caching_hash_algo,
                 kv_cache_memory=self.kv_cache_memory,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 num_blocks=self.num_kv_blocks,
@@ -304,6 +319,7 @@ class EngineArgs:
             quantization=self.quantization,
             activation_dtype=self.activation_dtype,
             max_model_len_explicit=self.max_model_len is not None,
+            kv_events=None if self.kv_events_config is None else KVEventsConfig.from_json(self.kv_events_config),
         )
 
 

@@ -1,4 +1,9 @@
-"""Prometheus metrics named after vLLM's (prefix `octavo:`), fed from engine stats and request outputs."""
+"""Prometheus metrics named after vLLM's, fed from engine stats and request outputs.
+
+Prefix `octavo:` by default; `vllm` (--metrics-prefix) gives every metric vLLM's exact name and
+labels (model_name, engine), so what reads vLLM's /metrics (the Gateway API inference extension's
+endpoint picker, llm-d, KServe, Dynamo planners, Grafana boards) reads Octavo's unchanged.
+"""
 
 from __future__ import annotations
 
@@ -7,37 +12,44 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from octavo.config import CacheConfig
 from octavo.memory import KVSizing
-from octavo.outputs import EngineStats, SpecDecodeStats
+from octavo.outputs import EngineStats, LoRAStats, SpecDecodeStats
 from octavo.request import RequestOutput
+from octavo.sampling.params import SamplingParams
+
+METRICS_PREFIXES = ("octavo", "vllm")
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0)
+# 1, 2, 5, 10, 20, 50, ... 1M: token counts of a request (vLLM's 1-2-5 series)
+_TOKEN_BUCKETS = tuple(float(m * 10 ** e) for e in range(7) for m in (1, 2, 5) if m * 10 ** e <= 1_000_000)
+_STEP_TOKEN_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0)
+_N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
 
 
 class EngineMetrics:
     """One registry per engine (no global state). `observe_step` after each step,
-    `observe_output` for each RequestOutput, `observe_token_gap` between a request's tokens."""
+    `observe_output` for each RequestOutput, `observe_token_gap` between a request's tokens.
+    `prefix`: octavo (default) or vllm (vLLM's names, plus its `engine` label)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, prefix: str = "octavo") -> None:
+        if prefix not in METRICS_PREFIXES:
+            raise ValueError(f"metrics prefix must be one of {', '.join(METRICS_PREFIXES)}, got {prefix!r}")
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
+        self.prefix = prefix
+        # vLLM labels every engine metric with its engine index too (one engine per server here)
+        base = {"model_name": model_name} | ({"engine": "0"} if prefix == "vllm" else {})
+        labels, values = list(base), tuple(base.values())
+        self._base_labels, self._base_values = labels, values
         r = self.registry
-
-        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(f"octavo:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"octavo:{name}", doc, labels, registry=r).labels(model_name)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(f"octavo:{name}", doc, labels, registry=r).labels(model_name)
-
-        self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first output token.", _LATENCY_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens of a request.", _ITL_BUCKETS)
-        self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the end of a request.", _LATENCY_BUCKETS)
-        self.queue = hist("request_queue_time_seconds", "Time from arrival to first being scheduled.", _LATENCY_BUCKETS)
+        hist, gauge, counter = self._hist, self._gauge, self._counter
+        self._add_request_metrics()
+        self.iteration_tokens = hist("iteration_tokens_total", "Tokens computed per engine step.", _STEP_TOKEN_BUCKETS)
         self.kv_usage = gauge("kv_cache_usage_perc", "Share of KV-cache blocks in use, 0 to 1.")
+        # the endpoint picker's older name for the same gauge (the inference extension's protocol table)
+        self.kv_usage_old = gauge("gpu_cache_usage_perc", "Share of KV-cache blocks in use, 0 to 1 (the "
+                                  "older name of kv_cache_usage_perc).") if prefix == "vllm" else None
         self.running = gauge("num_requests_running", "Sequences in the running set.")
         self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
@@ -69,16 +81,62 @@ class EngineMetrics:
             "and layer group where sliding-window layers give back blocks the window has passed).")
         self.max_concurrency = gauge(
             "kv_cache_max_concurrency", "Sequences of max_model_len tokens the KV cache holds at once (as at start-up).")
-        self._success = Counter("octavo:request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"], registry=r)
+        self._success = Counter(f"{prefix}:request_success", "Finished requests by finish reason.", [*labels, "finished_reason"], registry=r)
+        self._cache_info = Gauge(
+            f"{prefix}:cache_config_info", "The KV cache's configuration, in labels (value 1).",
+            ["block_size", "num_gpu_blocks", "num_cpu_blocks", "cache_dtype", "enable_prefix_caching",
+             "prefix_caching_hash_algo", "kv_cache_memory_bytes", "kv_cache_size_tokens", "kv_cache_max_concurrency",
+             *labels[1:]], registry=r)
+        self._lora_info = Gauge(
+            f"{prefix}:lora_requests_info", "When the adapters in use last changed (Unix time); labels: the "
+            "most adapters a step runs, the adapters of running and of waiting requests (comma-separated).",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+        self._lora_labels: tuple[str, str, str] | None = None
         self.model_name = model_name
         self._last: EngineStats | None = None
         # the latest latencies, for the dashboard's live percentiles (bounded: a day's traffic holds no more)
         self.recent_ttft: deque[float] = deque(maxlen=256)
         self.recent_itl: deque[float] = deque(maxlen=1024)
 
+    def _hist(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(f"{self.prefix}:{name}", doc, self._base_labels, buckets=buckets,
+                         registry=self.registry).labels(*self._base_values)
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(f"{self.prefix}:{name}", doc, self._base_labels, registry=self.registry).labels(*self._base_values)
+
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(f"{self.prefix}:{name}", doc, self._base_labels, registry=self.registry).labels(*self._base_values)
+
+    def _add_request_metrics(self) -> None:
+        """Per-request histograms: latencies, token counts and what was asked for."""
+        hist = self._hist
+        self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first output token.", _LATENCY_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens of a request.", _ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the end of a request.", _LATENCY_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Time from arrival to first being scheduled.", _LATENCY_BUCKETS)
+        self.inference_time = hist("request_inference_time_seconds",
+                                   "Time from first being scheduled to the end of a request.", _LATENCY_BUCKETS)
+        self.prefill_time = hist("request_prefill_time_seconds",
+                                 "Time from first being scheduled to the first output token.", _LATENCY_BUCKETS)
+        self.decode_time = hist("request_decode_time_seconds",
+                                "Time from the first output token to the end of a request.", _LATENCY_BUCKETS)
+        self.request_prompt_tokens = hist("request_prompt_tokens", "Prompt tokens of a finished request.", _TOKEN_BUCKETS)
+        self.request_generation_tokens = hist(
+            "request_generation_tokens", "Output tokens of a finished request (all its completions).", _TOKEN_BUCKETS)
+        self.request_params_n = hist("request_params_n", "The n (completions asked for) of a finished request.", _N_BUCKETS)
+        self.request_params_max_tokens = hist(
+            "request_params_max_tokens", "The max_tokens of a finished request that set one.", _TOKEN_BUCKETS)
+
     def observe_step(self, stats: EngineStats) -> None:
         s = stats.scheduler
         self.kv_usage.set(s.kv_cache_usage)
+        if self.kv_usage_old is not None:
+            self.kv_usage_old.set(s.kv_cache_usage)
+        if s.num_scheduled_tokens and (self._last is None or stats.num_steps != self._last.num_steps):
+            self.iteration_tokens.observe(s.num_scheduled_tokens)
+        if stats.lora is not None:
+            self._observe_lora(stats.lora)
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
         last = self._last
@@ -113,11 +171,30 @@ class EngineMetrics:
             for _ in range(count - (before[m] if m < len(before) else 0)):
                 self.spec_length.observe(m)
 
-    def observe_kv_sizing(self, sizing: KVSizing) -> None:
-        """The pool's capacity, once: the same figures as the start-up line (KVSizing.describe)."""
+    def _observe_lora(self, lora: LoRAStats) -> None:
+        """One series whose labels name the adapters in use, its value the time they last changed
+        (vLLM keeps a series per change; the picker reads the newest: one is all it needs)."""
+        labels = (str(lora.max_loras), ",".join(lora.running), ",".join(lora.waiting))
+        if labels == self._lora_labels:
+            return
+        if self._lora_labels is not None:
+            self._lora_info.remove(*self._lora_labels)
+        self._lora_info.labels(*labels).set(time.time())
+        self._lora_labels = labels
+
+    def observe_kv_sizing(self, sizing: KVSizing, cache: CacheConfig | None = None, kv_dtype: str = "auto",
+                          num_tier_blocks: int = 0) -> None:
+        """The pool's capacity, once: the same figures as the start-up line (KVSizing.describe);
+        with `cache`, vLLM's cache_config_info as well (`num_gpu_blocks` is the pool's blocks on
+        any device, `num_cpu_blocks` the second tier's)."""
         self.kv_blocks.set(sizing.num_blocks)
         self.kv_blocks_per_seq.set(sizing.blocks_per_seq)
         self.max_concurrency.set(sizing.max_concurrency)
+        if cache is not None:
+            self._cache_info.labels(
+                str(sizing.block_size), str(sizing.num_blocks), str(num_tier_blocks), kv_dtype,
+                str(cache.enable_prefix_caching), cache.prefix_caching_hash_algo, str(sizing.num_bytes),
+                str(sizing.num_tokens), str(sizing.max_concurrency), *self._base_values[1:]).set(1)
 
     def observe_token_gap(self, seconds: float) -> None:
         self.itl.observe(seconds)
@@ -140,11 +217,27 @@ class EngineMetrics:
             if m.first_scheduled_time is not None:
                 self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
 
-    def observe_finished(self, out: RequestOutput, finish_reason: str | None) -> None:
+    def observe_finished(self, out: RequestOutput, finish_reason: str | None, params: SamplingParams | None = None,
+                         num_prompt_tokens: int | None = None, num_output_tokens: int | None = None) -> None:
         """A request's last output; `finish_reason` is its first completion's (one count per
-        request, as a client sees one response)."""
+        request, as a client sees one response); `params`: what it asked for. The token counts
+        default to `out`'s own (pass them where outputs are deltas)."""
         m = out.metrics
-        self.e2e.observe(max(0.0, (m.finish_time or time.time()) - m.arrival_time))
+        end = m.finish_time or time.time()
+        self.e2e.observe(max(0.0, end - m.arrival_time))
+        if m.first_scheduled_time is not None:
+            self.inference_time.observe(max(0.0, end - m.first_scheduled_time))
+            if m.first_token_time is not None:
+                self.prefill_time.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+        if m.first_token_time is not None:
+            self.decode_time.observe(max(0.0, end - m.first_token_time))
+        self.request_prompt_tokens.observe(len(out.prompt_token_ids) if num_prompt_tokens is None else num_prompt_tokens)
+        self.request_generation_tokens.observe(
+            sum(len(c.token_ids) for c in out.outputs) if num_output_tokens is None else num_output_tokens)
+        if params is not None:
+            self.request_params_n.observe(params.n)
+            if params.max_tokens is not None:
+                self.request_params_max_tokens.observe(params.max_tokens)
         if m.tier_load_wait > 0:
             self.tier_load_wait.observe(m.tier_load_wait)
-        self._success.labels(self.model_name, finish_reason or "abort").inc()
+        self._success.labels(*self._base_values, finish_reason or "abort").inc()

@@ -142,6 +142,16 @@ class TierReport:
 
 
 @dataclass(slots=True)
+class LoRAStats:
+    """The adapters of unfinished requests after a step, by name (what vLLM's lora_requests_info
+    reports: an endpoint picker routes a request to a server already running its adapter)."""
+
+    max_loras: int  # adapters one step may run
+    running: tuple[str, ...] = ()  # adapters of running requests, sorted
+    waiting: tuple[str, ...] = ()  # adapters of waiting requests (none of them running), sorted
+
+
+@dataclass(slots=True)
 class SchedulerStats:
     """A snapshot after a step, for logs and metrics, one section per feature; counters are
     cumulative since start."""
@@ -176,6 +186,7 @@ class EngineStats:
     num_generation_tokens_total: int
     num_steps: int
     spec: SpecDecodeStats | None = None  # a copy; None without speculative decoding
+    lora: LoRAStats | None = None  # None with LoRA off
 
 
 @dataclass(slots=True)

@@ -570,6 +570,11 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def lora_ids(self) -> tuple[set[int], set[int]]:
+        """The LoRA ids of running requests, and of waiting ones (an id in both counts as running)."""
+        running = {r.lora_id for r in self.running if r.lora_id is not None}
+        return running, {r.lora_id for r in self.waiting if r.lora_id is not None} - running
+
     def reset_prefix_cache(self) -> int:
         return self.kv_cache.reset_prefix_cache()
 

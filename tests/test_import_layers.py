@@ -24,7 +24,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("request data (what crosses a step)", ["octavo.request", "octavo.request_queue", "octavo.outputs"]),
     ("the KV cache", ["octavo.kv_cache"]),
     ("the scheduler", ["octavo.scheduler", "octavo.limits", "octavo.policies", "octavo.spec_decode"]),
-    ("readers of scheduling state", ["octavo.dashboard", "octavo.simulator", "octavo.metrics", "octavo.structured"]),
+    ("readers of scheduling state", ["octavo.dashboard", "octavo.simulator", "octavo.metrics", "octavo.structured",
+                                     "octavo.kv_events"]),
     ("kernels and the KV tier's storage", ["octavo.kernels", "octavo.kv_tier"]),
     ("models and what wraps them", [
         "octavo.models", "octavo.lora", "octavo.sampling.sampler", "octavo.cuda_graphs", "octavo.distributed.layers",

@@ -119,7 +119,8 @@ async def run_serve_benchmark(
     return list(records), duration
 
 
-# the server counters a run reads (Octavo's names; a server without them reports n/a)
+# the server counters a run reads (Octavo's names, found under either prefix of --metrics-prefix;
+# a server without them reports n/a)
 _COUNTERS = {
     "prompt_tokens": "octavo:prompt_tokens_total",
     "queries": "octavo:prefix_cache_queries_total",
@@ -150,6 +151,8 @@ async def scrape_counters(client: httpx.AsyncClient, base_url: str, headers: dic
             continue
         name, value = line.rsplit(" ", 1)
         name = name.split("{", 1)[0]
+        if name.startswith("vllm:"):
+            name = "octavo:" + name[len("vllm:"):]
         for key, metric in _COUNTERS.items():
             if name == metric:
                 found[key] = found.get(key, 0.0) + float(value)

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+from octavo.kv_cache.events import MEDIUM_POOL
+
 
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
@@ -110,6 +112,9 @@ class BlockPool:
         # blocks whose content is not worth keeping there (a preempted request that recomputes
         # rather than swaps): evicted without being recorded, unless a hit reuses them first
         self.skip_offload: set[int] = set()
+        # every change of the hash map, in order, as (medium, stored?, key), when someone (the KV
+        # event log, kv_cache/events.py) wants them: None records nothing
+        self.changes: list | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -139,6 +144,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self.changes is not None:
+                    self.changes.append((MEDIUM_POOL, False, block.block_hash))
                 if self.evicted is not None and block.block_id not in self.skip_offload:
                     self.evicted.append((block.block_id, block.block_hash))
             block.block_hash = None
@@ -164,7 +171,10 @@ class BlockPool:
         if not self.enable_caching or block.block_hash is not None:
             return
         block.block_hash = block_hash
-        self.cached.setdefault(block_hash, block)
+        if block_hash not in self.cached:
+            self.cached[block_hash] = block
+            if self.changes is not None:
+                self.changes.append((MEDIUM_POOL, True, block_hash))
 
     def free(self, blocks_in_eviction_order: list[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching 0 enter the free queue.

@@ -16,15 +16,16 @@ connector's loads in flight.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from octavo.kernels.row_paths import tiled_prompt_tokens
 from octavo.kv_cache.block_pool import BlockPool, KVCacheBlock
 from octavo.kv_cache.connector import TierConnector
+from octavo.kv_cache.events import MEDIUM_POOL, BlockInfo, KVEventLog
 from octavo.kv_cache.groups import NULL_BLOCK_ID, BlockKey, GroupManager, kind_of, make_group
 from octavo.kv_cache.pins import PinnedPrefixes
-from octavo.kv_cache.prefix_cache import InFlightHashes, extend_block_hashes
+from octavo.kv_cache.prefix_cache import InFlightHashes, extend_block_hashes, root_hash
 from octavo.kv_cache.tier import TierIndex
 from octavo.kv_cache.view import KVCacheView
 from octavo.outputs import PrefixCacheStats
@@ -72,12 +73,13 @@ class KVCacheManager:
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
         group_windows: tuple[int | None, ...] = (None,), tier: TierIndex | None = None,
-        group_kinds: tuple[str, ...] | None = None, prompt_tiles: bool = False,
+        group_kinds: tuple[str, ...] | None = None, prompt_tiles: bool = False, hash_algo: str = "sha256",
     ) -> None:
         """`tier`: the second KV tier's index (needs prefix caching): cached blocks the pool
         evicts are offered to it, and running requests take their next blocks from it.
         `prompt_tiles`: whether the runner computes long prompts through the int8 mode's tiles
-        (kernels/row_paths.py); block hashes then say which rows the tiles computed."""
+        (kernels/row_paths.py); block hashes then say which rows the tiles computed.
+        `hash_algo`: how block hashes are made (prefix_cache.py: sha256 or sha256_cbor)."""
         if tier is not None and not enable_prefix_caching:
             raise ValueError("a second KV tier holds prefix-cache blocks: it needs prefix caching on")
         if not group_windows:
@@ -85,6 +87,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prompt_tiles = prompt_tiles
+        self.hash_algo = hash_algo
+        self._root_hash = root_hash(hash_algo)
+        self.events: KVEventLog | None = None  # recording KV events (enable_events)
         self.group_windows = tuple(group_windows)
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.groups: list[GroupManager] = [
@@ -149,9 +154,24 @@ class KVCacheManager:
         if len(hashes) < request.num_tokens // self.block_size:
             extend_block_hashes(
                 hashes, request.all_token_ids, self.block_size, request.cache_salt, request.lora_cache_key,
-                tiled_prompt_tokens(request.num_prompt_tokens, self.prompt_tiles),
+                tiled_prompt_tokens(request.num_prompt_tokens, self.prompt_tiles), self.hash_algo, self._root_hash,
+                None if self.events is None else _describer(self.events, request.lora_id),
             )
         return hashes
+
+    def enable_events(self) -> KVEventLog:
+        """Start recording KV events (kv_cache/events.py): an AllBlocksCleared, then what the pool
+        and the tier hold now as stored, then every change. Returns the log (drain it each step)."""
+        tier = self.tier
+        capacity = 2 * (self.num_blocks + (tier.num_slots if tier is not None else 0)) + 1024
+        log = self.events = KVEventLog(self.block_size, capacity)
+        log.record_cleared()
+        self.pool.changes = log.changes
+        log.changes.extend((MEDIUM_POOL, True, key) for key in self.pool.cached)
+        if tier is not None:
+            tier.changes = log.changes
+            log.changes.extend((tier.medium, True, key) for key in tier.ready_keys())
+        return log
 
     def num_lookup_blocks(self, request: Request) -> int:
         """The blocks a prefix lookup may hit: every full block before the last token (none when
@@ -316,6 +336,10 @@ class KVCacheManager:
         """Forget every cached block of the pool and of the second tier, but the pinned prefixes'.
         Returns how many."""
         num_forgotten = self.pool.reset_prefix_cache() + (self.tier.clear() if self.tier is not None else 0)
+        if self.events is not None:  # a subscriber forgets everything, then learns what a reset keeps
+            self.events.record_cleared()
+            if self.tier is not None:
+                self.events.changes.extend((self.tier.medium, True, key) for key in self.tier.ready_keys())
         self.pins.restore_hashes()
         return num_forgotten - self.pins.num_blocks
 
@@ -392,3 +416,10 @@ class KVCacheManager:
         """A read-only view of the pool, the tables and the tier now (read it before the next step)."""
         return KVCacheView(self.pool, self.groups, self.pins, self.connector, self.num_window_freed,
                            list(self.recent_window_freed))
+
+
+def _describer(events: KVEventLog, lora_id: int | None) -> Callable[[bytes, bytes | None, Sequence[int], tuple | None], None]:
+    """What extend_block_hashes tells each new block: the event log remembers its tokens."""
+    def describe(block_hash: bytes, parent: bytes | None, tokens: Sequence[int], extra: tuple | None) -> None:
+        events.describe(block_hash, BlockInfo(parent, tuple(tokens), extra, lora_id))
+    return describe

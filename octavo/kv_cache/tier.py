@@ -53,6 +53,10 @@ class TierIndex:
         self._by_slot: dict[int, TierKey] = {}
         self._free: list[int] = list(range(num_slots))  # a heap: low slots first, so batches are contiguous
         self.stats = TierStats()
+        # READY entries coming and going, in order, as (medium, stored?, key), for the KV event
+        # log (kv_cache/events.py); None records nothing
+        self.changes: list | None = None
+        self.medium = "DISK"  # what the events call this tier (CPU: host memory)
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -118,6 +122,8 @@ class TierIndex:
         if ok:
             self._entries[key].is_ready = True
             self.stats.num_stored += 1
+            if self.changes is not None:
+                self.changes.append((self.medium, True, key))
             return
         self._remove(key, free_slot=False)  # never written again
         self.stats.num_store_failed += 1
@@ -172,8 +178,14 @@ class TierIndex:
             self._remove(key)
         return len(gone)
 
+    def ready_keys(self) -> list[TierKey]:
+        """The READY entries' keys, least recently used first."""
+        return [k for k, e in self._entries.items() if e.is_ready]
+
     def _remove(self, key: TierKey, free_slot: bool = True) -> None:
         entry = self._entries.pop(key)
+        if entry.is_ready and self.changes is not None:
+            self.changes.append((self.medium, False, key))
         del self._by_slot[entry.slot]
         if free_slot:
             heapq.heappush(self._free, entry.slot)

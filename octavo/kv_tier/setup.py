@@ -40,9 +40,11 @@ def open_tier(config: EngineConfig, slot_bytes: int, host_buffer: Callable[[int]
             if cache.kv_offload_path is not None:
                 logger.warning("KV tier in host memory: --kv-offload-path %s is not used", cache.kv_offload_path)
             store, index = open_host_tier(cache.kv_offload_bytes, slot_bytes, host_buffer)
+            index.medium = "CPU"  # what KV events call host memory (vLLM's name)
         else:
             fingerprint = tier_fingerprint(config.model_path or str(config.model), config.model_config, config.dtype,
-                                           cache.block_size, config.quantization, attention_backend)
+                                           cache.block_size, config.quantization, attention_backend,
+                                           cache.prefix_caching_hash_algo)
             store, index = open_disk_tier(tier_path(config, fingerprint), cache.kv_offload_bytes, slot_bytes, fingerprint)
         swap = _swap_is_cheaper(config, store, prefill_seconds)  # its probe writes and reads: a full disk fails it
     except TierUnavailable as exc:

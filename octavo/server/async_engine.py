@@ -100,8 +100,11 @@ class _Registered:
     loop: asyncio.AbstractEventLoop
     collector: OutputCollector
     index: int
+    params: SamplingParams | None = None
     last_token_time: float | None = None
     finish_reason: str | None = None  # of completion 0: the label of the success metric
+    num_prompt_tokens: int = 0  # outputs are deltas: the request's totals, for its metrics
+    num_output_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -323,7 +326,7 @@ class AsyncEngine:
             cmd.loop.call_soon_threadsafe(_set_exception, cmd.done, exc)
             return
         for i, rid in enumerate(cmd.request_ids):
-            self._streams[rid] = _Registered(cmd.loop, cmd.collector, i)
+            self._streams[rid] = _Registered(cmd.loop, cmd.collector, i, cmd.params)
         cmd.loop.call_soon_threadsafe(_set_result, cmd.done, None)
 
     def _drain_commands(self, block: bool) -> bool:
@@ -344,7 +347,10 @@ class AsyncEngine:
         if self._factory is not None:
             try:
                 self.engine = self._factory()
-                self.metrics.observe_kv_sizing(self.engine.kv_sizing)
+                engine = self.engine
+                tier = engine.get_stats().scheduler.tier
+                self.metrics.observe_kv_sizing(engine.kv_sizing, engine.config.cache, engine.config.dtype,
+                                               0 if tier is None else tier.num_blocks)
             except BaseException as exc:
                 self._factory_error = exc
                 return
@@ -415,6 +421,8 @@ class AsyncEngine:
         if reg is None:
             return
         num_new = sum(len(c.token_ids) for c in out.outputs)
+        reg.num_output_tokens += num_new
+        reg.num_prompt_tokens = reg.num_prompt_tokens or len(out.prompt_token_ids)
         if reg.last_token_time is not None and num_new:
             self.metrics.observe_token_gap(now - reg.last_token_time)
         self.metrics.observe_output(out, is_first=reg.last_token_time is None)
@@ -423,7 +431,8 @@ class AsyncEngine:
         if out.outputs and out.outputs[0].finish_reason is not None:
             reg.finish_reason = out.outputs[0].finish_reason
         if out.finished:
-            self.metrics.observe_finished(out, reg.finish_reason)
+            self.metrics.observe_finished(out, reg.finish_reason, reg.params, reg.num_prompt_tokens,
+                                          reg.num_output_tokens)
             del self._streams[out.request_id]
         reg.loop.call_soon_threadsafe(reg.collector.push, reg.index, out)
 

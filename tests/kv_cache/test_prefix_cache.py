@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from octavo.kv_cache.prefix_cache import (
     NONE_HASH,
     block_extra_keys,
@@ -76,3 +78,33 @@ def test_blocks_the_prompt_tiles_computed_are_keyed_by_how_many_rows():
     extend_block_hashes(longer, list(range(48)), 16, tiled_tokens=48)
     assert longer[:2] == tiled[:2] and longer[2] != tiled[2]  # the boundary block differs
     assert block_extra_keys(0, "s", "ad", 3) == (("lora", "ad"), ("cache_salt", "s"), ("prompt_tiles", 3))
+
+
+def test_canonical_cbor_equals_cbor2_and_the_cbor_chain_is_reproducible_outside():
+    """sha256_cbor: every value block hashes are made of encodes as cbor2's canonical form, and a
+    chain computed with cbor2 from the documented recipe (docs/API.md) equals Octavo's."""
+    import hashlib
+    import os
+
+    import cbor2
+
+    from octavo.kv_cache.prefix_cache import cbor_canonical
+
+    values = [None, True, False, 0, 23, 24, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**64 - 1, -1, -24, -25, -257,
+              -2**64, b"", b"x" * 300, "", "é" * 40, [], (1, (2, b"a", None), "s"), tuple(range(40)),
+              (("lora", "ad"), ("cache_salt", "s"), ("prompt_tiles", 3))]
+    for v in values:
+        assert cbor_canonical(v) == cbor2.dumps(v, canonical=True), v
+    with pytest.raises(TypeError):
+        cbor_canonical(1.5)
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, list(range(40)), 16, cache_salt="t", algo="sha256_cbor")
+    seed = os.environ.get("PYTHONHASHSEED") or "octavo-prefix-cache-v1"
+    parent = hashlib.sha256(cbor2.dumps(seed, canonical=True)).digest()
+    for i, h in enumerate(hashes):
+        extra = (("cache_salt", "t"),) if i == 0 else None
+        parent = hashlib.sha256(cbor2.dumps((parent, tuple(range(16 * i, 16 * i + 16)), extra), canonical=True)).digest()
+        assert h == parent
+    plain: list[bytes] = []
+    extend_block_hashes(plain, list(range(40)), 16, cache_salt="t")
+    assert plain != hashes and len(plain) == 2  # the two algorithms never share a key

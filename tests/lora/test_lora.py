@@ -218,3 +218,37 @@ def test_malformed_adapter_files_are_refused_with_the_reason(smol_dir, adapters,
         save_file(tensors, str(path / "adapter_model.safetensors"))
         with pytest.raises(ValueError, match="NaN|floating point"):
             load_peft_adapter(path, 1, "x", cfg, 16)
+
+
+def test_adapters_in_use_reach_lora_requests_info_and_kv_events(lora_model, smol_dir, smol_tokenizer, adapters):
+    """Three adapters through two slots: the gamma request waits while alpha's and beta's run,
+    which vLLM's lora_requests_info (what an endpoint picker routes adapters by) reports by name;
+    and each stored block's KV event names its adapter."""
+    from prometheus_client import generate_latest
+
+    from octavo.kv_cache.events import BlockStored
+    from octavo.metrics import EngineMetrics
+
+    llm = lora_llm(lora_model, smol_dir, smol_tokenizer, max_loras=2, max_num_seqs=4)
+    engine = llm.engine
+    log = engine.scheduler.kv_cache.enable_events()
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = smol_tokenizer.encode(" ".join(PROMPTS))  # several full blocks
+    for name in ("alpha", "beta", "gamma"):
+        engine.add_request(name, prompt, params, lora_request=adapters[name][0])
+    engine.step()
+    lora = engine.get_stats().lora
+    assert (lora.max_loras, lora.running, lora.waiting) == (2, ("alpha", "beta"), ("gamma",))
+    metrics = EngineMetrics("smol", "vllm")
+    metrics.observe_step(engine.get_stats())
+    text = generate_latest(metrics.registry).decode()
+    assert 'vllm:lora_requests_info{max_lora="2",running_lora_adapters="alpha,beta",waiting_lora_adapters="gamma"}' in text
+    stored = [e for e in log.drain() if isinstance(e, BlockStored)]
+    assert {e.lora_id for e in stored} == {1, 2} and all(e.token_ids for e in stored)
+    assert {engine.lora_name(e.lora_id) for e in stored} == {"alpha", "beta"}
+    while engine.has_unfinished_requests():
+        engine.step()
+    metrics.observe_step(engine.get_stats())
+    text = generate_latest(metrics.registry).decode()
+    assert text.count("vllm:lora_requests_info{") == 1  # one series, the latest (the picker reads the newest)
+    assert 'running_lora_adapters="",waiting_lora_adapters=""' in text

@@ -284,3 +284,39 @@ def test_speculative_decoding_with_the_second_kv_tier(make_llm, prompts, refs, t
     assert stats.tier.num_corrupt == 0 and llm.engine.scheduler.kv_cache.view().check_invariants() == []
     check_all(outs, refs, "speculative, second tier")
     llm.close()
+
+
+def test_kv_events_follow_the_cache_through_evictions_preemption_and_the_tier(make_llm, shared_prompts, shared_refs,
+                                                                            prompts, refs, tmp_path):
+    """KV events on, blocks hashed as canonical CBOR, a small pool and a disk tier: the tokens are
+    the oracle's, and an independent subscriber (tests/kv_events_subscriber.py) that restarts half
+    way and catches up through the replay socket ends holding exactly the pool's hash map and the
+    tier's ready entries, with no sequence gap; every pool block's hash recomputes from its tokens."""
+    from tests.kv_events_subscriber import Subscriber
+
+    pub, replay = f"ipc://{tmp_path}/kv-events", f"ipc://{tmp_path}/kv-replay"
+    conf = ('{"enable_kv_cache_events": true, "endpoint": "%s", "replay_endpoint": "%s", "hash_format": "bytes", '
+            '"topic": "kv"}' % (pub, replay))
+    llm = make_llm(num_kv_blocks=48, max_num_batched_tokens=128, kv_offload_size=256 << 20, kv_offload_path=str(tmp_path),
+                   kv_offload_medium="disk", prefix_caching_hash_algo="sha256_cbor", kv_events_config=conf)
+    sub = Subscriber(pub, replay, b"kv")
+    sub.start(catch_up=True)  # the replay holds what was published before the SUB connected
+    outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in shared_prompts]
+    check_all(outs, shared_refs, "events, shared prefix pass")
+    sub.stop()  # a subscriber restart: what is published meanwhile comes back through the replay
+    outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in shared_prompts]
+    check_all(outs, shared_refs, "events, shared prefix pass while the subscriber is down")
+    sub.start(catch_up=True)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    check_all(outs, refs, "events, preemption")
+    kv = llm.engine.scheduler.kv_cache
+    stats = llm.engine.get_stats().scheduler
+    assert stats.preemption.num_preemptions > 0 and stats.tier.num_loaded > 0, stats
+    num_batches = llm.engine.kv_events.num_batches
+    sub.wait_for(lambda s: s.last_seq == num_batches - 1, what=f"batch {num_batches - 1}")
+    pool = {("GPU", g, h) for g, h in kv.pool.cached}
+    tier = {("DISK", g, h) for g, h in kv.tier.ready_keys()}
+    assert sub.index == pool | tier, (len(sub.index - pool - tier), len((pool | tier) - sub.index))
+    assert sub.num_gaps == 0 and sub.bad_hashes == [] and sub.num_checked >= len(pool)
+    sub.stop()
+    llm.close()

@@ -23,7 +23,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from octavo.config import SchedulerConfig, SpeculativeConfig
+from octavo.kv_cache.events import BlockStored, apply_events
 from octavo.kv_cache.manager import KVCacheManager
+from octavo.kv_cache.prefix_cache import hash_block_tokens
 from octavo.kv_cache.tier import TierIndex
 from octavo.outputs import ModelRunnerOutput
 from octavo.request import FinishReason, RequestStatus, TokenLogprob
@@ -155,9 +157,11 @@ def finish_step(s: Scheduler, drafter: SpecDecodeController | None, out, result:
         drafter.finish([r for r in changed if r.status is RequestStatus.FINISHED])
 
 
-def check_invariants(s: Scheduler) -> None:
+def check_invariants(s: Scheduler, events_index: set | None = None) -> None:
     kv = s.kv_cache
     assert kv.view().check_invariants() == []
+    if events_index is not None:
+        check_events(kv, events_index)
     holders = Counter(kv.view().held_by_others())
     for rid in s.requests:
         holders.update(kv.view().held_blocks(rid))
@@ -170,6 +174,25 @@ def check_invariants(s: Scheduler) -> None:
         assert len(kv.block_tables(req.request_id)[0]) * BS >= req.num_computed_tokens
     for req in s.waiting:
         assert kv.block_tables(req.request_id) == []
+
+
+def check_events(kv: KVCacheManager, index: set) -> None:
+    """The KV events since the last call, applied to `index` as a subscriber would, leave it
+    holding the pool's hash map and the tier's ready entries; each stored block whose tokens are
+    given hashes to what it claims from its parent, tokens and extra keys."""
+    events = kv.events.drain()
+    for e in events:
+        if isinstance(e, BlockStored) and e.token_ids:
+            parent = e.parent_hash
+            for i, h in enumerate(e.block_hashes):
+                extra = e.extra_keys[i] if e.extra_keys else None
+                assert hash_block_tokens(parent, e.token_ids[i * BS:(i + 1) * BS], extra) == h, e
+                parent = h
+    apply_events(index, events)
+    want = {("GPU", g, h) for g, h in kv.pool.cached}
+    if kv.tier is not None:
+        want |= {("DISK", g, h) for g, h in kv.tier.ready_keys()}
+    assert index == want, (sorted(index - want)[:3], sorted(want - index)[:3])
 
 
 # a single sliding-window group once took the loads-ahead path meant for one global group (tables
@@ -216,6 +239,8 @@ def test_random_operations_keep_invariants(ops, num_blocks, budget, caching, pol
                                       tier=tier))
     num_blocks *= len(windows)
     s.kv_cache.pins.max_blocks = num_blocks // 4
+    s.kv_cache.enable_events()
+    events_index: set = set()
     prefixes = [[7] * 8, [8] * 8, list(range(8)), [9] * 3]
     shadow = ShadowKV(windows)
     ids = []
@@ -238,7 +263,7 @@ def test_random_operations_keep_invariants(ops, num_blocks, budget, caching, pol
             live = sorted(s.requests)
             if live:
                 s.finish_requests([live[op[1] % len(live)]], FinishReason.ABORT)
-        check_invariants(s)
+        check_invariants(s, events_index)
     # drain: the oldest always progresses, so everything finishes (no livelock)
     idle = False
     for _ in range(2000):
@@ -251,7 +276,7 @@ def test_random_operations_keep_invariants(ops, num_blocks, budget, caching, pol
         assert not (idle and was_idle), f"nothing scheduled while requests wait: livelock; running {[(r.request_id, r.num_computed_tokens, r.num_tokens, r.beam and sorted(r.beam.running), r.beam and sorted(r.beam.candidates)) for r in s.running]}, waiting {[r.request_id for r in s.waiting]}, {ops}"
         finish_step(s, drafter, out, fake_model(s, out, 1, shadow.run(s, out)))
         shadow.check_rolled_back(s)
-        check_invariants(s)
+        check_invariants(s, events_index)
     assert not s.has_unfinished_requests()
     assert s.kv_cache.pins.num_blocks <= s.kv_cache.pins.max_blocks
     s.kv_cache.pins.unpin_all()
