@@ -117,6 +117,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kv_events_routing(args: argparse.Namespace):
+    """(index, body -> block hashes, listener) for --policy kv-events; ValueError naming what is missing."""
+    from octavo.models.loader import resolve_model
+    from octavo.router.app import prompt_token_ids
+    from octavo.router.kv_index import KVBlockIndex, PromptHasher
+    from octavo.router.kv_listener import EventSource, KVEventListener
+    from octavo.tokenizer import load_tokenizer
+
+    if len(args.kv_events_endpoint) != len(args.worker):
+        raise ValueError(f"--policy kv-events needs one --kv-events-endpoint per --worker ({len(args.worker)}), "
+                         f"got {len(args.kv_events_endpoint)}")
+    sources = []
+    for url, spec in zip(args.worker, args.kv_events_endpoint):
+        pub, _, replay = spec.partition(",")
+        sources.append(EventSource(url.rstrip("/"), pub, replay or None))
+    tokenizer = load_tokenizer(resolve_model(args.model))
+    hasher = PromptHasher(args.block_size)
+    index = KVBlockIndex(hasher)
+    return index, lambda body: hasher.hashes(prompt_token_ids(body, tokenizer)), KVEventListener(
+        index, sources, args.kv_events_topic)
+
+
 def cmd_router(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -124,10 +146,17 @@ def cmd_router(args: argparse.Namespace) -> int:
     from octavo.router.policy import Router
     from octavo.server.connections import default_max_connections, protocol_factory
 
-    router = Router(args.worker, args.policy, args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold)
+    index = prompt_blocks = listener = None
+    if args.policy == "kv-events":
+        index, prompt_blocks, listener = _kv_events_routing(args)
+    elif args.kv_events_endpoint:
+        print("error: --kv-events-endpoint is for --policy kv-events", file=sys.stderr)
+        return 2
+    router = Router(args.worker, args.policy, args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold,
+                    kv_index=index, sent_ttl_s=args.kv_events_sent_ttl)
     logging.getLogger("octavo.router").info("routing %s over %s", args.policy, ", ".join(args.worker))
     app = build_router_app(router, args.health_interval, args.request_timeout, args.max_connections_per_replica,
-                           max_request_bytes=args.max_request_bytes)
+                           max_request_bytes=args.max_request_bytes, prompt_blocks=prompt_blocks, listener=listener)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False,
                 http=protocol_factory(args.header_timeout, args.max_connections or default_max_connections()))
     return 0
@@ -576,8 +605,21 @@ def _add_router(sub) -> None:
     rt = sub.add_parser("router", help="one OpenAI endpoint in front of several `octavo serve` replicas")
     rt.add_argument("--worker", action="append", required=True, metavar="URL",
                     help="a replica's base URL, e.g. http://10.0.0.2:8000 (repeat for each)")
-    rt.add_argument("--policy", choices=["cache-aware", "round-robin", "least-load"], default="cache-aware",
-                    help="cache-aware: the replica already sent the longest prefix of the prompt, unless loads are uneven")
+    rt.add_argument("--policy", choices=["cache-aware", "round-robin", "least-load", "kv-events"], default="cache-aware",
+                    help="cache-aware: the replica already sent the longest prefix of the prompt, unless loads are uneven; "
+                         "kv-events: the replica whose published KV blocks hold the longest prefix of the prompt's tokens "
+                         "(replicas run --prefix-caching-hash-algo sha256_cbor --kv-events-config ...; see --kv-events-endpoint)")
+    rt.add_argument("--kv-events-endpoint", action="append", default=[], metavar="PUB[,REPLAY]",
+                    help="kv-events: a replica's KV event socket and, after a comma, its replay socket, e.g. "
+                         "tcp://10.0.0.2:5557,tcp://10.0.0.2:5558 (one per --worker, in the same order)")
+    rt.add_argument("--kv-events-topic", default="", help="kv-events: the replicas' topic")
+    rt.add_argument("--model", default=None,
+                    help="kv-events: the replicas' model (its tokenizer and chat template make the prompt's tokens; "
+                         "default: the embedded model)")
+    rt.add_argument("--block-size", type=int, default=16, help="kv-events: the replicas' KV block size")
+    rt.add_argument("--kv-events-sent-ttl", type=float, default=30.0,
+                    help="kv-events: seconds a prompt's blocks count as held by the replica they were sent to, until "
+                         "its events report them (a burst sharing a new prefix stays together meanwhile)")
     rt.add_argument("--host", default="127.0.0.1")
     rt.add_argument("--port", type=int, default=8080)
     rt.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks of each replica")

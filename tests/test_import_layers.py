@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "octavo.output_processor", "octavo.engine_setup", "octavo.engine", "octavo.llm", "octavo.bench", "octavo.planner",
     ]),
     ("serving", ["octavo.server", "octavo.router"]),
-    ("entry points", ["octavo.cli", "octavo.__main__"]),
+    ("entry points", ["octavo.cli", "octavo.__main__", "octavo.ray_serve"]),
 ]
 
 

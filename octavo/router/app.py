@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 from contextlib import asynccontextmanager
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -54,6 +55,30 @@ def prompt_text(body: Any) -> str:
         return ""
 
 
+def prompt_token_ids(body: Any, tokenizer: Any) -> list[int]:
+    """The token ids a replica computes for a request, as its server makes them: a chat's messages
+    through the model's chat template, a prompt encoded with special tokens, token ids as given
+    ([] for a body of another shape, or one the template refuses)."""
+    from octavo.tokenizer import apply_chat_template, encode_prompt
+
+    if not isinstance(body, dict):
+        return []
+    try:
+        if "messages" in body:
+            return apply_chat_template(tokenizer, body["messages"], body.get("add_generation_prompt", True),
+                                       tools=body.get("tools"))
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return encode_prompt(tokenizer, prompt, body.get("add_special_tokens", True) is not False)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return prompt
+    except Exception:  # whatever the template makes of a strange body, the replica will say in its answer
+        return []
+    return []
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -62,6 +87,8 @@ class RouterMetrics:
                             registry=self.registry)
         self.matched = Counter("octavo_router_matched_chars", "prompt characters already sent to the replica",
                                ["worker"], registry=self.registry)
+        self.matched_blocks = Counter("octavo_router_matched_blocks", "prompt blocks the replica reported holding "
+                                      "(kv-events)", ["worker"], registry=self.registry)
         self.healthy = Gauge("octavo_router_worker_healthy", "1 while the replica passes its health check", ["worker"],
                              registry=self.registry)
         self.in_flight = Gauge("octavo_router_in_flight", "requests open at each replica", ["worker"], registry=self.registry)
@@ -80,8 +107,10 @@ class _Proxy:
     metrics; one POST is sent to the chosen replica and its answer streamed back."""
 
     def __init__(self, router: Router, health_interval: float, request_timeout_s: float,
-                 max_connections_per_replica: int, pool_timeout_s: float) -> None:
+                 max_connections_per_replica: int, pool_timeout_s: float,
+                 prompt_blocks: Callable[[Any], list[int]] | None = None) -> None:
         self.router, self.health_interval, self.request_timeout_s = router, health_interval, request_timeout_s
+        self.prompt_blocks = prompt_blocks
         self.metrics = RouterMetrics()
         for r in router.replicas:
             self.metrics.healthy.labels(r.url).set(1)
@@ -142,9 +171,10 @@ class _Proxy:
         text = prompt_text(body)
         key = body.get("prompt_cache_key") if isinstance(body, dict) else None
         key = key if isinstance(key, str) and key else None
+        blocks = None if self.prompt_blocks is None else await asyncio.to_thread(self.prompt_blocks, body)
         tried: set[str] = set()
         while True:
-            choice = self.router.choose(text, exclude=tried, key=key)
+            choice = self.router.choose(text, exclude=tried, key=key, blocks=blocks)
             if choice is None:
                 return self.no_replica("no healthy replica" if not tried else f"no replica answered (tried {len(tried)})")
             replica = choice.replica
@@ -172,9 +202,10 @@ class _Proxy:
         replica.in_flight += 1
         metrics.requests.labels(replica.url).inc()
         metrics.in_flight.labels(replica.url).set(replica.in_flight)
-        if choice.matched_chars:
+        if choice.matched_chars or choice.matched_blocks:
             metrics.hits.labels(replica.url).inc()
             metrics.matched.labels(replica.url).inc(choice.matched_chars)
+            metrics.matched_blocks.labels(replica.url).inc(choice.matched_blocks)
 
         async def body():
             try:
@@ -191,14 +222,21 @@ class _Proxy:
 
 def build_router_app(router: Router, health_interval: float = 2.0, request_timeout_s: float = 1800.0,
                      max_connections_per_replica: int = 256, pool_timeout_s: float = 5.0,
-                     max_request_bytes: int = 4 << 20) -> FastAPI:
-    proxy = _Proxy(router, health_interval, request_timeout_s, max_connections_per_replica, pool_timeout_s)
+                     max_request_bytes: int = 4 << 20, prompt_blocks: Callable[[Any], list[int]] | None = None,
+                     listener: Any = None) -> FastAPI:
+    """`prompt_blocks` and `listener` (kv-events): a request body -> its block hashes, and the
+    KVEventListener feeding the router's index (started and stopped with the app)."""
+    proxy = _Proxy(router, health_interval, request_timeout_s, max_connections_per_replica, pool_timeout_s, prompt_blocks)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         task = asyncio.create_task(proxy.check_health())
+        if listener is not None:
+            listener.start()
         yield
         task.cancel()
+        if listener is not None:
+            listener.stop()
         await proxy.close()
 
     app = FastAPI(title="Octavo router", lifespan=lifespan)
@@ -228,9 +266,12 @@ def build_router_app(router: Router, health_interval: float = 2.0, request_timeo
 
     @app.get("/workers")
     async def workers() -> dict[str, Any]:
+        index = router.kv_index
         return {"policy": router.policy, "workers": [
-            {"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight, "tree_nodes": len(r.tree.nodes)}
-            for r in router.replicas]}
+            {"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight, "tree_nodes": len(r.tree.nodes),
+             **({"kv_blocks": index.num_blocks(r.url)} if index is not None else {})}
+            for r in router.replicas],
+            **({"hashing_differently": index.disagreeing()} if index is not None else {})}
 
     return app
 

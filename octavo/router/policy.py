@@ -1,22 +1,32 @@
-"""Routing policies over replicas, in pure Python: round-robin, least-load, and cache-aware.
+"""Routing policies over replicas, in pure Python: round-robin, least-load, cache-aware, kv-events.
 
 Cache-aware follows the SGLang router's idea: per replica, an approximate tree of the prompts sent
 to it; a request goes to the replica whose tree shares the longest prefix with its prompt, unless
 the replicas' loads are too uneven, in which case the least-loaded one takes it. The tree here is a
 chain of hashes of fixed-size text chunks (a path in a tree of chunks, as block hashes are for the
 KV cache), bounded per replica with least-recently-used eviction.
+
+kv-events decides the same way on what the replicas report they hold instead of what they were
+sent: the prompt's token blocks (router/kv_index.py) matched against each replica's published
+blocks, so prompts that share tokens but not text (a chat request and the same conversation
+rendered by the client) meet, and blocks a replica evicted stop attracting requests.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from octavo.router.kv_index import KVBlockIndex
+
 CHUNK_CHARS = 64  # text per tree node: about 16 tokens, one KV block of the replicas
-POLICIES = ("cache-aware", "round-robin", "least-load")
+POLICIES = ("cache-aware", "round-robin", "least-load", "kv-events")
 MAX_CACHE_KEYS = 65536  # prompt_cache_key values remembered (least recently used forgotten first)
+SENT_TTL_S = 30.0  # kv-events: how long blocks sent to a replica count as held before its events say so (default)
+MAX_SENT_BLOCKS = 65536  # kv-events: blocks remembered as sent, per replica
 
 
 def chunk_hashes(text: str) -> list[bytes]:
@@ -65,6 +75,7 @@ class Replica:
 class Choice:
     replica: Replica
     matched_chars: int  # prefix the chosen replica was already sent (cache-aware; else 0)
+    matched_blocks: int = 0  # leading blocks the chosen replica reports holding (kv-events)
 
 
 class Router:
@@ -73,9 +84,15 @@ class Router:
     max - min > balance_abs and max > balance_rel * min (SGLang's defaults: 32 and 1.0001)."""
 
     def __init__(self, urls: list[str], policy: str = "cache-aware", cache_threshold: float = 0.5,
-                 balance_abs: int = 32, balance_rel: float = 1.0001) -> None:
+                 balance_abs: int = 32, balance_rel: float = 1.0001, kv_index: KVBlockIndex | None = None,
+                 sent_ttl_s: float = SENT_TTL_S) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if (policy == "kv-events") != (kv_index is not None):
+            raise ValueError("the kv-events policy needs the replicas' KV block index, and only it uses one")
+        self.kv_index = kv_index
+        self.sent_ttl_s = sent_ttl_s
+        self._sent: dict[str, OrderedDict[int, float]] = {}  # kv-events: url -> block hash -> when sent
         if not urls:
             raise ValueError("at least one replica (--worker URL) is needed")
         self.replicas = [Replica(u.rstrip("/")) for u in urls]
@@ -88,14 +105,18 @@ class Router:
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.healthy]
 
-    def choose(self, text: str, exclude: set[str] = frozenset(), key: str | None = None) -> Choice | None:
+    def choose(self, text: str, exclude: set[str] = frozenset(), key: str | None = None,
+               blocks: list[int] | None = None) -> Choice | None:
         """A replica for a prompt whose text is `text` (None when no healthy one is left). Inserts
         the prompt into the chosen replica's tree (cache-aware). `key` (OpenAI's prompt_cache_key):
         cache-aware sends requests of one key to one replica while it is healthy and loads are even,
-        whatever their text (the client says they share a prefix)."""
+        whatever their text (the client says they share a prefix). `blocks` (kv-events): the
+        prompt's block hashes (PromptHasher)."""
         live = [r for r in self.healthy() if r.url not in exclude]
         if not live:
             return None
+        if self.policy == "kv-events":
+            return self._choose_by_blocks(blocks or [], live)
         if key is not None and self.policy == "cache-aware":
             choice = self._choose_by_key(text, key, live)
             self._keys[key] = choice.replica.url
@@ -114,6 +135,39 @@ class Router:
         hit = replica.tree.match(path)
         replica.tree.insert(path)
         return Choice(replica, hit * CHUNK_CHARS)
+
+    def _choose_by_blocks(self, blocks: list[int], live: list[Replica]) -> Choice:
+        """cache-aware's rule on the blocks the replicas report holding, or were sent within
+        `sent_ttl_s` (their events come only once the prefill has run: requests sharing a new
+        prefix in a burst must meet too); with no match worth it, the replica holding and being
+        sent the fewest blocks (as cache-aware takes the smallest tree: a burst of new prefixes
+        spreads out before any event is back)."""
+        index, now = self.kv_index, time.monotonic()
+        for sent in self._sent.values():  # forget what expired everywhere (sizes compare below)
+            while sent and (len(sent) > MAX_SENT_BLOCKS or next(iter(sent.values())) < now - self.sent_ttl_s):
+                sent.popitem(last=False)
+        matched = {r.url: max(index.match(r.url, blocks), self._match_sent(r.url, blocks, now)) for r in live}
+        best = max(live, key=lambda r: (matched[r.url], -r.in_flight))
+        if self._is_uneven(live):
+            chosen = min(live, key=lambda r: r.in_flight)
+        elif blocks and matched[best.url] / len(blocks) >= self.cache_threshold:
+            chosen = best
+        else:  # a prefix held nowhere: the replica holding and being sent the fewest blocks
+            chosen = min(live, key=lambda r: (index.num_blocks(r.url) + len(self._sent.get(r.url, ())), r.in_flight))
+        sent = self._sent.setdefault(chosen.url, OrderedDict())
+        for h in blocks:
+            sent[h] = now
+            sent.move_to_end(h)
+        return Choice(chosen, 0, matched[chosen.url])
+
+    def _match_sent(self, url: str, blocks: list[int], now: float) -> int:
+        sent = self._sent.get(url, {})
+        n = 0
+        for h in blocks:
+            if h not in sent or sent[h] < now - self.sent_ttl_s:
+                break
+            n += 1
+        return n
 
     def _is_uneven(self, live: list[Replica]) -> bool:
         loads = [r.in_flight for r in live]

@@ -201,3 +201,56 @@ def established_to(port: int) -> int:
         if state == "01" and int(remote.split(":")[1], 16) == port:
             count += 1
     return count
+
+
+def test_kv_events_routing_meets_a_prefix_sent_as_chat_and_as_rendered_text(tmp_path, smol_dir):
+    """Two replicas publishing KV events; the router on kv-events tokenizes as they do. A chat
+    request fills one replica with a system prompt's blocks; the same conversation rendered by the
+    client through the chat template and sent as a plain completion shares no text with the chat
+    body but all its tokens: it goes to that replica and hits its cache there."""
+    import json
+
+    from octavo.models.loader import resolve_model
+    from octavo.tokenizer import load_tokenizer
+
+    servers, endpoints = [], []
+    for i in range(2):
+        pub, replay = f"ipc://{tmp_path}/kv{i}", f"ipc://{tmp_path}/kv{i}-replay"
+        conf = {"enable_kv_cache_events": True, "endpoint": pub, "replay_endpoint": replay}
+        servers.append(start_server(tmp_path / f"r{i}.log", [
+            "--max-model-len", "512", "--kv-cache-memory", str(64 << 20), "--prefix-caching-hash-algo", "sha256_cbor",
+            "--kv-events-config", json.dumps(conf)], threads=1))
+        endpoints += ["--kv-events-endpoint", f"{pub},{replay}"]
+    proc, url = start_router(servers, "kv-events", tmp_path / "router.log", *endpoints, "--kv-events-sent-ttl", "0.5")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        system = {"role": "system", "content": A}
+        client.chat.completions.create(model=MODEL, messages=[system, {"role": "user", "content": "When does it open?"}],
+                                       max_tokens=2, temperature=0)
+        home = max(servers, key=lambda s: counts(url).get(s.url, 0))
+        deadline = time.monotonic() + 60  # the replica's events reach the router after its prefill
+        while time.monotonic() < deadline:
+            workers = {w["url"]: w for w in httpx.get(f"{url}/workers", timeout=5).json()["workers"]}
+            if workers[home.url]["kv_blocks"] >= 5:
+                break
+            time.sleep(0.2)
+        assert workers[home.url]["kv_blocks"] >= 5, workers
+        tokenizer = load_tokenizer(resolve_model(None))
+        rendered = tokenizer.apply_chat_template([system, {"role": "user", "content": "Is there a café?"}],
+                                                 tokenize=False, add_generation_prompt=True)
+        before = hits(home.url)
+        time.sleep(1)  # past the router's memory of what it sent (0.5 s): only the published blocks can decide
+        client.completions.create(model=MODEL, prompt=rendered, max_tokens=2, temperature=0,
+                                  extra_body={"add_special_tokens": False})
+        assert counts(url).get(home.url, 0) == 2 and hits(home.url) - before >= 5 * 16
+        assert httpx.get(f"{url}/workers", timeout=5).json()["hashing_differently"] == []
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        for s in servers:
+            stop_server(s)
+
+
+def hits(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(m.group(1)) for m in re.finditer(r'^octavo:prefix_cache_hits_total\{[^}]*\} (\S+)', text, re.M))

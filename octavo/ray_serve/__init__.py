@@ -1,0 +1,10 @@
+"""Octavo replicas as a Ray Serve application (pip install 'octavo[ray]').
+
+    serve run octavo.ray_serve:build_app model=/models/llama-3.2-1b.gguf min_replicas=1 max_replicas=4
+
+app.py holds the deployments (an ingress that proxies the OpenAI routes, streams included, to
+replicas that each run an engine and Octavo's own HTTP app) and the builder; router.py the
+request router that sends a prompt to the replica holding most of its KV blocks, from what the
+replicas report they cache. Nothing here is imported by the rest of Octavo; `ray` is needed only
+to import these modules.
+"""
