@@ -35,7 +35,8 @@ class OctavoReplica:
     """One engine and Octavo's HTTP app in a Ray actor. `engine_kwargs`: EngineArgs fields."""
 
     def __init__(self, engine_kwargs: dict[str, Any], served_model_name: str | None = None,
-                 metrics_prefix: str = "octavo", api_key: str | None = None) -> None:
+                 metrics_prefix: str = "octavo", api_key: str | None = None,
+                 enable_prompt_tokens_details: bool = False) -> None:
         import torch
 
         from octavo.engine import LLMEngine
@@ -58,7 +59,8 @@ class OctavoReplica:
         # answers carry the replica and its Ray node (x-octavo-replica, x-octavo-node)
         self.where = [("x-octavo-replica", serve.get_replica_context().replica_id.unique_id),
                       ("x-octavo-node", ray.get_runtime_context().get_node_id())]
-        self.app = build_app(OpenAIServer(self.engine, name, api_key, ServerLimits()))
+        limits = ServerLimits(enable_prompt_tokens_details=enable_prompt_tokens_details)
+        self.app = build_app(OpenAIServer(self.engine, name, api_key, limits))
 
     async def handle(self, method: str, path: str, body: bytes, parsed: Any,
                      headers: list[tuple[bytes, bytes]]) -> AsyncIterator[dict | bytes]:
@@ -92,11 +94,20 @@ class OctavoReplica:
                     yield {"status": message["status"], "headers": [(k.decode("latin-1"), v.decode("latin-1"))
                                                                       for k, v in message.get("headers", [])]
                            + self.where}
-                elif message["type"] == "http.response.body":
-                    if message.get("body"):
-                        yield message["body"]
-                    if not message.get("more_body"):
-                        return
+                    continue
+                # every body chunk already waiting goes as one item: each item crosses Ray as an
+                # object of its own, so a consumer behind the engine gets fewer, larger ones
+                chunks, more = [], True
+                while message is not None and message["type"] == "http.response.body":
+                    chunks.append(message.get("body", b""))
+                    more = bool(message.get("more_body"))
+                    if not more or sent.empty():
+                        break
+                    message = sent.get_nowait()
+                if any(chunks):
+                    yield b"".join(chunks)
+                if message is None or not more:
+                    return
         finally:
             gone.set()
             if not task.done():
@@ -109,21 +120,12 @@ class OctavoReplica:
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """What KVAwareRequestRouter routes by: the blocks this replica's pool and tier hold."""
-        return {"blocks": await self.engine._call(held_blocks)}
+        return {"blocks": await self.engine.cached_blocks()}
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
-
-
-def held_blocks(engine) -> list[int]:
-    """The main KV group's cached block hashes in vLLM's integer form (pool and tier)."""
-    kv = engine.scheduler.kv_cache
-    keys = list(kv.pool.cached)
-    if kv.tier is not None:
-        keys += kv.tier.ready_keys()
-    return [int.from_bytes(h[-8:], "big") for g, h in keys if g == 0]
 
 
 class OctavoIngress:
@@ -187,14 +189,14 @@ def build_app(args: dict[str, Any]):
     instead), target_ongoing_requests (default 8), num_cpus (per replica; default 1: also its
     torch threads), max_ongoing_requests (default 64), router (kv-aware, the default, or
     power-of-two: Ray's own), served_model_name, metrics_prefix, api_key, upscale_delay_s,
-    downscale_delay_s; every other key is an engine option (EngineArgs: model, kv_cache_memory,
+    downscale_delay_s, enable_prompt_tokens_details; every other key is an engine option (EngineArgs: model, kv_cache_memory,
     max_model_len, ...)."""
     from octavo.engine_args import EngineArgs
 
     args = dict(args)
     deployment_keys = ("min_replicas", "max_replicas", "num_replicas", "target_ongoing_requests", "num_cpus",
                        "max_ongoing_requests", "router", "served_model_name", "metrics_prefix", "api_key",
-                       "upscale_delay_s", "downscale_delay_s")
+                       "upscale_delay_s", "downscale_delay_s", "enable_prompt_tokens_details")
     opts = {k: args.pop(k) for k in deployment_keys if k in args}
     engine_kwargs = _engine_kwargs(args, EngineArgs)
     num_cpus = float(opts.get("num_cpus", 1))
@@ -222,7 +224,8 @@ def build_app(args: dict[str, Any]):
     elif opts["router"] != "power-of-two":
         raise ValueError(f"router must be kv-aware or power-of-two, got {opts['router']!r}")
     replica = serve.deployment(OctavoReplica).options(**replica_options).bind(
-        engine_kwargs, opts.get("served_model_name"), opts.get("metrics_prefix", "octavo"), opts.get("api_key"))
+        engine_kwargs, opts.get("served_model_name"), opts.get("metrics_prefix", "octavo"), opts.get("api_key"),
+        str(opts.get("enable_prompt_tokens_details", False)).lower() in ("1", "true", "yes"))
     ingress = serve.deployment(OctavoIngress).options(
         ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
     return ingress.bind(replica)

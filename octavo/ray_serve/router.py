@@ -75,22 +75,32 @@ class KVAwareRequestRouter(RequestRouter):
         if not blocks or len(candidate_replicas) < 2:
             return [candidate_replicas]
         now = time.monotonic()
+        for sent in self._sent.values():  # what expired is forgotten everywhere (sizes compare below)
+            while sent and next(iter(sent.values())) < now - self._sent_ttl_s:
+                sent.popitem(last=False)
         matched = {r.replica_id: self._match(r, blocks, now) for r in candidate_replicas}
         best = max(matched.values())
         if best / len(blocks) < self._threshold:  # held nowhere: the replicas holding the least first
-            size = {r.replica_id: len(self._held_blocks(r)) + len(self._sent.get(r.replica_id, ())) for r in candidate_replicas}
+            size = {r.replica_id: len(self._held_blocks(r)) + len(self._sent.get(r.replica_id, ()))
+                    for r in candidate_replicas}
             ordered = sorted(candidate_replicas, key=lambda r: size[r.replica_id])
-            return [ordered[: max(1, len(ordered) // 2)], ordered[max(1, len(ordered) // 2):]]
-        self.num_matched += 1
-        first = [r for r in candidate_replicas if matched[r.replica_id] == best]
-        rest = [r for r in candidate_replicas if matched[r.replica_id] != best]
-        return [first, rest] if rest else [first]
+            ranks = [ordered[: max(1, len(ordered) // 2)], ordered[max(1, len(ordered) // 2):]]
+        else:
+            self.num_matched += 1
+            first = [r for r in candidate_replicas if matched[r.replica_id] == best]
+            rest = [r for r in candidate_replicas if matched[r.replica_id] != best]
+            ranks = [first, rest] if rest else [first]
+        # Ray routes several requests at once: mark the likely replica now, so a request with the
+        # same new prefix routed before this one lands is sent there too (on_request_routed corrects it)
+        self._mark_sent(ranks[0][0].replica_id, blocks, now)
+        return ranks
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         blocks = self._blocks(pending_request)
-        if not blocks:
-            return
-        now = time.monotonic()
+        if blocks:
+            self._mark_sent(replica_id, blocks, time.monotonic())
+
+    def _mark_sent(self, replica_id: ReplicaID, blocks: list[int], now: float) -> None:
         sent = self._sent.setdefault(replica_id, OrderedDict())
         for h in blocks:
             sent[h] = now

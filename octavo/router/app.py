@@ -181,27 +181,38 @@ class _Proxy:
             tried.add(replica.url)
             upstream = self.clients[replica.url].build_request("POST", f"{replica.url}{path}", content=raw,
                                                                headers=_passed_headers(request))
+            # open from now: a request counts as the replica's load while it computes its first
+            # token too (a whole answer, when not streamed), not only once the answer starts
+            self._opened(replica, +1)
             try:
                 response = await self.send_until_disconnect(request, replica.url, upstream)
             except httpx.PoolTimeout:  # its connections are all busy (hung?): another replica, if any
+                self._opened(replica, -1)
                 logger.warning("replica %s has no free connection; trying another", replica.url)
                 continue
             except httpx.TransportError:  # connection refused or reset: out until a health check says otherwise
+                self._opened(replica, -1)
                 replica.healthy = False
                 self.metrics.healthy.labels(replica.url).set(0)
                 continue
-            except TimeoutError:
-                return error_json(504, f"the replica did not answer within {self.request_timeout_s:g} s",
-                                  "GatewayTimeoutError")
+            except BaseException as exc:
+                self._opened(replica, -1)
+                if isinstance(exc, TimeoutError):
+                    return error_json(504, f"the replica did not answer within {self.request_timeout_s:g} s",
+                                      "GatewayTimeoutError")
+                raise
             if response is None:
+                self._opened(replica, -1)
                 return Response(status_code=499)  # nobody is there to read it
             return self.stream_back(replica, choice, response)
 
+    def _opened(self, replica, change: int) -> None:
+        replica.in_flight += change
+        self.metrics.in_flight.labels(replica.url).set(replica.in_flight)
+
     def stream_back(self, replica, choice: Choice, response: httpx.Response) -> StreamingResponse:
         metrics = self.metrics
-        replica.in_flight += 1
         metrics.requests.labels(replica.url).inc()
-        metrics.in_flight.labels(replica.url).set(replica.in_flight)
         if choice.matched_chars or choice.matched_blocks:
             metrics.hits.labels(replica.url).inc()
             metrics.matched.labels(replica.url).inc(choice.matched_chars)
@@ -213,8 +224,7 @@ class _Proxy:
                     yield piece
             finally:  # also when the client went away: closing the upstream aborts it there
                 await response.aclose()
-                replica.in_flight -= 1
-                metrics.in_flight.labels(replica.url).set(replica.in_flight)
+                self._opened(replica, -1)
 
         kept = {k: v for k, v in response.headers.items() if k.lower() in ("content-type", "retry-after")}
         return StreamingResponse(body(), status_code=response.status_code, headers=kept)

@@ -139,9 +139,9 @@ class Router:
     def _choose_by_blocks(self, blocks: list[int], live: list[Replica]) -> Choice:
         """cache-aware's rule on the blocks the replicas report holding, or were sent within
         `sent_ttl_s` (their events come only once the prefill has run: requests sharing a new
-        prefix in a burst must meet too); with no match worth it, the replica holding and being
-        sent the fewest blocks (as cache-aware takes the smallest tree: a burst of new prefixes
-        spreads out before any event is back)."""
+        prefix in a burst must meet too); with no match worth it, the idlest replica, of equals the
+        one holding and being sent the fewest blocks (a burst of new prefixes spreads out before
+        any event is back)."""
         index, now = self.kv_index, time.monotonic()
         for sent in self._sent.values():  # forget what expired everywhere (sizes compare below)
             while sent and (len(sent) > MAX_SENT_BLOCKS or next(iter(sent.values())) < now - self.sent_ttl_s):
@@ -152,8 +152,8 @@ class Router:
             chosen = min(live, key=lambda r: r.in_flight)
         elif blocks and matched[best.url] / len(blocks) >= self.cache_threshold:
             chosen = best
-        else:  # a prefix held nowhere: the replica holding and being sent the fewest blocks
-            chosen = min(live, key=lambda r: (index.num_blocks(r.url) + len(self._sent.get(r.url, ())), r.in_flight))
+        else:  # held nowhere: the idlest replica; of equals, the one holding and being sent the fewest blocks
+            chosen = min(live, key=lambda r: (r.in_flight, index.num_blocks(r.url) + len(self._sent.get(r.url, ()))))
         sent = self._sent.setdefault(chosen.url, OrderedDict())
         for h in blocks:
             sent[h] = now

@@ -273,6 +273,11 @@ class AsyncEngine:
         """Pool counts and the KV-cache invariant check (O(num_blocks); the debug route's)."""
         return await self._call(_kv_cache_report)
 
+    async def cached_blocks(self) -> list[int]:
+        """The first KV group's cached block hashes, pool and second tier, in vLLM's integer form
+        (a hash's last 8 bytes): what a KV-aware router matches prompts against (O(blocks))."""
+        return await self._call(_cached_blocks)
+
     async def _call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run fn(engine) on the engine thread between steps and return its result."""
         loop = asyncio.get_running_loop()
@@ -474,3 +479,11 @@ def _set_result(fut: asyncio.Future, value: Any = None) -> None:
 def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
     if not fut.done():
         fut.set_exception(exc)
+
+
+def _cached_blocks(engine: LLMEngine) -> list[int]:
+    kv = engine.scheduler.kv_cache
+    keys = list(kv.pool.cached)
+    if kv.tier is not None:
+        keys += kv.tier.ready_keys()
+    return [int.from_bytes(h[-8:], "big") for g, h in keys if g == 0]
