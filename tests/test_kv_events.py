@@ -52,19 +52,10 @@ def test_int_hashes_and_the_array_layout():
     assert (tag, hashes, parent, size, medium) == ("BlockStored", [0xF1, 0xF2], None, 4, "GPU")
     assert events[2][2] == 0xF2 and events[3] == ["BlockRemoved", [0xF1], "DISK", 0]
 
-    class ArrayStored(msgspec.Struct, tag="BlockStored", array_like=True):
-        block_hashes: list[int]
-        parent_block_hash: int | None
-        token_ids: list[int]
-        block_size: int
-        lora_id: int | None
-        medium: str | None
-        lora_name: str | None
-        extra_keys: list | None = None
-        group_idx: int | None = None
-        kv_cache_spec_kind: str | None = None
-        kv_cache_spec_sliding_window: int | None = None
-
+    # the documented struct's fields, in order, as an array-like struct
+    fields = [(f.name, f.type, f.default) if f.default is not msgspec.NODEFAULT else (f.name, f.type)
+              for f in msgspec.structs.fields(StoredEvent)]
+    ArrayStored = msgspec.defstruct("ArrayStored", fields, array_like=True, tag="BlockStored")
     assert msgspec.convert(events[2], ArrayStored).token_ids == [8, 9, 10, 11]
 
 

@@ -57,6 +57,17 @@ def start(cmd: list[str], log: Path, url: str, timeout_s: float = 300) -> subpro
     raise RuntimeError(f"{url} not healthy in {timeout_s} s (log {log})")
 
 
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every process, then wait for each (30 s, then SIGKILL)."""
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def hit_tokens(url: str) -> tuple[float, float]:
     text = httpx.get(f"{url}/metrics", timeout=10).text
 
@@ -129,13 +140,7 @@ def run_policy(policy: str, work: dict, tmp: Path, kv_cache: str) -> dict[str, t
             print(f"{policy} {name}: requests per replica so far {sent}", flush=True)
         return out
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
 
 
 def main() -> int:

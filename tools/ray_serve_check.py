@@ -18,7 +18,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -29,7 +28,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tools.compare_router_events import free_port, start  # noqa: E402
+from tools.compare_router_events import free_port, start, stop_all  # noqa: E402
 
 FLAGS = {"kv_cache_memory": "48MiB", "max_model_len": "1024"}
 
@@ -135,13 +134,7 @@ def router_run(tmp: Path, prompts: list[str]) -> dict:
                            tmp / "router.log", router))
         return asyncio.run(run_load(router, prompts))
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
 
 
 def main() -> int:
