@@ -167,3 +167,20 @@ def test_load_adds_a_replica_and_idleness_removes_it(cluster):
             t.join(120)
     wait_for(lambda: replicas("RUNNING") == 1, 300, "the replica count to fall back to 1 when idle")
     serve.delete(APP)
+
+
+def test_the_builder_takes_serve_runs_strings_and_names_a_wrong_key():
+    """`serve run octavo.ray_serve:build_app k=v` passes strings: each engine option becomes its
+    field's type (bytes with units, ints, bools), and a key that is no option is refused by name."""
+    from octavo.engine_args import EngineArgs
+    from octavo.ray_serve.app import _engine_kwargs, build_app
+
+    kwargs = _engine_kwargs({"kv_cache_memory": "512MiB", "max_model_len": "2048", "enable_prefix_caching": "false",
+                             "model": "gemma3-270m"}, EngineArgs)
+    assert kwargs == {"kv_cache_memory": 512 << 20, "max_model_len": 2048, "enable_prefix_caching": False,
+                      "model": "gemma3-270m"}
+    EngineArgs(**kwargs)  # valid as the replicas will build them
+    with pytest.raises(ValueError, match="unknown option 'kv_cache'"):
+        build_app({"kv_cache": "1GiB"})
+    with pytest.raises(ValueError, match="kv-aware or power-of-two"):
+        build_app({"router": "random"})
