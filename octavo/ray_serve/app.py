@@ -5,7 +5,8 @@ deployment handle to one OctavoReplica, which runs it through Octavo's own FastA
 routes, validation and errors as `octavo serve`) and streams the response back chunk by chunk:
 the head first, then the body. The handle's request router (router.KVAwareRequestRouter by
 default) picks the replica. A replica that dies before answering is retried on another; one that
-dies mid-stream ends that stream. Ray restarts replicas whose health check fails (an engine that
+dies mid-stream has a greedy stream resumed on another, spliced where the client stopped
+(resume.py), and any other stream ended with an error event. Ray restarts replicas whose health check fails (an engine that
 died) or whose process is gone, and scales their number on ongoing requests between min_replicas
 and max_replicas.
 """
@@ -24,6 +25,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
+
+from octavo.ray_serve.resume import ResumeMismatch, StreamSplicer, is_resumable
 
 logger = logging.getLogger("octavo.ray_serve")
 
@@ -144,40 +147,76 @@ class OctavoIngress:
         except (ValueError, RecursionError):
             parsed = None
         target = "/" + path + (f"?{request.url.query}" if request.url.query else "")
-        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in request.headers.items()]
-        last: BaseException | None = None
-        for attempt in range(MAX_ATTEMPTS):
-            stream = self.replicas.options(stream=True).handle.remote(request.method, target, body, parsed, headers)
-            try:
-                head = await stream.__anext__()
-            except StopAsyncIteration:
-                return JSONResponse({"error": {"message": "the replica sent no response", "type": "APIError"}}, 502)
-            except Exception as exc:  # the replica died before answering: another one may
-                if type(exc).__name__ not in _RETRIED:
-                    raise
-                last = exc
-                logger.warning("replica gone before answering (%s); attempt %d of %d", type(exc).__name__,
-                               attempt + 1, MAX_ATTEMPTS)
-                continue
-            headers = {k: v for k, v in head["headers"] if k.lower() != "content-length"}
-            sse = headers.get("content-type", "").startswith("text/event-stream")
-            return StreamingResponse(_rest(stream, sse), status_code=head["status"], headers=headers)
-        return JSONResponse({"error": {"message": f"no replica answered: {last!r}", "type": "ServiceUnavailableError"}},
-                            503, headers={"Retry-After": "1"})
+        request_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in request.headers.items()]
+
+        def call():
+            return self.replicas.options(stream=True).handle.remote(request.method, target, body, parsed,
+                                                                    request_headers)
+
+        opened = await _open(call)
+        if isinstance(opened, BaseException):
+            return JSONResponse({"error": {"message": f"no replica answered: {opened!r}",
+                                           "type": "ServiceUnavailableError"}}, 503, headers={"Retry-After": "1"})
+        head, stream = opened
+        if head is None:
+            return JSONResponse({"error": {"message": "the replica sent no response", "type": "APIError"}}, 502)
+        headers = {k: v for k, v in head["headers"] if k.lower() != "content-length"}
+        sse = headers.get("content-type", "").startswith("text/event-stream")
+        resume = call if sse and head["status"] == 200 and is_resumable(path, parsed) else None
+        return StreamingResponse(_relay(stream, sse, resume), status_code=head["status"], headers=headers)
 
 
-async def _rest(stream, sse: bool) -> AsyncIterator[bytes]:
-    """The body's chunks; a replica that dies mid-stream ends an SSE stream with an error event
-    (what OpenAI's clients raise), never a silent cut that looks like a short answer."""
+async def _open(call) -> tuple[dict | None, Any] | BaseException:
+    """(the response head, the stream) from the first replica that answers, up to MAX_ATTEMPTS
+    (a replica that died before answering is replaced by another); the last error if none did."""
+    last: BaseException = RuntimeError("no attempt")
+    for attempt in range(MAX_ATTEMPTS):
+        stream = call()
+        try:
+            return await stream.__anext__(), stream
+        except StopAsyncIteration:
+            return None, stream
+        except Exception as exc:
+            if type(exc).__name__ not in _RETRIED:
+                raise
+            last = exc
+            logger.warning("replica gone before answering (%s); attempt %d of %d", type(exc).__name__,
+                           attempt + 1, MAX_ATTEMPTS)
+    return last
+
+
+async def _relay(stream, sse: bool, resume) -> AsyncIterator[bytes]:
+    """The body's chunks. A replica that dies mid-stream: a greedy stream (`resume`: how to ask
+    again) goes on from another replica, spliced so the client sees one stream (resume.py);
+    otherwise an SSE stream ends with an error event (what OpenAI's clients raise), never a
+    silent cut that looks like a short answer."""
+    splicer = StreamSplicer() if resume is not None else None
+    attempts = 0
     try:
-        async for chunk in stream:
-            yield chunk
-    except Exception as exc:
-        logger.warning("replica gone mid-stream: %s", type(exc).__name__)
-        if sse:
-            error = {"error": {"message": f"the replica serving this stream died ({type(exc).__name__}); retry the "
-                               "request", "type": "ServiceUnavailableError", "code": 503}}
-            yield f"data: {json.dumps(error)}\n\n".encode()
+        while True:
+            try:
+                async for chunk in stream:
+                    yield splicer.take(chunk) if splicer is not None else chunk
+                return
+            except Exception as exc:
+                if type(exc).__name__ not in _RETRIED and not isinstance(exc, ResumeMismatch):
+                    raise
+                logger.warning("replica gone mid-stream: %s", type(exc).__name__)
+                attempts += 1
+                opened = None
+                if splicer is not None and attempts < MAX_ATTEMPTS and not isinstance(exc, ResumeMismatch):
+                    stream.cancel()
+                    opened = await _open(resume)
+                if isinstance(opened, tuple) and opened[0] is not None and opened[0]["status"] == 200:
+                    stream = opened[1]
+                    splicer.restart()
+                    logger.warning("stream resumed on another replica after %d characters", len(splicer.delivered))
+                    continue
+                if sse:
+                    error = {"error": {"message": f"the replica serving this stream died ({type(exc).__name__}); "
+                                       "retry the request", "type": "ServiceUnavailableError", "code": 503}}
+                    yield f"data: {json.dumps(error)}\n\n".encode()
+                return
     finally:
         stream.cancel()
 
