@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from octavo.config import KVEventsConfig
-from octavo.kv_cache.events import AllBlocksCleared, BlockStored, KVEvent
+from octavo.kv_cache.events import AllBlocksCleared, BlockStored, KVEvent, hash_as_int
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class BatchEncoder:
     def wire_hash(self, block_hash: bytes | None) -> int | bytes | None:
         if block_hash is None or not self.as_int:
             return block_hash
-        return int.from_bytes(block_hash[-8:], "big")
+        return hash_as_int(block_hash)
 
     def encode(self, events: Sequence[KVEvent], ts: float | None = None) -> bytes:
         return self._encoder.encode([time.time() if ts is None else ts, [self._event(e) for e in events], 0])

@@ -25,6 +25,11 @@ Change = tuple[str, bool, Hashable]
 _CLEARED: Change = ("", False, None)  # every medium emptied at once (a prefix-cache reset)
 
 
+def hash_as_int(block_hash: bytes) -> int:
+    """vLLM's integer form of a block hash (its default on the wire): the last 8 bytes, big-endian."""
+    return int.from_bytes(block_hash[-8:], "big")
+
+
 @dataclass(slots=True, frozen=True)
 class BlockInfo:
     """What a published block carries besides its hash: enough to recompute the hash."""
@@ -87,6 +92,10 @@ class KVEventLog:
 
     def record_cleared(self) -> None:
         self.changes.append(_CLEARED)
+
+    def record_stored(self, medium: str, keys) -> None:
+        """Announce keys a medium holds already (at start, and what a reset keeps)."""
+        self.changes.extend((medium, True, key) for key in keys)
 
     def drain(self) -> list[KVEvent]:
         """The changes since the last call as events, in order; a run of stores into one medium

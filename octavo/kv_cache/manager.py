@@ -167,10 +167,10 @@ class KVCacheManager:
         log = self.events = KVEventLog(self.block_size, capacity)
         log.record_cleared()
         self.pool.changes = log.changes
-        log.changes.extend((MEDIUM_POOL, True, key) for key in self.pool.cached)
+        log.record_stored(MEDIUM_POOL, self.pool.cached)
         if tier is not None:
             tier.changes = log.changes
-            log.changes.extend((tier.medium, True, key) for key in tier.ready_keys())
+            log.record_stored(tier.medium, tier.ready_keys())
         return log
 
     def num_lookup_blocks(self, request: Request) -> int:
@@ -339,7 +339,7 @@ class KVCacheManager:
         if self.events is not None:  # a subscriber forgets everything, then learns what a reset keeps
             self.events.record_cleared()
             if self.tier is not None:
-                self.events.changes.extend((self.tier.medium, True, key) for key in self.tier.ready_keys())
+                self.events.record_stored(self.tier.medium, self.tier.ready_keys())
         self.pins.restore_hashes()
         return num_forgotten - self.pins.num_blocks
 

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from octavo.kv_cache.events import hash_as_int
 from octavo.kv_cache.prefix_cache import extend_block_hashes, root_hash
 
 MAIN_GROUP = 0  # prompts are matched on the first KV group (every layer's, or the global layers')
@@ -26,7 +27,7 @@ NUM_CHECKED = 16  # stored blocks per replica whose hash the index recomputes
 
 def wire_int(value: int | bytes) -> int:
     """A published hash in vLLM's integer form."""
-    return int.from_bytes(value[-8:], "big") if isinstance(value, bytes) else int(value)
+    return hash_as_int(value) if isinstance(value, bytes) else int(value)
 
 
 class PromptHasher:

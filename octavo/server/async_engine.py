@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from octavo.dashboard.snapshot import block_tokens, build_snapshot
 from octavo.engine import LLMEngine
+from octavo.kv_cache.events import hash_as_int
 from octavo.lora.request import LoRARequest
 from octavo.metrics import EngineMetrics
 from octavo.output_processor import merge_deltas
@@ -486,4 +487,4 @@ def _cached_blocks(engine: LLMEngine) -> list[int]:
     keys = list(kv.pool.cached)
     if kv.tier is not None:
         keys += kv.tier.ready_keys()
-    return [int.from_bytes(h[-8:], "big") for g, h in keys if g == 0]
+    return [hash_as_int(h) for g, h in keys if g == 0]
