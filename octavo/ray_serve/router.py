@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from octavo.router.app import prompt_token_ids
-from octavo.router.kv_index import PromptHasher
+from octavo.router.kv_index import PromptHasher, SentBlocks
 
 logger = logging.getLogger("octavo.ray_serve")
-
-MAX_SENT_BLOCKS = 65536
 
 
 class KVAwareRequestRouter(RequestRouter):
@@ -37,8 +34,7 @@ class KVAwareRequestRouter(RequestRouter):
         self._tokenizer = load_tokenizer(resolve_model(model))
         self._hasher = PromptHasher(block_size)
         self._threshold = match_threshold
-        self._sent_ttl_s = sent_ttl_s
-        self._sent: dict[ReplicaID, OrderedDict[int, float]] = {}
+        self._sent = SentBlocks(sent_ttl_s)
         self._held: dict[ReplicaID, tuple[int, set[int]]] = {}  # replica -> (id of its stats list, the set)
         self.num_matched = 0  # requests sent where most of their prompt was held (for tests and logs)
 
@@ -61,10 +57,10 @@ class KVAwareRequestRouter(RequestRouter):
         return known[1]
 
     def _match(self, replica: RunningReplica, blocks: list[int], now: float) -> int:
-        held, sent = self._held_blocks(replica), self._sent.get(replica.replica_id, {})
+        held, rid = self._held_blocks(replica), replica.replica_id
         n = 0
         for h in blocks:
-            if h not in held and sent.get(h, -1e18) < now - self._sent_ttl_s:
+            if h not in held and not self._sent.holds(rid, h, now):
                 break
             n += 1
         return n
@@ -75,14 +71,11 @@ class KVAwareRequestRouter(RequestRouter):
         if not blocks or len(candidate_replicas) < 2:
             return [candidate_replicas]
         now = time.monotonic()
-        for sent in self._sent.values():  # what expired is forgotten everywhere (sizes compare below)
-            while sent and next(iter(sent.values())) < now - self._sent_ttl_s:
-                sent.popitem(last=False)
+        self._sent.prune(now)
         matched = {r.replica_id: self._match(r, blocks, now) for r in candidate_replicas}
         best = max(matched.values())
         if best / len(blocks) < self._threshold:  # held nowhere: the replicas holding the least first
-            size = {r.replica_id: len(self._held_blocks(r)) + len(self._sent.get(r.replica_id, ()))
-                    for r in candidate_replicas}
+            size = {r.replica_id: len(self._held_blocks(r)) + self._sent.size(r.replica_id) for r in candidate_replicas}
             ordered = sorted(candidate_replicas, key=lambda r: size[r.replica_id])
             ranks = [ordered[: max(1, len(ordered) // 2)], ordered[max(1, len(ordered) // 2):]]
         else:
@@ -92,23 +85,15 @@ class KVAwareRequestRouter(RequestRouter):
             ranks = [first, rest] if rest else [first]
         # Ray routes several requests at once: mark the likely replica now, so a request with the
         # same new prefix routed before this one lands is sent there too (on_request_routed corrects it)
-        self._mark_sent(ranks[0][0].replica_id, blocks, now)
+        self._sent.mark(ranks[0][0].replica_id, blocks, now)
         return ranks
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         blocks = self._blocks(pending_request)
         if blocks:
-            self._mark_sent(replica_id, blocks, time.monotonic())
-
-    def _mark_sent(self, replica_id: ReplicaID, blocks: list[int], now: float) -> None:
-        sent = self._sent.setdefault(replica_id, OrderedDict())
-        for h in blocks:
-            sent[h] = now
-            sent.move_to_end(h)
-        while sent and (len(sent) > MAX_SENT_BLOCKS or next(iter(sent.values())) < now - self._sent_ttl_s):
-            sent.popitem(last=False)
+            self._sent.mark(replica_id, blocks, time.monotonic())
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self._sent.pop(replica_id, None)
+        self._sent.forget(replica_id)
         self._held.pop(replica_id, None)

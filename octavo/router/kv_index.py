@@ -15,6 +15,7 @@ published (another algorithm, block size or seed) is reported by `KVBlockIndex.d
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,6 +51,51 @@ class PromptHasher:
         if parent is not None or not token_ids or len(token_ids) != len(block_hashes) * self.block_size:
             return None
         return self.hashes(token_ids) == [wire_int(h) for h in block_hashes]
+
+
+class SentBlocks:
+    """Blocks a router sent to each replica in the last `ttl_s` seconds, which count as held until
+    the replica's own report says so (its events or stats come only after the prefill: requests
+    sharing a new prefix in a burst must meet too). At most `max_blocks` per replica."""
+
+    def __init__(self, ttl_s: float, max_blocks: int = 65536) -> None:
+        self.ttl_s, self.max_blocks = ttl_s, max_blocks
+        self._sent: dict[Any, OrderedDict[int, float]] = {}  # replica -> block hash -> when sent
+
+    def mark(self, replica: Any, blocks: Sequence[int], now: float) -> None:
+        sent = self._sent.setdefault(replica, OrderedDict())
+        for h in blocks:
+            sent[h] = now
+            sent.move_to_end(h)
+        self._prune(sent, now)
+
+    def prune(self, now: float) -> None:
+        """Forget what expired for every replica (sizes compare only when all are pruned)."""
+        for sent in self._sent.values():
+            self._prune(sent, now)
+
+    def _prune(self, sent: OrderedDict[int, float], now: float) -> None:
+        while sent and (len(sent) > self.max_blocks or next(iter(sent.values())) < now - self.ttl_s):
+            sent.popitem(last=False)
+
+    def holds(self, replica: Any, block: int, now: float) -> bool:
+        when = self._sent.get(replica, {}).get(block)
+        return when is not None and when >= now - self.ttl_s
+
+    def match(self, replica: Any, blocks: Sequence[int], now: float) -> int:
+        """How many leading blocks of `blocks` were sent to the replica within the TTL."""
+        n = 0
+        for h in blocks:
+            if not self.holds(replica, h, now):
+                break
+            n += 1
+        return n
+
+    def size(self, replica: Any) -> int:
+        return len(self._sent.get(replica, ()))
+
+    def forget(self, replica: Any) -> None:
+        self._sent.pop(replica, None)
 
 
 class KVBlockIndex:

@@ -20,13 +20,12 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from octavo.router.kv_index import KVBlockIndex
+from octavo.router.kv_index import KVBlockIndex, SentBlocks
 
 CHUNK_CHARS = 64  # text per tree node: about 16 tokens, one KV block of the replicas
 POLICIES = ("cache-aware", "round-robin", "least-load", "kv-events")
 MAX_CACHE_KEYS = 65536  # prompt_cache_key values remembered (least recently used forgotten first)
 SENT_TTL_S = 30.0  # kv-events: how long blocks sent to a replica count as held before its events say so (default)
-MAX_SENT_BLOCKS = 65536  # kv-events: blocks remembered as sent, per replica
 
 
 def chunk_hashes(text: str) -> list[bytes]:
@@ -91,8 +90,7 @@ class Router:
         if (policy == "kv-events") != (kv_index is not None):
             raise ValueError("the kv-events policy needs the replicas' KV block index, and only it uses one")
         self.kv_index = kv_index
-        self.sent_ttl_s = sent_ttl_s
-        self._sent: dict[str, OrderedDict[int, float]] = {}  # kv-events: url -> block hash -> when sent
+        self._sent = SentBlocks(sent_ttl_s)  # kv-events: blocks sent, by replica URL
         if not urls:
             raise ValueError("at least one replica (--worker URL) is needed")
         self.replicas = [Replica(u.rstrip("/")) for u in urls]
@@ -142,32 +140,18 @@ class Router:
         prefix in a burst must meet too); with no match worth it, the idlest replica, of equals the
         one holding and being sent the fewest blocks (a burst of new prefixes spreads out before
         any event is back)."""
-        index, now = self.kv_index, time.monotonic()
-        for sent in self._sent.values():  # forget what expired everywhere (sizes compare below)
-            while sent and (len(sent) > MAX_SENT_BLOCKS or next(iter(sent.values())) < now - self.sent_ttl_s):
-                sent.popitem(last=False)
-        matched = {r.url: max(index.match(r.url, blocks), self._match_sent(r.url, blocks, now)) for r in live}
+        index, now, sent = self.kv_index, time.monotonic(), self._sent
+        sent.prune(now)
+        matched = {r.url: max(index.match(r.url, blocks), sent.match(r.url, blocks, now)) for r in live}
         best = max(live, key=lambda r: (matched[r.url], -r.in_flight))
         if self._is_uneven(live):
             chosen = min(live, key=lambda r: r.in_flight)
         elif blocks and matched[best.url] / len(blocks) >= self.cache_threshold:
             chosen = best
         else:  # held nowhere: the idlest replica; of equals, the one holding and being sent the fewest blocks
-            chosen = min(live, key=lambda r: (r.in_flight, index.num_blocks(r.url) + len(self._sent.get(r.url, ()))))
-        sent = self._sent.setdefault(chosen.url, OrderedDict())
-        for h in blocks:
-            sent[h] = now
-            sent.move_to_end(h)
+            chosen = min(live, key=lambda r: (r.in_flight, index.num_blocks(r.url) + sent.size(r.url)))
+        sent.mark(chosen.url, blocks, now)
         return Choice(chosen, 0, matched[chosen.url])
-
-    def _match_sent(self, url: str, blocks: list[int], now: float) -> int:
-        sent = self._sent.get(url, {})
-        n = 0
-        for h in blocks:
-            if h not in sent or sent[h] < now - self.sent_ttl_s:
-                break
-            n += 1
-        return n
 
     def _is_uneven(self, live: list[Replica]) -> bool:
         loads = [r.in_flight for r in live]
