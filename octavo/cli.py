@@ -12,7 +12,8 @@ import sys
 import time
 
 from octavo.config import ACTIVATION_DTYPES, DEFAULT_MAX_WAIT_STEPS
-from octavo.server.tools import TOOL_CALL_PARSERS
+from octavo.server.parsers.reasoning import REASONING_PARSERS
+from octavo.server.parsers.tool_calls import TOOL_CALL_PARSERS
 
 DEFAULT_CHATS = [
     "What is the capital of France? Answer in one sentence.",
@@ -187,6 +188,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         enable_debug_endpoints=args.enable_debug_endpoints,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        trust_request_chat_template=args.trust_request_chat_template,
         max_stored_responses=args.max_stored_responses,
         max_stored_response_bytes=args.max_stored_response_bytes,
         grammar_compile_timeout_s=args.grammar_compile_timeout,
@@ -582,8 +585,15 @@ def _add_serve(sub) -> None:
     serve.add_argument("--allow-runtime-lora-updating", action="store_true",
                        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora)")
     serve.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-                       help="how tool_choice \"auto\" reads the model's own tool calls (hermes: <tool_call>{...}</tool_call>, "
-                            "Qwen and Hermes models); without it \"auto\" with tools is refused")
+                       help="how tool_choice \"auto\" reads the model's own tool calls: hermes (<tool_call>{...}</tool_call>: "
+                            "Qwen, Hermes), qwen3_coder (<function=...>), llama3_json, mistral ([TOOL_CALLS]), pythonic "
+                            "([f(x=1)]); see docs/API.md. Without it, Hermes' blocks are read where the chat template does "
+                            "not render tools (Octavo then writes Hermes' instructions), and \"auto\" is refused where it does")
+    serve.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                       help="split a reasoning model's thinking (<think>...</think> and its family's spellings) into "
+                            "reasoning_content, reasoning items and thinking blocks")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let a chat request send its own chat_template (vLLM's flag; rendered in the sandbox either way)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="vLLM's flag, accepted for its scripts: auto tool choice is on whenever --tool-call-parser is given")
     serve.add_argument("--max-stored-responses", type=int, default=1024,

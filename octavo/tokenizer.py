@@ -317,12 +317,15 @@ def encode_prompt(tokenizer: Any, prompt: str, add_special_tokens: bool = True) 
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                        tools: list[dict[str, Any]] | None = None) -> list[int]:
+                        tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> list[int]:
     """Render `messages` (and `tools`, for templates that take them) with the model's chat
-    template and tokenize (the template adds specials)."""
-    if not getattr(tokenizer, "chat_template", None):
+    template and tokenize (the template adds specials). `kwargs`: template variables
+    (chat_template_kwargs such as enable_thinking) and transformers' options
+    (continue_final_message, chat_template)."""
+    if not getattr(tokenizer, "chat_template", None) and not kwargs.get("chat_template"):
         raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools,
+                                         **kwargs)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

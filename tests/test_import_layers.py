@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "octavo.simulator.workload", "octavo.json_limits",
     ]),
     ("sizing the KV cache (arithmetic)", ["octavo.memory"]),
-    ("request data (what crosses a step)", ["octavo.request", "octavo.request_queue", "octavo.outputs"]),
+    ("request data (what crosses a step)", ["octavo.request", "octavo.request_queue", "octavo.outputs", "octavo.pooling"]),
     ("the KV cache", ["octavo.kv_cache"]),
     ("the scheduler", ["octavo.scheduler", "octavo.limits", "octavo.policies", "octavo.spec_decode"]),
     ("readers of scheduling state", ["octavo.dashboard", "octavo.simulator", "octavo.metrics", "octavo.structured",

@@ -17,7 +17,8 @@ import octavo.scheduler, octavo.limits, octavo.policies, octavo.kv_cache, octavo
 import octavo.kv_cache.prefix_cache, octavo.kv_cache.tier, octavo.kv_cache.groups, octavo.kv_cache.connector
 import octavo.kv_cache.pins, octavo.kv_cache.view, octavo.kv_cache.costs, octavo.sampling.verify, octavo.spec_decode.controller, octavo.request, octavo.sampling.params, octavo.request_queue
 import octavo.outputs, octavo.config, octavo.planner, octavo.metrics, octavo.sampling.logprobs, octavo.cpu_features
-import octavo.structured.schema, octavo.server.tools
+import octavo.structured.schema, octavo.server.tools, octavo.server.parsers.tool_calls, octavo.server.parsers.reasoning
+import octavo.server.parsers.turn, octavo.pooling
 import octavo.simulator.simulator, octavo.simulator.workload, octavo.spec_decode
 from octavo import SamplingParams
 assert 'torch' not in sys.modules and 'numpy' not in sys.modules

@@ -15,7 +15,7 @@ import octavo
 from octavo.server.core import APIError, OpenAIServer, ServerLimits
 from octavo.server.debug import add_debug_routes
 from octavo.server.guard import RequestGuard, error_json
-from octavo.server.routes import admin, chat, completions, dashboard, responses, tokenizer
+from octavo.server.routes import admin, chat, completions, dashboard, messages, responses, tokenizer
 
 __all__ = ["APIError", "OpenAIServer", "ServerLimits", "build_app"]
 
@@ -37,7 +37,7 @@ def build_app(server: OpenAIServer) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_json(exc.status, exc.message, exc.type, exc.param, exc.headers)
+        return error_json(exc.status, exc.message, exc.type, exc.param, exc.headers, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -45,21 +45,21 @@ def build_app(server: OpenAIServer) -> FastAPI:
         first = errors[0] if errors else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         if first.get("type") == "json_invalid":
-            return error_json(400, f"malformed JSON body: {first.get('msg')}", "BadRequestError")
+            return error_json(400, f"malformed JSON body: {first.get('msg')}", "BadRequestError", path=request.url.path)
         message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
-        return error_json(400, message, "BadRequestError", loc[0] if loc else None)
+        return error_json(400, message, "BadRequestError", loc[0] if loc else None, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError"}.get(exc.status_code, "APIError")
-        return error_json(exc.status_code, str(exc.detail), kind)
+        return error_json(exc.status_code, str(exc.detail), kind, path=request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unexpected error in %s", request.url.path)
-        return error_json(500, f"internal error: {type(exc).__name__}", "InternalServerError")
+        return error_json(500, f"internal error: {type(exc).__name__}", "InternalServerError", path=request.url.path)
 
-    for family in (admin, tokenizer, completions, chat, responses, dashboard):
+    for family in (admin, tokenizer, completions, chat, messages, responses, dashboard):
         app.include_router(family.build_router(server))
     add_debug_routes(app, server)
     return app

@@ -22,6 +22,8 @@ from octavo.server.async_engine import (
     EngineStopped,
     LoRANotLoadedError,
 )
+from octavo.server.parsers.reasoning import ReasoningFormat, prompt_opens_reasoning, reasoning_format
+from octavo.server.parsers.tool_calls import CallFormat, call_format
 from octavo.server.protocol import new_id
 from octavo.server.tools import render_tool_calls_as_text, tools_system_prompt
 from octavo.structured.isolated import DEFAULT_COMPILE_TIMEOUT_S, GrammarQueueFull, IsolatedCompiler
@@ -61,7 +63,9 @@ class ServerLimits:
     enable_prompt_tokens_details: bool = False
     enable_debug_endpoints: bool = False
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
-    tool_call_parser: str | None = None  # how tool_choice "auto" reads the model's calls ("hermes")
+    tool_call_parser: str | None = None  # how tool_choice "auto" reads the model's calls (parsers/tool_calls.py)
+    reasoning_parser: str | None = None  # how reasoning is split from the answer (parsers/reasoning.py)
+    trust_request_chat_template: bool = False  # a request may send its own chat_template (vLLM's flag)
     max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id (oldest dropped)
     max_stored_response_bytes: int = 128 << 20  # ... and their JSON together at most this large
     grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S  # a constraint not compiled by then: 400
@@ -69,6 +73,10 @@ class ServerLimits:
     dashboard_interval_s: float = 0.25  # the dashboard builds at most one snapshot per interval (4 a second)
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser is not None:
+            call_format(self.tool_call_parser)  # ValueError naming the choices
+        if self.reasoning_parser is not None:
+            reasoning_format(self.reasoning_parser)
         if not 0.01 <= self.dashboard_interval_s <= 60:
             raise ValueError(f"--dashboard-interval must be between 0.01 and 60 seconds, got {self.dashboard_interval_s}")
         for flag, value, low, high in (
@@ -102,6 +110,10 @@ class OpenAIServer:
         # adapters by the name a request's `model` field selects (kept in step with the engine)
         self.loras: dict[str, LoRARequest] = {r.lora_name: r for r in engine.list_loras()}
         self._token_text: dict[int, str] = {}
+        self.tool_calls: CallFormat | None = (call_format(self.limits.tool_call_parser)
+                                              if self.limits.tool_call_parser else None)
+        self.reasoning: ReasoningFormat | None = (reasoning_format(self.limits.reasoning_parser)
+                                                  if self.limits.reasoning_parser else None)
         self._max_chars_per_token: int | None = None
 
     async def off_loop(self, fn: Callable, *args: Any) -> Any:
@@ -168,15 +180,21 @@ class OpenAIServer:
                 out.append(list(p))
         return out
 
+    @property
+    def template_renders_tools(self) -> bool:
+        """Whether the model's chat template writes `tools` itself; when it does not, Octavo writes
+        them as Hermes' instructions, and reads the model's calls as Hermes' blocks."""
+        return "tool" in (getattr(self.tokenizer, "chat_template", None) or "")
+
     async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                          tools: list[Any] | None = None) -> list[int]:
+                          tools: list[Any] | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of the conversation through the model's chat template. `tools` (and tool calls
         in assistant messages) go to a template that renders them; for one that does not, they are
-        written as Hermes' system prompt and <tool_call> blocks."""
+        written as Hermes' system prompt and <tool_call> blocks. `template_kwargs`: the template's
+        variables (chat_template_kwargs) and continue_final_message / a request's chat_template."""
         self.check_text_len("".join(str(m.get("content") or "") + str(m.get("tool_calls") or "") for m in messages))
-        template = getattr(self.tokenizer, "chat_template", None) or ""
-        kwargs: dict[str, Any] = {}
-        if "tool" in template:
+        kwargs: dict[str, Any] = dict(template_kwargs or {})
+        if self.template_renders_tools or kwargs.get("chat_template"):
             if tools:
                 kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
         else:
@@ -191,6 +209,20 @@ class OpenAIServer:
             return await self.off_loop(lambda: apply_chat_template(self.tokenizer, messages, add_generation_prompt, **kwargs))
         except Exception as exc:
             raise APIError(400, f"could not apply the chat template: {exc}", "BadRequestError", "messages") from exc
+
+    def auto_tool_format(self) -> CallFormat | None:
+        """How tool_choice "auto" reads the model's calls: --tool-call-parser's format; else Hermes'
+        where Octavo wrote the tools as Hermes' instructions itself (the template does not render
+        tools); else None (the template writes tools in a format only a parser flag names)."""
+        if self.tool_calls is not None:
+            return self.tool_calls
+        return None if self.template_renders_tools else call_format("hermes")
+
+    def prompt_opens_reasoning(self, ids: list[int]) -> bool:
+        """Whether the rendered prompt ends inside an open reasoning block (see parsers/reasoning.py)."""
+        if self.reasoning is None:
+            return False
+        return prompt_opens_reasoning(self.reasoning, self.tokenizer.decode(ids[-8:]))
 
     @contextlib.asynccontextmanager
     async def grammar_held(self, constraint: StructuredOutputsParams | None, param: str,

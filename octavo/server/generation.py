@@ -160,18 +160,16 @@ async def _stream_pieces(server, rid, collector: OutputCollector, prompts, param
             body["usage"] = usage_body
         return sse(body)
 
-    first = choices.first_chunks(len(prompts) * params.n)
-    if first:
-        yield chunk(first)
+    # one choice a chunk, as OpenAI and vLLM send them: clients read chunk.choices[0]
+    for first in choices.first_chunks(len(prompts) * params.n):
+        yield chunk([first])
     while batch := await collector.next_batch():
-        body_choices = []
         for i, out in batch:
             totals[i] = out
             for c in out.outputs:
                 num_tokens += len(c.token_ids)
-                body_choices.extend(choices.delta(i * params.n + c.index, out, c))
-        if body_choices:
-            yield chunk(body_choices)
+                for body_choice in choices.delta(i * params.n + c.index, out, c):
+                    yield chunk([body_choice])
     if include_usage:
         yield chunk([], usage(server, prompts, num_tokens, list(totals.values())))
     yield "data: [DONE]\n\n"

@@ -23,19 +23,45 @@ def error_body(status: int, message: str, type_: str, param: str | None = None) 
     return {"error": {"message": message, "type": type_, "param": param, "code": status}}
 
 
+# Anthropic's error types by status (its API's errors page)
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+                    500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    """The Anthropic error shape (for /v1/messages)."""
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500
+                                                                        else "api_error"), "message": message}}
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
 def error_json(status: int, message: str, type_: str, param: str | None = None,
-               headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, type_, param), status_code=status, headers=headers)
+               headers: dict[str, str] | None = None, path: str = "") -> JSONResponse:
+    body = anthropic_error_body(status, message) if is_anthropic_path(path) else error_body(status, message, type_, param)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 async def _send_error(send: Any, status: int, message: str, type_: str, headers: dict[str, str] | None = None,
-                      param: str | None = None) -> None:
-    body = json.dumps(error_body(status, message, type_, param)).encode()
+                      param: str | None = None, path: str = "") -> None:
+    body = json.dumps(anthropic_error_body(status, message) if is_anthropic_path(path)
+                      else error_body(status, message, type_, param)).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
            (b"connection", b"close")]
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})
+
+
+def api_key_matches(headers: dict[str, str], api_key: str) -> bool:
+    """'Authorization: Bearer <key>', or Anthropic's 'x-api-key: <key>'."""
+    if bearer_token_matches(headers.get("authorization"), api_key):
+        return True
+    given = headers.get("x-api-key")
+    return given is not None and secrets.compare_digest(given.strip().encode(), api_key.encode())
 
 
 def bearer_token_matches(header: str | None, api_key: str) -> bool:
@@ -66,15 +92,17 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        path = scope["path"]
         if self.api_key and needs_key(scope["path"]):
-            if not bearer_token_matches(headers.get("authorization"), self.api_key):
-                await _send_error(send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                  "AuthenticationError", {"WWW-Authenticate": "Bearer"})
+            if not api_key_matches(headers, self.api_key):
+                await _send_error(send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>' "
+                                  "(or 'x-api-key: <key>')", "AuthenticationError", {"WWW-Authenticate": "Bearer"},
+                                  path=path)
                 return
         too_large = f"the request body is larger than the limit of {self.max_body_bytes} bytes (--max-request-bytes)"
         declared = headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
-            await _send_error(send, 413, too_large, "RequestTooLargeError")
+            await _send_error(send, 413, too_large, "RequestTooLargeError", path=path)
             return
         body = bytearray()
         while True:
@@ -82,20 +110,20 @@ class RequestGuard:
                 message = await asyncio.wait_for(receive(), self.body_timeout_s)
             except asyncio.TimeoutError:
                 await _send_error(send, 408, f"the request body stopped arriving for {self.body_timeout_s:g} s",
-                                  "RequestTimeoutError")
+                                  "RequestTimeoutError", path=path)
                 return
             if message["type"] == "http.disconnect":
                 return  # the client left before sending its body: nothing to answer
             body += message.get("body", b"")
             if len(body) > self.max_body_bytes:
-                await _send_error(send, 413, too_large, "RequestTooLargeError")
+                await _send_error(send, 413, too_large, "RequestTooLargeError", path=path)
                 return
             if not message.get("more_body", False):
                 break
         # a big body's scan runs off the event loop (a 4 MiB body of brackets takes ~1 s)
         nested = json_nesting_error(body) if len(body) < 1 << 16 else await asyncio.to_thread(json_nesting_error, bytes(body))
         if nested is not None:
-            await _send_error(send, 400, nested, "BadRequestError", param=nested.split(":", 1)[0])
+            await _send_error(send, 400, nested, "BadRequestError", param=nested.split(":", 1)[0], path=path)
             return
         replayed = False
 

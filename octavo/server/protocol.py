@@ -8,7 +8,6 @@ OpenAI fields this server cannot honour are refused with a 400 (`unsupported`), 
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any, Literal
@@ -68,6 +67,11 @@ REFUSED_FIELDS = {
     "vllm_xargs": "vllm_xargs", "spaces_between_special_tokens": "spaces_between_special_tokens",
     "logprobs_mode": "logprobs_mode", "return_token_ids": "return_token_ids",
 }
+# template variables a request may not set through chat_template_kwargs (the server sets them)
+RESERVED_TEMPLATE_KEYS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "tokenize", "chat_template",
+                                    "continue_final_message", "return_dict", "return_tensors", "tokenizer_kwargs",
+                                    "padding", "truncation", "max_length", "return_assistant_tokens_mask",
+                                    "sanitize_control_tokens", "bos_token", "eos_token"})
 _NEUTRAL = {"modalities": (["text"],), "service_tier": ("auto", "default"), "guided_decoding_backend": ("xgrammar", "auto")}
 
 
@@ -156,6 +160,8 @@ class _SamplingFields(_Body):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, message) of the first field set to a value this server cannot honour."""
+        if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM answer
+            return "stream_options", "stream_options: only allowed when stream is true"
         if isinstance(self.stop, str) and not 1 <= len(self.stop) <= MAX_STOP_STRING_CHARS:
             return "stop", f"stop must be 1 to {MAX_STOP_STRING_CHARS} characters"
         return self.refused_extra()
@@ -398,6 +404,27 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # the template's own variables (Qwen3's enable_thinking...), vLLM's extension; reasoning_effort
+    # reaches templates that read it (gpt-oss) under that name
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=64)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    chat_template: str | None = Field(None, max_length=MAX_SPEC_CHARS)  # only with --trust-request-chat-template
+    continue_final_message: bool = False  # the last (assistant) message is continued, not closed
+    include_reasoning: bool = True  # vLLM's: False drops reasoning_content from the answer
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What goes to the chat template beside the messages; ValueError naming a reserved key."""
+        out = dict(self.chat_template_kwargs or {})
+        for key in out:
+            if key in RESERVED_TEMPLATE_KEYS or key.startswith("_"):
+                raise ValueError(f"chat_template_kwargs: {key!r} is set by the server, not by a request")
+        if self.reasoning_effort is not None:
+            out.setdefault("reasoning_effort", self.reasoning_effort)
+        if self.continue_final_message:
+            out["continue_final_message"] = True
+        if self.chat_template is not None:
+            out["chat_template"] = self.chat_template
+        return out
 
     def plain_messages(self) -> list[dict[str, Any]]:
         return [m.as_template_dict() for m in self.messages]
@@ -408,6 +435,9 @@ class ChatCompletionRequest(_SamplingFields):
             return "echo", "echo is not supported on chat completions by this server (use /v1/completions)"
         if extra.get("use_beam_search"):
             return "use_beam_search", "use_beam_search is not supported on chat completions (use /v1/completions)"
+        if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
+            return "continue_final_message", ("continue_final_message needs add_generation_prompt: false and an "
+                                               "assistant message last (the one continued)")
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:

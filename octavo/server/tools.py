@@ -1,31 +1,17 @@
 """Tool calling for chat completions: the grammar that forces a call (tool_choice "required" or a
-named function), and the parser of a model's own calls (Hermes' <tool_call> blocks, for "auto"),
-whole or as a stream."""
+named function), reading the forced calls back, and the Hermes instructions written for templates
+that do not render tools. A model's own calls (tool_choice "auto") are read by parsers/tool_calls.py."""
 
 from __future__ import annotations
 
 import json
-import uuid
-from dataclasses import dataclass, field
+import re
 from typing import Any
 
 from octavo.sampling.params import StructuredOutputsParams
+from octavo.server.parsers.tool_calls import ParsedCall, arguments_text
 
-TOOL_CALL_PARSERS = ("hermes",)
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
-
-
-@dataclass(slots=True)
-class ParsedCall:
-    name: str
-    arguments: str  # JSON text
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-
-    def as_openai(self, index: int | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-        if index is not None:
-            out["index"] = index
-        return out
 
 
 def _parameters(tool: Any) -> dict[str, Any]:
@@ -79,117 +65,49 @@ def _rebase_refs(node: Any, base: str) -> Any:
 
 
 def parse_forced_calls(text: str, tool_choice: Any, complete: bool = True) -> list[ParsedCall] | None:
-    """The calls in a constrained output. `complete` False (the output was cut by max_tokens): for
-    "required", the calls of the array that were written whole, None if there are none; for a
-    named function, None. Never raises on what a model wrote (nesting too deep for the parser
-    included)."""
+    """The calls in a constrained output. `complete` False (the output was cut by max_tokens): the
+    calls are still calls, as OpenAI returns them with finish_reason "length": a named function's
+    arguments as far as they were written; for "required", the calls written whole and then the cut
+    one, when its name was written (its arguments as far as they go). None when there is no call.
+    Never raises on what a model wrote (nesting too deep for the parser included)."""
     try:
         if tool_choice != "required":
-            return [ParsedCall(tool_choice.function.name, _arguments_text(json.loads(text)))] if complete else None
-        items = json.loads(text) if complete else _whole_array_items(text)
-        calls = [ParsedCall(c["name"], _arguments_text(c["parameters"])) for c in items
+            name = tool_choice.function.name
+            return [ParsedCall(name, arguments_text(json.loads(text)) if complete else text)]
+        if complete:
+            items, cut = json.loads(text), None
+        else:
+            items, cut = _whole_array_items(text)
+        calls = [ParsedCall(c["name"], arguments_text(c["parameters"])) for c in items
                  if isinstance(c, dict) and isinstance(c.get("name"), str) and "parameters" in c]
     except (ValueError, RecursionError, TypeError):
         return None
+    if cut is not None and (named := _CUT_CALL.match(cut)):
+        calls.append(ParsedCall(json.loads(f'"{named.group(1)}"'), named.group(2)))
     return calls or None
 
 
-def _whole_array_items(text: str) -> list[Any]:
-    """The items of a JSON array that was cut off, as far as they were written whole."""
+# a cut item of "required"'s array: {"name": "NAME", "parameters": ARGUMENTS-SO-FAR
+_CUT_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"parameters"\s*:\s*(.*)\Z', re.S)
+
+
+def _whole_array_items(text: str) -> tuple[list[Any], str | None]:
+    """The items of a JSON array that was cut off, as far as they were written whole, and the text
+    of the cut item (None if the cut fell between items)."""
     decoder = json.JSONDecoder()
     pos = text.find("[") + 1
     items: list[Any] = []
     if pos == 0:
-        return items
+        return items, None
     while True:
         while pos < len(text) and text[pos] in " \t\n\r,":
             pos += 1
         try:
             value, pos = decoder.raw_decode(text, pos)
         except ValueError:  # the cut item (or the closing bracket)
-            return items
+            rest = text[pos:]
+            return items, (rest if rest.strip() and not rest.lstrip().startswith("]") else None)
         items.append(value)
-
-
-def _arguments_text(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-
-
-def _hermes_call(body: str) -> ParsedCall | None:
-    """The call a <tool_call> block holds, or None if it is not one (invalid or too deeply nested JSON)."""
-    try:
-        value = json.loads(body)
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-            return None
-        return ParsedCall(value["name"], _arguments_text(value.get("arguments", value.get("parameters", {}))))
-    except (ValueError, RecursionError):
-        return None
-
-
-def parse_hermes(text: str) -> tuple[str | None, list[ParsedCall]]:
-    """(content outside the calls or None, calls) of a whole output. A block that is not valid
-    JSON with a "name" stays in the content, as the model wrote it."""
-    content, calls, pos = [], [], 0
-    while (start := text.find(HERMES_OPEN, pos)) != -1:
-        end = text.find(HERMES_CLOSE, start)
-        body_end = end if end != -1 else len(text)
-        call = _hermes_call(text[start + len(HERMES_OPEN): body_end].strip())
-        if call is None:
-            break
-        content.append(text[pos:start])
-        calls.append(call)
-        pos = body_end + len(HERMES_CLOSE) if end != -1 else len(text)
-    content.append(text[pos:])
-    rest = "".join(content).strip()
-    return (rest or None), calls
-
-
-class HermesStream:
-    """Feeds streamed text; returns content to show now and calls completed now. Text that could
-    be the start of a <tool_call> tag is held back until it is clearly not one."""
-
-    def __init__(self) -> None:
-        self._buffer = ""
-        self._in_call = False
-        self.calls: list[ParsedCall] = []
-
-    def feed(self, text: str, finished: bool = False) -> tuple[str, list[ParsedCall]]:
-        self._buffer += text
-        shown, new_calls = [], []
-        while True:
-            if self._in_call:
-                end = self._buffer.find(HERMES_CLOSE)
-                if end == -1 and not finished:
-                    break
-                body = self._buffer[: end if end != -1 else len(self._buffer)]
-                call = _hermes_call(body.strip())
-                if call is None:  # not a call after all: show it as written
-                    shown.append(HERMES_OPEN + body + (HERMES_CLOSE if end != -1 else ""))
-                else:
-                    new_calls.append(call)
-                self._buffer = self._buffer[end + len(HERMES_CLOSE):] if end != -1 else ""
-                self._in_call = False
-                continue
-            start = self._buffer.find(HERMES_OPEN)
-            if start != -1:
-                shown.append(self._buffer[:start])
-                self._buffer = self._buffer[start + len(HERMES_OPEN):]
-                self._in_call = True
-                continue
-            keep = 0 if finished else _partial_tag_len(self._buffer)
-            shown.append(self._buffer[: len(self._buffer) - keep])
-            self._buffer = self._buffer[len(self._buffer) - keep:]
-            break
-        self.calls.extend(new_calls)
-        return "".join(shown), new_calls
-
-
-def _partial_tag_len(text: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of <tool_call>."""
-    for n in range(min(len(text), len(HERMES_OPEN) - 1), 0, -1):
-        if HERMES_OPEN.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def tools_system_prompt(tools: list[Any]) -> str:

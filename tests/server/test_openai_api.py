@@ -89,6 +89,9 @@ def test_logprobs_are_present_and_consistent(client):
     assert "".join(lp.tokens) == resp.choices[0].text
     for logprob, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert len(top) == 2 and logprob <= 0 and max(top.values()) == pytest.approx(logprob, abs=1e-5)
+    # logprobs 0: the sampled token's own entry (OpenAI's), not an empty one
+    zero = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=0).choices[0].logprobs
+    assert [list(top) for top in zero.top_logprobs] == [[t] for t in zero.tokens]
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
                                           temperature=0, logprobs=True, top_logprobs=3)
     content = chat.choices[0].logprobs.content

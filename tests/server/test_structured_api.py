@@ -119,7 +119,9 @@ def test_echo_with_logprobs_and_prompt_logprobs(client):
     num_prompt = r.usage.prompt_tokens
     assert len(lp.tokens) == num_prompt + r.usage.completion_tokens
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(2 <= len(t) <= 3 for t in lp.top_logprobs[1:])
+    # the prompt's own token is always among them (OpenAI: the top N and the chosen token)
+    assert all(t[tok] == v for t, tok, v in zip(lp.top_logprobs[1:], lp.tokens[1:], lp.token_logprobs[1:]))
     assert "".join(lp.tokens) == c.text and lp.text_offset[1] == len(lp.tokens[0])
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
     assert c.text == prompt + plain.choices[0].text

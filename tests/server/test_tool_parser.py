@@ -8,7 +8,8 @@ import httpx
 import openai
 import pytest
 
-from octavo.server.tools import HermesStream, parse_forced_calls, parse_hermes
+from octavo.server.parsers.tool_calls import CallStream, call_format, parse_calls
+from octavo.server.tools import parse_forced_calls
 from tests.server.scripted import scripted_engine, serve_in_thread
 
 ANSWER = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'
@@ -19,6 +20,14 @@ TOOLS = [
                                                      "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}},
     {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}},
 ]
+
+
+def parse_hermes(text):
+    return parse_calls(call_format("hermes"), text)
+
+
+def HermesStream():  # noqa: N802 (the stream's old name)
+    return CallStream(call_format("hermes"))
 
 
 def test_parse_hermes_whole():

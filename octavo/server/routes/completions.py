@@ -27,7 +27,9 @@ def completion_logprobs(server: OpenAIServer, lps: list[TokenLogprob] | None, of
     return {
         "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{server.token_text(t): v for t, v in lp.top.items()} if lp.top is not None else None for lp in lps],
+        # OpenAI's: the top alternatives and always the sampled token (logprobs 0: that token alone)
+        "top_logprobs": [{**{server.token_text(t): v for t, v in lp.top.items()}, text: lp.logprob}
+                         if lp.top is not None else None for lp, text in zip(lps, tokens)],
         "text_offset": offsets,
     }
 

@@ -1,0 +1,195 @@
+"""A chat request from its body to the engine and back, shared by the routes that speak chat
+(/v1/chat/completions, Anthropic's /v1/messages): checks, the conversation through the chat
+template, sampling params with the grammar that forces a tool call (`prepare_chat`), and the
+assistant messages written from the outputs: logprobs, reasoning (split off by
+--reasoning-parser) and tool calls (forced, or read from the model's own by --tool-call-parser),
+whole or streamed (`ChatChoices`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+from octavo.lora.request import LoRARequest
+from octavo.request import CompletionOutput, RequestOutput, TokenLogprob
+from octavo.sampling.params import SamplingParams
+from octavo.server.core import APIError, OpenAIServer, sampling_params, vllm_prompt_logprobs
+from octavo.server.protocol import ChatCompletionRequest
+from octavo.server.parsers.tool_calls import CallFormat, ParsedCall, Schemas, tool_schemas
+from octavo.server.parsers.turn import TurnStream
+from octavo.server.tools import forced_call_constraint, parse_forced_calls
+
+
+def chat_logprobs(server: OpenAIServer, lps: list[TokenLogprob] | None) -> dict | None:
+    if lps is None:
+        return None
+
+    def entry(token_id: int, logprob: float) -> dict:
+        text = server.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top.items()]} for lp in lps]}
+
+
+class ChatChoices:
+    """Assistant messages. `mode`: "none" (text), "auto" (the model's own calls read by `calls`,
+    its tool-call format), "required" (a JSON array of calls, grammar-enforced) or "named" (one
+    function's arguments, grammar-enforced). With a reasoning parser, the reasoning is split off
+    first (`reasoning_content`) and calls are read from the answer after it."""
+
+    object_name, chunk_name = "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, server: OpenAIServer, mode: str, tool_choice: Any, parallel: bool = True,
+                 calls: CallFormat | None = None, schemas: Schemas | None = None, starts_in_reasoning: bool = False,
+                 include_reasoning: bool = True) -> None:
+        self.server, self.mode, self.tool_choice, self.parallel = server, mode, tool_choice, parallel
+        self.calls, self.schemas = (calls if mode == "auto" else None), schemas
+        self.reasoning, self.starts_in_reasoning = server.reasoning, starts_in_reasoning
+        self.include_reasoning = include_reasoning
+        self._buffers: dict[int, str] = {}  # "required": text so far per choice
+        self._named_started: set[int] = set()
+        self._turns: dict[int, TurnStream] = {}
+
+    def _turn(self) -> TurnStream:
+        return TurnStream(self.reasoning, self.starts_in_reasoning, self.calls, self.schemas,
+                          None if self.parallel else 1)
+
+    def _reasoning_fields(self, reasoning: str | None) -> dict[str, Any]:
+        # vLLM's reasoning_content, and `reasoning`, the name newer clients read
+        if self.reasoning is None or not self.include_reasoning or reasoning is None:
+            return {}
+        return {"reasoning_content": reasoning, "reasoning": reasoning}
+
+    def _finish(self, reason: str | None, has_calls: bool) -> str | None:
+        if has_calls and reason == "stop" and self.mode != "named":  # OpenAI: a named call ends with "stop"
+            return "tool_calls"
+        return reason
+
+    def final(self, index: int, out: RequestOutput, c: CompletionOutput) -> dict:
+        turn = self._turn()
+        piece = turn.feed(c.text, finished=True)
+        reasoning = piece.reasoning if turn.has_reasoning else None
+        content: str | None = piece.content
+        calls = turn.calls
+        if self.mode in ("required", "named") and c.finish_reason in ("stop", "length"):
+            forced = parse_forced_calls(piece.content, self.tool_choice, complete=c.finish_reason == "stop")
+            calls = forced or []
+            content = None if forced else content
+        elif calls:
+            content = content.strip() or None
+        message: dict[str, Any] = {"role": "assistant", "content": content, **self._reasoning_fields(reasoning)}
+        if calls:
+            message["tool_calls"] = [call.as_openai() for call in calls]
+        return {"index": index, "message": message, "logprobs": chat_logprobs(self.server, c.logprobs),
+                "finish_reason": self._finish(c.finish_reason, bool(calls)), "stop_reason": c.stop_reason}
+
+    def delta(self, index: int, out: RequestOutput, c: CompletionOutput) -> list[dict]:
+        logprobs = chat_logprobs(self.server, c.logprobs)
+        done = c.finish_reason is not None
+        has_calls = False
+        if self.mode == "named":
+            delta: dict[str, Any] = {}
+            if index not in self._named_started and (c.text or done):
+                self._named_started.add(index)
+                call = ParsedCall(self.tool_choice.function.name, "")
+                delta = {"tool_calls": [call.as_openai(0) | {"function": {"name": call.name, "arguments": c.text}}]}
+            elif c.text:
+                delta = {"tool_calls": [{"index": 0, "function": {"arguments": c.text}}]}
+            has_calls = True
+        elif self.mode == "required":
+            self._buffers[index] = self._buffers.get(index, "") + c.text
+            delta = {}
+            if done:
+                calls = parse_forced_calls(self._buffers.pop(index), self.tool_choice, complete=c.finish_reason == "stop")
+                has_calls = bool(calls)
+                delta = {"tool_calls": [call.as_openai(k) for k, call in enumerate(calls)]} if calls else {}
+        else:
+            turn = self._turns.setdefault(index, self._turn())
+            first_call = len(turn.calls)
+            piece = turn.feed(c.text, finished=done)
+            delta = self._reasoning_fields(piece.reasoning) if piece.reasoning else {}
+            if piece.content:
+                delta["content"] = piece.content
+            if piece.calls:
+                delta["tool_calls"] = [call.as_openai(first_call + k) for k, call in enumerate(piece.calls)]
+            has_calls = bool(turn.calls)
+        if not delta and not done and not c.logprobs:
+            return []
+        return [{"index": index, "delta": delta, "logprobs": logprobs,
+                 "finish_reason": self._finish(c.finish_reason, has_calls)}]
+
+    def first_chunks(self, num_choices: int) -> list[dict]:
+        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(num_choices)]
+
+    def extra_fields(self, finals: dict[int, RequestOutput]) -> dict:
+        out = finals.get(0)
+        if out is not None and out.prompt_logprobs is not None:
+            return {"prompt_logprobs": vllm_prompt_logprobs(self.server, out.prompt_logprobs)}
+        return {}
+
+
+@dataclass(slots=True)
+class PreparedChat:
+    """A chat request checked, rendered and turned into sampling params, ready for the engine."""
+
+    req: ChatCompletionRequest  # with max_tokens resolved
+    ids: list[int]
+    params: SamplingParams
+    mode: str  # "none", "auto", "required" or "named" (see ChatChoices)
+    tool_choice: Any
+    calls: CallFormat | None  # how "auto" reads the model's calls
+    schemas: Schemas
+    starts_in_reasoning: bool
+    constraint_param: str  # the field a 400 about the output constraint names
+    lora: LoRARequest | None
+
+    def choices(self, server: OpenAIServer) -> ChatChoices:
+        return ChatChoices(server, self.mode, self.tool_choice, self.req.parallel_tool_calls, self.calls, self.schemas,
+                           self.starts_in_reasoning, self.req.include_reasoning)
+
+
+async def prepare_chat(server: OpenAIServer, req: ChatCompletionRequest) -> PreparedChat:
+    """Check a chat request, render its conversation and build its sampling params (with the
+    grammar that forces a call, if one is asked); APIError (400/404) for what cannot be served."""
+    lora = server.check_request(req)
+    if req.chat_template is not None and not server.limits.trust_request_chat_template:
+        raise APIError(400, "chat_template: a request's own chat template needs a server started with "
+                            "--trust-request-chat-template", "BadRequestError", "chat_template")
+    try:
+        template_kwargs = req.template_kwargs()
+    except ValueError as exc:
+        raise APIError(400, str(exc), "BadRequestError", "chat_template_kwargs") from exc
+    tool_choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
+    calls = server.auto_tool_format()
+    if tool_choice == "auto" and req.tools and calls is None:
+        raise APIError(400, 'tool_choice "auto" needs a server started with --tool-call-parser (this model\'s chat '
+                            'template writes the tools in its own format); use "required" or a named function to '
+                            'force a call', "BadRequestError", "tool_choice")
+    try:
+        forced = forced_call_constraint(req.tools or [], tool_choice, req.parallel_tool_calls)
+    except ValueError as exc:  # the tools' schemas together are larger than a constraint may be
+        raise APIError(400, f"tools: the schema that forces the call (every tool's parameters) cannot be used: {exc}",
+                       "BadRequestError", "tools") from exc
+    if forced is not None and req.structured_fields_set():
+        raise APIError(400, f"{req.structured_param()}: an output constraint cannot be combined with a forced tool call",
+                       "BadRequestError", req.structured_param())
+    tools = req.tools if tool_choice != "none" else None
+    ids = await server.render_chat(req.plain_messages(), req.add_generation_prompt, tools, template_kwargs)
+    server.check_prompt_len(ids)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    req = req.model_copy(update={"max_tokens": max_tokens})
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(req, server.max_model_len - len(ids), logprobs)
+    if forced is not None:
+        params = dataclasses.replace(params, structured_outputs=forced)
+    mode = "named" if not isinstance(tool_choice, str) else (
+        tool_choice if tool_choice in ("required", "none") else ("auto" if req.tools else "none"))
+    if mode == "auto" and calls is not None and calls.keeps_special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=False)  # its markers are special tokens
+    return PreparedChat(req, ids, params, mode, tool_choice, calls, tool_schemas(req.tools),
+                        server.prompt_opens_reasoning(ids), "tools" if forced else req.structured_param(), lora)
+
+
