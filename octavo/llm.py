@@ -1,4 +1,4 @@
-"""LLM: the offline Python API (generate, chat) over an LLMEngine."""
+"""LLM: the offline Python API (generate, chat, embed) over an LLMEngine."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from octavo.engine import LLMEngine
 from octavo.engine_args import EngineArgs
 from octavo.request import RequestOutput
 from octavo.lora.request import LoRARequest
-from octavo.sampling.params import BeamSearchParams, RequestOutputKind, SamplingParams
+from octavo.sampling.params import BeamSearchParams, PoolingParams, RequestOutputKind, SamplingParams
 from octavo.tokenizer import apply_chat_template
 
 Prompt = str | list[int]
@@ -112,6 +112,15 @@ class LLM:
             salts[i] = extra.get("cache_salt", salts[i])
             loras[i] = extra.get("lora_request", loras[i])
         return self._run(self._add_all(batch, params, priorities, salts, loras), use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True, lora_request: LoRARequest | None = None) -> list[RequestOutput]:
+        """Each prompt's embedding (`output.embedding`): its final hidden states pooled as
+        `pooling_params` says (default: the last token's state, normalised), in the same batches
+        as generation; outputs in prompt order (vLLM's `LLM.embed`)."""
+        params = SamplingParams(max_tokens=1, pooling=pooling_params or PoolingParams(),
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        return self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(
         self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = True

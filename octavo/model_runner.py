@@ -24,7 +24,7 @@ from octavo.lora.layers import apply_lora
 from octavo.lora.slots import LoRASlots
 from octavo.memory import keep_freed_memory_mapped
 from octavo.models.layers import CausalLM
-from octavo.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TierTransfer
+from octavo.outputs import ModelRunnerOutput, PooledChunk, ScheduledRequest, SchedulerOutput, TierTransfer
 from octavo.sampling.params import SamplingParams
 from octavo.sampling.logprobs import TokenLogprob
 from octavo.sampling.sampler import SamplingRow, sample
@@ -407,8 +407,9 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
         prompt_logprobs = self._prompt_logprobs(entries, hidden)
+        pooled = self._pooled(entries, hidden)
         if not rows:
-            return ModelRunnerOutput(tokens={}, prompt_logprobs=prompt_logprobs)
+            return ModelRunnerOutput(tokens={}, prompt_logprobs=prompt_logprobs, pooled=pooled)
         logits = self.model.compute_logits(hidden[row_index])  # [num_rows, vocab] float32
         if self.rank != 0:  # the logits' gather is a collective every rank joins; rank 0 samples
             return ModelRunnerOutput(tokens={})
@@ -418,7 +419,7 @@ class ModelRunner:
         spec = {e.samples[0].seq_id: e.samples[0].draft_token_ids for e in entries if e.samples and e.samples[0].draft_token_ids}
         states: dict[int, object] | None = {i: None for i, sid in enumerate(seq_ids) if sid in spec} if spec else None
         tokens, logprobs = sample(logits, rows, allowed, states)
-        out = ModelRunnerOutput(tokens={}, prompt_logprobs=prompt_logprobs)
+        out = ModelRunnerOutput(tokens={}, prompt_logprobs=prompt_logprobs, pooled=pooled)
         for sid, kept in verify(seq_ids, tokens, logprobs, spec).items():
             out.tokens[sid] = kept.tokens
             if kept.logprobs is not None:
@@ -426,6 +427,28 @@ class ModelRunner:
             state = states.get(kept.rewind_row) if states is not None and kept.rewind_row is not None else None
             if state is not None:  # its generator as if it had drawn only for the rows kept
                 self._generators[sid].set_state(state)
+        return out
+
+    def _pooled(self, entries: list[ScheduledRequest], hidden: torch.Tensor) -> dict[str, PooledChunk]:
+        """For embedding requests: what each one's pooling takes from this step's chunk (see
+        ModelRunnerOutput.pooled), in float32."""
+        out: dict[str, PooledChunk] = {}
+        offset = 0
+        for e in entries:
+            pooling = e.sampling_params.pooling
+            if pooling is not None:
+                rows = hidden[offset : offset + e.num_tokens]  # [chunk, hidden]
+                end, num_prompt = e.start_pos + e.num_tokens, len(e.prompt_token_ids)
+                value = None
+                if pooling.pooling_type == "mean":
+                    value = rows.float().sum(dim=0)
+                elif pooling.pooling_type == "last" and end == num_prompt:
+                    value = rows[-1].float()
+                elif pooling.pooling_type == "cls" and e.start_pos == 0:
+                    value = rows[0].float()
+                if value is not None:
+                    out[e.request_id] = PooledChunk(e.start_pos, e.num_tokens, value.tolist())
+            offset += e.num_tokens
         return out
 
     def _prompt_logprobs(self, entries: list[ScheduledRequest], hidden: torch.Tensor) -> dict[str, tuple[int, list[TokenLogprob]]]:

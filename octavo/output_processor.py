@@ -51,6 +51,7 @@ class _RequestState:
     beam: BeamGroup | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     sent_prompt_logprobs: bool = False  # DELTA outputs carry them once
+    embedding: list[float] | None = None  # an embedding request's, once it has finished
 
     @property
     def finished(self) -> bool:
@@ -136,6 +137,8 @@ class OutputProcessor:
         verified drafts; stop strings checked after each (the tokens after a stop are dropped)."""
         if state.prompt_logprobs is None and seq.sampling_params.prompt_logprobs is not None:
             state.prompt_logprobs = [None, *seq.prompt_logprobs]
+        if seq.embedding is not None:
+            state.embedding = seq.embedding
         comp = state.completions[seq.sample_index]
         for index in range(len(comp.token_ids), seq.num_output_tokens):
             token = seq.output_token_ids[index]
@@ -153,7 +156,7 @@ class OutputProcessor:
         elif seq.is_finished:
             result.ended_seq_ids.append(seq.request_id)
             comp.finish_reason = seq.finish_reason.value
-            if seq.finish_reason is FinishReason.STOP and comp.token_ids[-1] in seq.sampling_params.stop_token_ids:
+            if seq.finish_reason is FinishReason.STOP and comp.token_ids and comp.token_ids[-1] in seq.sampling_params.stop_token_ids:
                 comp.stop_reason = comp.token_ids[-1]
         if state.first_token_time is None:
             state.first_token_time = seq.first_token_time
@@ -219,6 +222,7 @@ def _output(state: _RequestState, finished: bool) -> RequestOutput:
             tier_load_wait=state.tier_load_wait,
         ),
         prompt_logprobs=prompt_logprobs,
+        embedding=state.embedding if finished else None,
     )
 
 
@@ -267,5 +271,6 @@ def merge_deltas(items: list[tuple[int, RequestOutput]]) -> list[tuple[int, Requ
             request_id=last.request_id, prompt=last.prompt, prompt_token_ids=last.prompt_token_ids,
             outputs=completions, finished=last.finished, num_cached_tokens=last.num_cached_tokens,
             metrics=last.metrics, prompt_logprobs=next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None),
+            embedding=last.embedding,
         )))
     return merged

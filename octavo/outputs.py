@@ -90,6 +90,13 @@ class SchedulerOutput:
 
 
 @dataclass(slots=True)
+class PooledChunk:
+    start_pos: int  # the chunk's first position
+    num_tokens: int
+    values: list[float]  # [hidden]: the sum ("mean") or the one state ("last", "cls")
+
+
+@dataclass(slots=True)
 class ModelRunnerOutput:
     """Per sequence id that sampled (see ScheduledRequest.samples) its new tokens: one, or after
     verifying drafts the drafts kept and then one more (sampling/verify.py); their logprobs where
@@ -100,6 +107,10 @@ class ModelRunnerOutput:
     # request id -> logprobs of the prompt tokens at positions [start, start + len) computed this
     # step, as (start, entries); only for requests asking prompt_logprobs
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+    # request id -> what its embedding (SamplingParams.pooling) takes from this step's chunk: the
+    # sum of the chunk's final hidden states ("mean"), or the state of its last / first prompt token
+    # ("last" / "cls") when the chunk holds it; as plain floats (the scheduler is pure Python)
+    pooled: dict[str, PooledChunk] = field(default_factory=dict)
     # Second KV tier: pool block id -> whether its load passed its checksum (every load of the
     # step), and (slot, written) of the stores finished since the last step (any step's)
     tier_loaded: dict[int, bool] = field(default_factory=dict)

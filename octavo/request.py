@@ -71,6 +71,10 @@ class Request:
     # What its blocks' hashes carry for the adapter: a digest of the adapter's files (an id may
     # name another adapter after an unload or a restart; its KV must not be served to this one's)
     lora_cache_key: str | None = None
+    # an embedding request (sampling_params.pooling): the pooled states so far (a running sum for
+    # "mean") and, once its prompt is computed, the embedding
+    pooled_sum: list[float] | None = None
+    embedding: list[float] | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -221,3 +225,4 @@ class RequestOutput:
     # prompt_logprobs: None for the first prompt token (nothing predicts it), then each token's
     # logprob and its top alternatives; only when asked, and (DELTA outputs) only in the first output
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    embedding: list[float] | None = None  # an embedding request's vector, in its finished output

@@ -26,8 +26,9 @@ from octavo.config import SchedulerConfig
 from octavo.kv_cache.costs import growth_blocks
 from octavo.kv_cache.manager import Allocation, KVCacheManager
 from octavo.limits import RequestLimits
-from octavo.outputs import (ModelRunnerOutput, PreemptionStats, SampleRow, ScheduledRequest, SchedulerOutput,
+from octavo.outputs import (ModelRunnerOutput, PooledChunk, PreemptionStats, SampleRow, ScheduledRequest, SchedulerOutput,
                              SchedulerStats)
+from octavo.pooling import finish_embedding
 from octavo.policies import choose_victims, count_passed_over, rank_waiting
 from octavo.request import FinishReason, Request, RequestStatus, child_request_id
 from octavo.request_queue import make_waiting_queue
@@ -339,7 +340,7 @@ class Scheduler:
         token_ids = request.all_token_ids[start : start + num_new - len(drafts)]
         if drafts:
             token_ids = token_ids + drafts
-        if request.num_computed_tokens == request.num_tokens + len(drafts):
+        if request.num_computed_tokens == request.num_tokens + len(drafts) and request.sampling_params.pooling is None:
             samples = [SampleRow(request.request_id, request.sample_index, request.output_token_ids, drafts)]
             if request.num_samples_pending > 1:  # forks now: the new sequences sample from the prompt too
                 parent = request.user_request_id
@@ -405,6 +406,10 @@ class Scheduler:
             if scored is not None:  # a recomputed chunk (after preemption) scores what is kept already
                 first, entries = scored
                 request.prompt_logprobs.extend(entries[max(0, 1 + len(request.prompt_logprobs) - first) :])
+            if request.sampling_params.pooling is not None:
+                if self._pool(request, result.pooled.get(entry.request_id)):
+                    changed.append(request)
+                continue
             if not entry.sample_ids:
                 continue
             if request.beam is not None:
@@ -426,6 +431,26 @@ class Scheduler:
             if search.is_ready:
                 changed.extend(self._advance_search(search, now))
         return changed
+
+    def _pool(self, request: Request, chunk: PooledChunk | None) -> bool:
+        """Take an embedding request's pooled chunk; once its prompt is computed, set its embedding
+        and finish it (True). A chunk at position 0 starts the sum over (after a preemption, the
+        prompt is computed again from there: a mean or cls request takes no prefix-cache hits)."""
+        pooling = request.sampling_params.pooling
+        assert pooling is not None
+        if chunk is not None:
+            if pooling.pooling_type == "mean":
+                if chunk.start_pos == 0 or request.pooled_sum is None:
+                    request.pooled_sum = list(chunk.values)
+                else:
+                    request.pooled_sum = [a + b for a, b in zip(request.pooled_sum, chunk.values)]
+            else:
+                request.pooled_sum = list(chunk.values)
+        if request.num_computed_tokens < request.num_prompt_tokens or request.pooled_sum is None:
+            return False
+        request.embedding = finish_embedding(request.pooled_sum, request.num_prompt_tokens, pooling)
+        self._finish(request, FinishReason.STOP)
+        return True
 
     def _apply_verified(self, request: Request, entry: ScheduledRequest, result: ModelRunnerOutput, now: float) -> None:
         """Speculative decoding: append the tokens the runner kept (the drafts it agreed with,

@@ -175,9 +175,11 @@ class KVCacheManager:
 
     def num_lookup_blocks(self, request: Request) -> int:
         """The blocks a prefix lookup may hit: every full block before the last token (none when
-        caching is off, or for prompt logprobs, which need every prompt position computed, as
-        vLLM v1 does)."""
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+        caching is off, or for prompt logprobs and mean / cls embeddings, which need every prompt
+        position computed, as vLLM v1 does)."""
+        params = request.sampling_params
+        if (not self.enable_prefix_caching or params.prompt_logprobs is not None
+                or (params.pooling is not None and params.pooling.needs_every_position)):
             return 0
         return (request.num_tokens - 1) // self.block_size
 

@@ -112,6 +112,34 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = "final_only"
 
 
+POOLING_TYPES = ("last", "mean", "cls")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingParams:
+    """An embedding request (vLLM's pooling runner): the prompt's final hidden states (after the
+    model's last norm) pooled into one vector, instead of generated tokens. `pooling_type`: the
+    last token's state ("last", what decoder models' embedding variants use), the mean over every
+    prompt token ("mean"; every position is computed: no prefix-cache hits) or the first token's
+    ("cls"; likewise). `normalize`: scaled to unit length. `dimensions`: the first d of them
+    (Matryoshka), renormalised when normalized."""
+
+    pooling_type: str = "last"
+    normalize: bool = True
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
+        if self.dimensions is not None and (not isinstance(self.dimensions, int) or self.dimensions < 1):
+            raise ValueError(f"dimensions must be an integer >= 1, got {self.dimensions!r}")
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Whether every prompt position's state is read (then no prefix-cache hit may skip one)."""
+        return self.pooling_type != "last"
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Per-request sampling settings. Invalid values raise ValueError naming the field and the range.
@@ -142,6 +170,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    pooling: PoolingParams | None = None  # an embedding request: pooled prompt states, no tokens
 
     def __post_init__(self) -> None:
         # Accept a single string or any iterable for the tuple fields; store tuples (hashable, frozen).
@@ -212,6 +241,9 @@ class SamplingParams:
             raise bad("prompt_logprobs", self.prompt_logprobs, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", self.structured_outputs, "must be a StructuredOutputsParams")
+        if self.pooling is not None and (self.n != 1 or self.logprobs is not None or self.prompt_logprobs is not None
+                                         or self.structured_outputs is not None):
+            raise ValueError("an embedding request (pooling) takes n 1 and no logprobs, prompt_logprobs or structured outputs")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", self.output_kind, "must be a RequestOutputKind")
 
