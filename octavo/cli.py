@@ -190,6 +190,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         trust_request_chat_template=args.trust_request_chat_template,
+        runner="pooling" if args.task == "embed" else ("generate" if args.task == "generate" else args.runner),
+        pooling_type=args.pooling_type,
+        matryoshka=args.matryoshka,
         max_stored_responses=args.max_stored_responses,
         max_stored_response_bytes=args.max_stored_response_bytes,
         grammar_compile_timeout_s=args.grammar_compile_timeout,
@@ -592,6 +595,18 @@ def _add_serve(sub) -> None:
     serve.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                        help="split a reasoning model's thinking (<think>...</think> and its family's spellings) into "
                             "reasoning_content, reasoning items and thinking blocks")
+    serve.add_argument("--runner", choices=("auto", "generate", "pooling"), default="auto",
+                       help="what the server answers: generation and embeddings (auto, the default: any model serves "
+                            "/v1/embeddings, /v1/rerank and /score beside generation, in the same batches), generation "
+                            "only, or pooling only (vLLM's --runner pooling)")
+    serve.add_argument("--task", choices=("generate", "embed"), default=None,
+                       help="vLLM's older spelling: --task embed is --runner pooling")
+    serve.add_argument("--pooling-type", choices=("last", "mean", "cls"), default="last",
+                       help="how embeddings pool the final hidden states: the last token's (default; decoder embedding "
+                            "models, and it takes prefix-cache hits), the mean over every token, or the first token's")
+    serve.add_argument("--matryoshka", action="store_true",
+                       help="the model was trained for Matryoshka embeddings: /v1/embeddings takes `dimensions` below "
+                            "the hidden size (the first d values, renormalised)")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="let a chat request send its own chat_template (vLLM's flag; rendered in the sandbox either way)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",

@@ -11,6 +11,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_MAX_WAIT_STEPS = 32  # cache-aware scheduling's bound on steps passed over (docs/BENCHMARKS.md)
 DEFAULT_AGING_TOKENS_PER_STEP = 4  # cache-aware scheduling's aging (docs/BENCHMARKS.md)
+DEFAULT_POOLING_SHARE = 0.35  # embedding tokens per step per generating request (docs/BENCHMARKS.md)
 DEFAULT_ADMISSION_HEADROOM_STEPS = 64  # room kept for running requests at admission (docs/BENCHMARKS.md)
 
 
@@ -359,8 +360,16 @@ class SchedulerConfig:
     # admitting into memory the running requests are about to need is what makes preemptions
     admission_headroom_steps: int = DEFAULT_ADMISSION_HEADROOM_STEPS
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    # embedding (pooling) requests' prompt tokens per step while generation requests are held: this
+    # share of the running generation requests, rounded up (at least 1; None: no limit beyond the
+    # step's budget). Embeddings are prefill only, and on a compute-bound CPU each prompt token
+    # costs about half a decode's: taking the step's whole budget they would stretch every chat's
+    # step many times over. With no generation held they take the whole step.
+    pooling_share: float | None = DEFAULT_POOLING_SHARE
 
     def __post_init__(self) -> None:
+        if self.pooling_share is not None and not 0 < self.pooling_share <= 1024:
+            raise ValueError(f"pooling_share must be in (0, 1024] (or None), got {self.pooling_share}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:

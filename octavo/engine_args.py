@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from octavo.config import (
     DEFAULT_ADMISSION_HEADROOM_STEPS,
+    DEFAULT_POOLING_SHARE,
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
@@ -94,6 +95,10 @@ class EngineArgs:
         "help": "admit a waiting request only while the KV cache keeps room for the running requests' next N "
                 "tokens each (0: admit while any block is free, vLLM's rule); fewer preemptions, fewer tokens "
                 "recomputed"})
+    pooling_share: float = field(default=DEFAULT_POOLING_SHARE, metadata={
+        "help": "embedding requests' prompt tokens per step while generation runs, per running generation "
+                "request (default 0.35: 16 chats let 6 in, and their TPOT stays within ~1.2x of their own; "
+                "docs/BENCHMARKS.md); with no generation embeddings take the whole step"})
     speculative_method: str | None = field(default=None, metadata={
         "help": "speculative decoding (default: off): ngram (drafts from the request's own prompt and output: "
                 "prompt lookup), suffix (from its own tokens and recent requests') or draft (a smaller model's, "
@@ -302,6 +307,7 @@ class EngineArgs:
                 max_wait_steps=self.max_wait_steps,
                 preemption_victim=self.preemption_victim,
                 admission_headroom_steps=self.admission_headroom_steps,
+                pooling_share=self.pooling_share,
                 max_loras=self.max_loras if self.enable_lora else None,
                 speculative=SpeculativeConfig(
                     method=self.speculative_method, num_speculative_tokens=self.num_speculative_tokens,
@@ -328,7 +334,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "block_size": (1, 1024), "max_model_len": (2, 1 << 24), "max_num_seqs": (1, 1 << 16),
     "max_num_batched_tokens": (1, 1 << 24), "kv_cache_memory": (1, 1 << 50),
     "kv_offload_size": (0, 1 << 50), "num_kv_blocks": (1, 1 << 30), "max_wait_steps": (1, 1 << 30),
-    "pinned_prefix_share": (0.0, 0.99), "admission_headroom_steps": (0, 1 << 20), "num_speculative_tokens": (1, 16),
+    "pinned_prefix_share": (0.0, 0.99), "admission_headroom_steps": (0, 1 << 20), "pooling_share": (0.001, 1024.0), "num_speculative_tokens": (1, 16),
     "speculative_max_batch": (1, 1 << 16), "prompt_lookup_min": (1, 1024), "prompt_lookup_max": (1, 1024),
     "tensor_parallel_size": (1, 1024), "max_loras": (1, 1024), "max_lora_rank": (1, 4096),
     "seed": (-(1 << 63), (1 << 63) - 1), "grammar_cache_bytes": (1 << 20, 1 << 50),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
 from dataclasses import dataclass
 
@@ -86,6 +87,8 @@ class Scheduler:
         self._last_num_scheduled_tokens = 0
         self._last_num_scheduled_requests = 0
         self._drafts: dict[str, list[int]] = {}  # this step's drafts (speculative decoding), by request
+        self._num_pooling = 0  # embedding requests held (waiting or running)
+        self._pooling_room: int | None = None  # this step's tokens left for embedding requests (None: no cap)
 
     # ---- admission ---------------------------------------------------------------------------
 
@@ -95,6 +98,7 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.limits.admit(request)
         self.requests[request.request_id] = request
+        self._num_pooling += request.sampling_params.pooling is not None
         self._sequences.setdefault(request.user_request_id, set()).add(request.request_id)
         if request.beam is not None:
             request.beam.start(request.request_id)
@@ -121,6 +125,7 @@ class Scheduler:
 
         self._run_loading.clear()
         self._drafts = drafts or {}
+        self._pooling_room = self._pooling_budget()
         done: set[str] = set()  # running requests dealt with this step: always a prefix of `running`
         idx = 0
         while idx < len(self.running) and budget > 0:
@@ -163,8 +168,9 @@ class Scheduler:
         budget += refund
         if request.status is not RequestStatus.RUNNING or not computes:
             return budget  # a victim, or it takes more of its history from the cache next step
-        num_new = min(request.num_tokens - request.num_computed_tokens, budget, request.max_chunk_tokens or budget)
-        if num_new == 0:  # a beam waiting for the other beams of its search
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget, request.max_chunk_tokens or budget,
+                      self._pooling_cap(request, budget))
+        if num_new == 0:  # a beam waiting for the other beams of its search, or embeddings' share spent
             return budget
         # a decoding request verifies what the budget leaves of its drafts (set afresh every step)
         request.spec_token_ids = self._drafts.get(request.request_id, [])[: budget - 1] if num_new == 1 else []
@@ -175,7 +181,28 @@ class Scheduler:
         if allocation is None:
             return budget  # `request` was a victim
         scheduled[request.request_id] = self._schedule_one(request, num_new, allocation, request.spec_token_ids)
+        self._take_pooling_room(request, num_new)
         return budget - num_new
+
+    def _pooling_budget(self) -> int | None:
+        """The step's tokens for embedding requests: a share of the running generation requests
+        (rounded up, at least 1) while generation requests are held; None (no cap) otherwise."""
+        share = self.config.pooling_share
+        if share is None or len(self.requests) == self._num_pooling:
+            return None
+        num_generating = sum(r.sampling_params.pooling is None for r in self.running)
+        return max(1, math.ceil(share * num_generating))
+
+    def _pooling_cap(self, request: Request, budget: int) -> int:
+        """The most tokens `request` may compute this step beside the budget: the embeddings'
+        share left when it is an embedding request and the share is capped."""
+        if request.sampling_params.pooling is None or self._pooling_room is None:
+            return budget
+        return self._pooling_room
+
+    def _take_pooling_room(self, request: Request, num_new: int) -> None:
+        if request.sampling_params.pooling is not None and self._pooling_room is not None:
+            self._pooling_room -= num_new
 
     def _with_room(self, request: Request, attempt, scheduled, preempted: list[str]):
         """attempt() until it returns something, preempting victims (policies.choose_victims)
@@ -237,8 +264,12 @@ class Scheduler:
         latest = None  # the latest arrival admitted this step
         headroom = (growth_blocks(self.kv_cache, self.running, self.config.admission_headroom_steps)
                     if len(self.waiting) and budget > 0 else 0)
+        passed: list[Request] = []  # embedding requests at the front, passed while their share is spent
         while len(self.waiting) and budget > 0:
             request = self.waiting.peek()
+            if self._pooling_cap(request, budget) == 0:
+                passed.append(self.waiting.pop())
+                continue
             need = seats.need(request)
             if self._must_wait(request, seats, need):
                 break
@@ -252,7 +283,7 @@ class Scheduler:
             num_new = 0 if loads_ahead else request.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
-            num_new = min(num_new, budget, request.max_chunk_tokens or budget)
+            num_new = min(num_new, budget, request.max_chunk_tokens or budget, self._pooling_cap(request, budget))
             if headroom and self.kv_cache.num_free_blocks - self.kv_cache.num_blocks_to_admit(request, num_new, computed) < headroom:
                 break  # it would take blocks the running requests grow into soon (a preemption to come)
             allocation = self.kv_cache.allocate_slots(request, num_new, computed)
@@ -268,7 +299,10 @@ class Scheduler:
                 if allocation is None:
                     continue  # more to take, or no room for a chunk beside its loads: next step
             scheduled[request.request_id] = self._schedule_one(request, num_new, allocation)
+            self._take_pooling_room(request, num_new)
             budget -= num_new
+        for request in reversed(passed):  # back at the front, in their order
+            self.waiting.add_preempted(request)
         if ranked and latest is not None:
             count_passed_over(self.waiting, latest)
         return budget
@@ -568,6 +602,7 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         request.status = RequestStatus.FINISHED
+        self._num_pooling -= request.sampling_params.pooling is not None
         request.finish_reason = reason
         request.finish_time = time.time()
         if request.pin and reason is not FinishReason.ABORT:

@@ -15,7 +15,7 @@ import octavo
 from octavo.server.core import APIError, OpenAIServer, ServerLimits
 from octavo.server.debug import add_debug_routes
 from octavo.server.guard import RequestGuard, error_json
-from octavo.server.routes import admin, chat, completions, dashboard, messages, responses, tokenizer
+from octavo.server.routes import admin, chat, completions, dashboard, messages, pooling, responses, tokenizer
 
 __all__ = ["APIError", "OpenAIServer", "ServerLimits", "build_app"]
 
@@ -59,7 +59,7 @@ def build_app(server: OpenAIServer) -> FastAPI:
         logger.exception("unexpected error in %s", request.url.path)
         return error_json(500, f"internal error: {type(exc).__name__}", "InternalServerError", path=request.url.path)
 
-    for family in (admin, tokenizer, completions, chat, messages, responses, dashboard):
+    for family in (admin, tokenizer, completions, chat, messages, responses, pooling, dashboard):
         app.include_router(family.build_router(server))
     add_debug_routes(app, server)
     return app

@@ -14,7 +14,7 @@ from fastapi import Request
 
 from octavo.lora.request import LoRARequest
 from octavo.sampling.logprobs import TokenLogprob
-from octavo.sampling.params import StructuredOutputsParams
+from octavo.sampling.params import PoolingParams, StructuredOutputsParams
 from octavo.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -66,6 +66,9 @@ class ServerLimits:
     tool_call_parser: str | None = None  # how tool_choice "auto" reads the model's calls (parsers/tool_calls.py)
     reasoning_parser: str | None = None  # how reasoning is split from the answer (parsers/reasoning.py)
     trust_request_chat_template: bool = False  # a request may send its own chat_template (vLLM's flag)
+    runner: str = "auto"  # "generate", "pooling" (embeddings, rerank, score only) or "auto" (both)
+    pooling_type: str = "last"  # how /v1/embeddings, rerank and score pool the final hidden states
+    matryoshka: bool = False  # the model's embeddings may be cut to `dimensions` (trained for it)
     max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id (oldest dropped)
     max_stored_response_bytes: int = 128 << 20  # ... and their JSON together at most this large
     grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S  # a constraint not compiled by then: 400
@@ -77,6 +80,9 @@ class ServerLimits:
             call_format(self.tool_call_parser)  # ValueError naming the choices
         if self.reasoning_parser is not None:
             reasoning_format(self.reasoning_parser)
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"--runner must be auto, generate or pooling, got {self.runner!r}")
+        PoolingParams(self.pooling_type)  # ValueError naming the choices
         if not 0.01 <= self.dashboard_interval_s <= 60:
             raise ValueError(f"--dashboard-interval must be between 0.01 and 60 seconds, got {self.dashboard_interval_s}")
         for flag, value, low, high in (
@@ -132,8 +138,26 @@ class OpenAIServer:
                            "NotFoundError", "model")
         return lora
 
+    def check_runner(self, kind: str) -> None:
+        """400 for a generation route on a pooling-only server, or a pooling route on a
+        generation-only one (--runner)."""
+        if self.limits.runner not in ("auto", kind):
+            served = ("/v1/embeddings, /v1/rerank and /score" if self.limits.runner == "pooling"
+                      else "generation (completions, chat, responses, messages)")
+            raise APIError(400, f"this server runs with --runner {self.limits.runner}: it serves {served} only",
+                           "BadRequestError", "model")
+
+    def truncate_prompt(self, ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the context length's
+        worth); None leaves it whole."""
+        if keep is None:
+            return ids
+        keep = self.max_model_len - 1 if keep == -1 else keep
+        return ids[-keep:] if keep else []
+
     def check_request(self, req: Any) -> LoRARequest | None:
         """Checks a request's fields; returns the LoRA adapter its `model` selects, if any."""
+        self.check_runner("generate")
         lora = self.check_model(req.model)
         bad = req.unsupported()
         if bad is not None:

@@ -352,3 +352,73 @@ def test_a_long_prompt_that_fits_a_window_pool_in_smaller_chunks_is_admitted_and
     assert max(chunks) == 13 and sum(chunks) == 60 + 3  # the prompt in chunks, then 3 decodes
     with pytest.raises(RequestRefused, match="184 tokens = 61 KV blocks of 4"):  # 46 global + 5 x 3 even in chunks of 1
         s.add_request(make_request("longer", 180, max_tokens=4))
+
+
+# ---- embedding requests -----------------------------------------------------------------------------
+
+
+def embedding_request(rid, num_tokens, pooling="last"):
+    import dataclasses
+
+    from octavo.sampling.params import PoolingParams
+
+    r = make_request(rid, num_tokens, max_tokens=1)
+    r.sampling_params = dataclasses.replace(r.sampling_params, pooling=PoolingParams(pooling))
+    return r
+
+
+def pooled_run(out: SchedulerOutput) -> ModelRunnerOutput:
+    """The runner's pooled chunks, as if position p's final state were [p, 1]."""
+    from octavo.outputs import PooledChunk
+
+    result = fake_run(out)
+    for e in out.scheduled:
+        pooling = e.sampling_params.pooling
+        if pooling is not None:
+            positions = range(e.start_pos, e.start_pos + e.num_tokens)
+            if pooling.pooling_type == "mean":
+                result.pooled[e.request_id] = PooledChunk(e.start_pos, e.num_tokens, [float(sum(positions)), float(len(positions))])
+            elif pooling.pooling_type == "last" and positions[-1] == len(e.prompt_token_ids) - 1:
+                result.pooled[e.request_id] = PooledChunk(e.start_pos, e.num_tokens, [float(positions[-1]), 1.0])
+    return result
+
+
+def test_embeddings_take_a_share_of_the_step_beside_generation_and_the_whole_step_alone():
+    s = make_scheduler(num_blocks=256, budget=64, max_seqs=16, max_len=256)
+    s.add_request(embedding_request("e0", 40))
+    out = s.schedule()
+    assert plan(out) == {"e0": 40}  # nothing generates: the whole prompt at once
+    s.update(out, pooled_run(out))
+    assert s.requests == {} and s.schedule().finished_request_ids == ["e0"]
+    for i in range(6):
+        s.add_request(make_request(f"g{i}", 3, max_tokens=50))
+    s.add_request(embedding_request("e1", 40, "mean"))
+    s.add_request(make_request("late", 3, max_tokens=50))  # behind the embedding in the queue
+    out = s.schedule()
+    # generation is held: the embedding gets max(1, ceil(0.35 x 0 running)) = 1 token, and the
+    # generation request behind it in the queue is admitted all the same
+    assert plan(out)["e1"] == 1 and "late" in plan(out)
+    s.update(out, pooled_run(out))
+    chunks = []
+    while "e1" in s.requests:
+        out = s.schedule()
+        chunks.append(plan(out).get("e1", 0))
+        assert chunks[-1] <= 3  # ceil(0.35 x 7 generating)
+        s.update(out, pooled_run(out))
+    assert sum(chunks) + 1 == 40 and len(s.requests) == 7
+
+
+def test_a_finished_embedding_is_its_pooled_prompt():
+    import math
+
+    s = make_scheduler(budget=8)
+    r = embedding_request("e", 20, "mean")
+    s.add_request(r)
+    while "e" in s.requests:
+        out = s.schedule()
+        assert all(not e.sample_ids for e in out.scheduled)  # nothing is sampled for it
+        s.update(out, pooled_run(out))
+    mean = [sum(range(20)) / 20, 1.0]  # over chunks of 8, 8 and 4 positions
+    norm = math.hypot(*mean)
+    assert r.embedding == pytest.approx([v / norm for v in mean])
+    assert r.finish_reason is FinishReason.STOP and r.output_token_ids == []
