@@ -12,6 +12,7 @@ import sys
 import time
 
 from octavo.config import ACTIVATION_DTYPES, DEFAULT_MAX_WAIT_STEPS
+from octavo.sampling.params import MAX_LOGPROBS
 from octavo.server.parsers.reasoning import REASONING_PARSERS
 from octavo.server.parsers.tool_calls import TOOL_CALL_PARSERS
 
@@ -181,7 +182,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     engine_args = EngineArgs(**engine_kwargs(args))
     _check_serve_flags(args)
-    name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else args.model)
+    names = args.served_model_name or [DEFAULT_MODEL_NAME if args.model is None else args.model]
+    name = names[0]
+    if args.max_logprobs < 0 or args.max_logprobs > MAX_LOGPROBS:  # vLLM's -1 / the vocabulary size: "no limit"
+        log.warning("--max-logprobs %d: Octavo returns at most %d logprobs; the limit is %d",
+                    args.max_logprobs, MAX_LOGPROBS, MAX_LOGPROBS)
+        args.max_logprobs = MAX_LOGPROBS
     limits = ServerLimits(
         max_request_bytes=args.max_request_bytes,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
@@ -191,6 +197,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
         trust_request_chat_template=args.trust_request_chat_template,
         runner="pooling" if args.task == "embed" else ("generate" if args.task == "generate" else args.runner),
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        enable_force_include_usage=args.enable_force_include_usage,
+        max_logprobs=args.max_logprobs,
+        enable_request_id_headers=args.enable_request_id_headers,
+        root_path=args.root_path,
+        generation_defaults=tuple(sorted((args.override_generation_config or {}).items())),
         pooling_type=args.pooling_type,
         matryoshka=args.matryoshka,
         max_stored_responses=args.max_stored_responses,
@@ -220,7 +232,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     async_engine = AsyncEngine(lambda: LLMEngine.from_args(engine_args), EngineMetrics(name, args.metrics_prefix), args.log_interval,
                                args.max_waiting_requests, on_dead)
     _start_or_exit_on_signal(async_engine, log)
-    server = OpenAIServer(async_engine, name, args.api_key, limits)
+    server = OpenAIServer(async_engine, name, args.api_key, limits, aliases=names[1:])
     config = uvicorn.Config(
         build_app(server), host=args.host, port=args.port, log_level="info",
         timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.access_log,
@@ -573,8 +585,26 @@ def _add_serve(sub) -> None:
     add_engine_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
-    serve.add_argument("--served-model-name", default=None, help="model name clients send (default: the model path, or SmolLM2-135M-Instruct)")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--served-model-name", nargs="+", default=None,
+                       help="the model name clients send (default: the model path, or SmolLM2-135M-Instruct); several "
+                            "names serve the same model under each (the first is the one answers carry), as vLLM")
+    serve.add_argument("--api-key", default=os.environ.get("OCTAVO_API_KEY") or os.environ.get("VLLM_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1 routes (default: "
+                            "$OCTAVO_API_KEY, else vLLM's $VLLM_API_KEY)")
+    serve.add_argument("--root-path", default="",
+                       help="the path prefix a proxy serves this server under (e.g. /llm): routes answer with and without it")
+    serve.add_argument("--enable-request-id-headers", action="store_true",
+                       help="answer with an X-Request-Id header (the client's, or a new one) (vLLM's flag)")
+    serve.add_argument("--enable-force-include-usage", action="store_true",
+                       help="every stream ends with a usage chunk, whether stream_options asks or not (vLLM's flag)")
+    serve.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help="logprob tokens are named 'token_id:<id>' unless a request says otherwise (vLLM's flag)")
+    serve.add_argument("--override-generation-config", type=json.loads, default=None,
+                       help="defaults for what requests leave unset, as JSON (vLLM's flag): max_new_tokens, "
+                            "temperature, top_p, top_k, min_p, repetition_penalty")
+    serve.add_argument("--max-logprobs", type=int, default=20,
+                       help="the most logprobs, top_logprobs or prompt_logprobs a request may ask for (0-20, default 20; "
+                            "vLLM's -1 or a larger value means Octavo's own limit, 20)")
     serve.add_argument("--log-interval", type=float, default=10.0, help="seconds between throughput log lines while busy")
     serve.add_argument("--metrics-prefix", choices=("octavo", "vllm"), default="octavo",
                        help="name /metrics as octavo:* (default) or with vLLM's names and labels (vllm:*), which "

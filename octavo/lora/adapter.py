@@ -73,6 +73,14 @@ def load_peft_adapter(path: str | Path, lora_id: int, name: str, cfg: ModelConfi
     for key, why in (("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out weights")):
         if conf.get(key):
             raise _fail(path, f"{why} is not supported")
+    init = conf.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(("pissa", "olora", "corda", "eva", "loftq")):
+        # these initialisations also change the base model's weights (PiSSA keeps the residual of the
+        # principal singular values): the adapter is only right on that changed base, which is not
+        # what is served here; served on the original base it gives wrong answers, silently
+        raise _fail(path, f"init_lora_weights {init!r} adapters need the base model their training changed "
+                          "(convert the adapter to a plain LoRA first, as PEFT's save_pretrained("
+                          "path_initial_model_for_weight_conversion=...) does)")
     if conf.get("bias", "none") != "none" or conf.get("modules_to_save"):
         raise _fail(path, "LoRA biases and modules_to_save are not supported")
     if conf.get("rank_pattern") or conf.get("alpha_pattern"):

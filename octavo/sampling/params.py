@@ -17,6 +17,7 @@ MAX_STOP_STRING_CHARS = 256  # the streamed text is held back by the longest one
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # allowed_token_ids entries (more than any vocabulary here)
 MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range: -100 (ban) to 100 (force)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as torch generators take
 
@@ -171,6 +172,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     pooling: PoolingParams | None = None  # an embedding request: pooled prompt states, no tokens
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: sample only among these tokens
 
     def __post_init__(self) -> None:
         # Accept a single string or any iterable for the tuple fields; store tuples (hashable, frozen).
@@ -181,6 +183,8 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         bias = self.logit_bias or ()
         object.__setattr__(self, "logit_bias", tuple(sorted((bias.items() if isinstance(bias, dict) else bias))))
         self._validate()
@@ -241,6 +245,10 @@ class SamplingParams:
             raise bad("prompt_logprobs", self.prompt_logprobs, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", self.structured_outputs, "must be a StructuredOutputsParams")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS
+                or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
+            raise ValueError(f"allowed_token_ids must be 1 to {MAX_ALLOWED_TOKEN_IDS} token ids (integers >= 0)")
         if self.pooling is not None and (self.n != 1 or self.logprobs is not None or self.prompt_logprobs is not None
                                          or self.structured_outputs is not None):
             raise ValueError("an embedding request (pooling) takes n 1 and no logprobs, prompt_logprobs or structured outputs")

@@ -187,6 +187,15 @@ def sample(
         r_idx, t_idx = _flat_ids([[t for t, _ in r.params.logit_bias] for r in rows], device)
         bias = torch.tensor([v for r in rows for _, v in r.params.logit_bias], dtype=logits.dtype, device=device)
         logits.index_put_((r_idx, t_idx), bias, accumulate=True)
+    if any(r.params.allowed_token_ids for r in rows):  # vLLM's allowed_token_ids: every other token banned
+        logits = logits if edited else logits.clone()
+        edited = True
+        for i, r in enumerate(rows):
+            if r.params.allowed_token_ids:
+                ids = torch.tensor(r.params.allowed_token_ids, dtype=torch.long, device=device)
+                kept = logits[i, ids].clone()
+                logits[i] = float("-inf")
+                logits[i, ids] = kept
 
     tokens = logits.argmax(dim=-1)  # greedy rows are done; random rows are redrawn below
     random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,6 +24,40 @@ __all__ = ["APIError", "OpenAIServer", "ServerLimits", "build_app"]
 logger = logging.getLogger("octavo.server")
 
 
+class StripRootPath:
+    """Routes answer under a proxy's prefix too (--root-path /llm: /llm/v1/... is /v1/...)."""
+
+    def __init__(self, app: Any, root_path: str) -> None:
+        self.app, self.root_path = app, root_path
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] in ("http", "websocket") and (path == self.root_path or path.startswith(self.root_path + "/")):
+            scope = {**scope, "path": path[len(self.root_path):] or "/", "raw_path": None}
+        await self.app(scope, receive, send)
+
+
+class RequestIdHeader:
+    """X-Request-Id on every answer: the client's own, else a new one (--enable-request-id-headers)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope.get("headers", []) if k.lower() == b"x-request-id"), None)
+        request_id = given or uuid.uuid4().hex.encode()
+
+        async def with_header(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, with_header)
+
+
 def build_app(server: OpenAIServer) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -34,6 +70,10 @@ def build_app(server: OpenAIServer) -> FastAPI:
     app = FastAPI(title="Octavo", version=octavo.__version__, lifespan=lifespan)
     app.add_middleware(RequestGuard, max_body_bytes=server.limits.max_request_bytes, api_key=server.api_key,
                        body_timeout_s=server.limits.header_timeout_s)
+    if server.limits.enable_request_id_headers:
+        app.add_middleware(RequestIdHeader)
+    if server.limits.root_path.strip("/"):
+        app.add_middleware(StripRootPath, root_path="/" + server.limits.root_path.strip("/"))
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:

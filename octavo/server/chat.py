@@ -22,12 +22,12 @@ from octavo.server.parsers.turn import TurnStream
 from octavo.server.tools import forced_call_constraint, parse_forced_calls
 
 
-def chat_logprobs(server: OpenAIServer, lps: list[TokenLogprob] | None) -> dict | None:
+def chat_logprobs(server: OpenAIServer, lps: list[TokenLogprob] | None, as_ids: bool = False) -> dict | None:
     if lps is None:
         return None
 
     def entry(token_id: int, logprob: float) -> dict:
-        text = server.token_text(token_id)
+        text = server.logprob_token(token_id, as_ids)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
     return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top.items()]} for lp in lps]}
@@ -43,8 +43,9 @@ class ChatChoices:
 
     def __init__(self, server: OpenAIServer, mode: str, tool_choice: Any, parallel: bool = True,
                  calls: CallFormat | None = None, schemas: Schemas | None = None, starts_in_reasoning: bool = False,
-                 include_reasoning: bool = True) -> None:
+                 include_reasoning: bool = True, as_ids: bool = False, return_token_ids: bool = False) -> None:
         self.server, self.mode, self.tool_choice, self.parallel = server, mode, tool_choice, parallel
+        self.as_ids, self.return_token_ids = as_ids, return_token_ids
         self.calls, self.schemas = (calls if mode == "auto" else None), schemas
         self.reasoning, self.starts_in_reasoning = server.reasoning, starts_in_reasoning
         self.include_reasoning = include_reasoning
@@ -82,11 +83,14 @@ class ChatChoices:
         message: dict[str, Any] = {"role": "assistant", "content": content, **self._reasoning_fields(reasoning)}
         if calls:
             message["tool_calls"] = [call.as_openai() for call in calls]
-        return {"index": index, "message": message, "logprobs": chat_logprobs(self.server, c.logprobs),
-                "finish_reason": self._finish(c.finish_reason, bool(calls)), "stop_reason": c.stop_reason}
+        choice = {"index": index, "message": message, "logprobs": chat_logprobs(self.server, c.logprobs, self.as_ids),
+                  "finish_reason": self._finish(c.finish_reason, bool(calls)), "stop_reason": c.stop_reason}
+        if self.return_token_ids:
+            choice["token_ids"] = list(c.token_ids)
+        return choice
 
     def delta(self, index: int, out: RequestOutput, c: CompletionOutput) -> list[dict]:
-        logprobs = chat_logprobs(self.server, c.logprobs)
+        logprobs = chat_logprobs(self.server, c.logprobs, self.as_ids)
         done = c.finish_reason is not None
         has_calls = False
         if self.mode == "named":
@@ -117,18 +121,27 @@ class ChatChoices:
             has_calls = bool(turn.calls)
         if not delta and not done and not c.logprobs:
             return []
-        return [{"index": index, "delta": delta, "logprobs": logprobs,
-                 "finish_reason": self._finish(c.finish_reason, has_calls)}]
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": self._finish(c.finish_reason, has_calls)}
+        if self.return_token_ids:
+            choice["token_ids"] = list(c.token_ids)
+        return [choice]
 
     def first_chunks(self, num_choices: int) -> list[dict]:
         return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                 for i in range(num_choices)]
 
+    def stream_start_fields(self, prompts: list[list[int]]) -> dict:
+        return {"prompt_token_ids": prompts[0]} if self.return_token_ids else {}
+
     def extra_fields(self, finals: dict[int, RequestOutput]) -> dict:
+        """vLLM's top-level prompt_logprobs (null unless asked) and prompt_token_ids (if asked)."""
         out = finals.get(0)
+        fields: dict[str, Any] = {"prompt_logprobs": None}
         if out is not None and out.prompt_logprobs is not None:
-            return {"prompt_logprobs": vllm_prompt_logprobs(self.server, out.prompt_logprobs)}
-        return {}
+            fields["prompt_logprobs"] = vllm_prompt_logprobs(self.server, out.prompt_logprobs)
+        if self.return_token_ids and out is not None:
+            fields["prompt_token_ids"] = list(out.prompt_token_ids)
+        return fields
 
 
 @dataclass(slots=True)
@@ -148,7 +161,8 @@ class PreparedChat:
 
     def choices(self, server: OpenAIServer) -> ChatChoices:
         return ChatChoices(server, self.mode, self.tool_choice, self.req.parallel_tool_calls, self.calls, self.schemas,
-                           self.starts_in_reasoning, self.req.include_reasoning)
+                           self.starts_in_reasoning, self.req.include_reasoning, server.tokens_as_ids(self.req),
+                           self.req.return_token_ids)
 
 
 async def prepare_chat(server: OpenAIServer, req: ChatCompletionRequest) -> PreparedChat:
@@ -178,11 +192,13 @@ async def prepare_chat(server: OpenAIServer, req: ChatCompletionRequest) -> Prep
                        "BadRequestError", req.structured_param())
     tools = req.tools if tool_choice != "none" else None
     ids = await server.render_chat(req.plain_messages(), req.add_generation_prompt, tools, template_kwargs)
+    ids = server.truncate_prompt(ids, req.truncate_prompt_tokens)
     server.check_prompt_len(ids)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     req = req.model_copy(update={"max_tokens": max_tokens})
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, server.max_model_len - len(ids), logprobs)
+    req = server.with_generation_defaults(req)
+    params = sampling_params(req, server.default_max_tokens(len(ids)), logprobs)
     if forced is not None:
         params = dataclasses.replace(params, structured_outputs=forced)
     mode = "named" if not isinstance(tool_choice, str) else (

@@ -14,7 +14,7 @@ from fastapi import Request
 
 from octavo.lora.request import LoRARequest
 from octavo.sampling.logprobs import TokenLogprob
-from octavo.sampling.params import PoolingParams, StructuredOutputsParams
+from octavo.sampling.params import MAX_LOGPROBS, PoolingParams, StructuredOutputsParams
 from octavo.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -54,6 +54,9 @@ def param_of(message: str) -> str | None:
     return next((p for p in _PARAM_NAMES if f": {p}" in message[:40]), None)
 
 
+GENERATION_DEFAULT_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 @dataclass(frozen=True, slots=True)
 class ServerLimits:
     """What one request may ask for; see docs/RELIABILITY.md."""
@@ -67,6 +70,14 @@ class ServerLimits:
     reasoning_parser: str | None = None  # how reasoning is split from the answer (parsers/reasoning.py)
     trust_request_chat_template: bool = False  # a request may send its own chat_template (vLLM's flag)
     runner: str = "auto"  # "generate", "pooling" (embeddings, rerank, score only) or "auto" (both)
+    return_tokens_as_token_ids: bool = False  # logprob tokens named "token_id:<id>" by default (vLLM's flag)
+    enable_force_include_usage: bool = False  # every stream ends with usage, asked or not (vLLM's flag)
+    max_logprobs: int = MAX_LOGPROBS  # the most logprobs / top_logprobs / prompt_logprobs a request may ask
+    enable_request_id_headers: bool = False  # answers carry X-Request-Id (vLLM's flag)
+    root_path: str = ""  # a proxy's path prefix: routes answer with and without it
+    # vLLM's --override-generation-config: defaults for what a request leaves unset
+    # (max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty)
+    generation_defaults: tuple[tuple[str, Any], ...] = ()
     pooling_type: str = "last"  # how /v1/embeddings, rerank and score pool the final hidden states
     matryoshka: bool = False  # the model's embeddings may be cut to `dimensions` (trained for it)
     max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id (oldest dropped)
@@ -80,6 +91,12 @@ class ServerLimits:
             call_format(self.tool_call_parser)  # ValueError naming the choices
         if self.reasoning_parser is not None:
             reasoning_format(self.reasoning_parser)
+        unknown = sorted(set(dict(self.generation_defaults)) - set(GENERATION_DEFAULT_KEYS))
+        if unknown:
+            raise ValueError(f"--override-generation-config: unknown key(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(GENERATION_DEFAULT_KEYS)}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"--max-logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}")
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"--runner must be auto, generate or pooling, got {self.runner!r}")
         PoolingParams(self.pooling_type)  # ValueError naming the choices
@@ -101,10 +118,11 @@ class OpenAIServer:
     that keeps tokenisation, chat templating and logprob decoding off the event loop."""
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-                 limits: ServerLimits | None = None) -> None:
+                 limits: ServerLimits | None = None, aliases: list[str] | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = served_model_name
+        self.aliases = frozenset(aliases or ())  # other names the base model is served under
         self.api_key = api_key
         self.limits = limits or ServerLimits()
         config = engine.config
@@ -129,7 +147,7 @@ class OpenAIServer:
 
     def check_model(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base model); 404 for an unknown name."""
-        if model is None or model == self.model_name:
+        if model is None or model == self.model_name or model in self.aliases:
             return None
         lora = self.loras.get(model)
         if lora is None:
@@ -137,6 +155,19 @@ class OpenAIServer:
             raise APIError(404, f"The model `{model}` does not exist; this server serves {served}.",
                            "NotFoundError", "model")
         return lora
+
+    def default_max_tokens(self, num_prompt_tokens: int) -> int:
+        """A chat's max_tokens when the request sets none: what the context has room for, or
+        --override-generation-config's max_new_tokens if smaller."""
+        room = self.max_model_len - num_prompt_tokens
+        asked = dict(self.limits.generation_defaults).get("max_new_tokens")
+        return room if asked is None else max(1, min(room, int(asked)))
+
+    def with_generation_defaults(self, req: Any) -> Any:
+        """The request with --override-generation-config's sampling defaults where it sets none."""
+        defaults = {k: v for k, v in self.limits.generation_defaults if k != "max_new_tokens"
+                    and getattr(req, k, None) is None}
+        return req.model_copy(update=defaults) if defaults else req
 
     def check_runner(self, kind: str) -> None:
         """400 for a generation route on a pooling-only server, or a pooling route on a
@@ -162,6 +193,11 @@ class OpenAIServer:
         bad = req.unsupported()
         if bad is not None:
             raise APIError(400, bad[1], "BadRequestError", bad[0])
+        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+            value = getattr(req, name, None)
+            if not isinstance(value, bool) and isinstance(value, int) and value > self.limits.max_logprobs:
+                raise APIError(400, f"{name}: at most {self.limits.max_logprobs} (this server's --max-logprobs), "
+                                    f"got {value}", "BadRequestError", name)
         if req.priority != 0 and not self.priority_enabled:
             raise APIError(400, "priority needs a server started with --scheduling-policy priority (or cache-aware)",
                            "BadRequestError", "priority")
@@ -285,6 +321,14 @@ class OpenAIServer:
             yield
         finally:
             manager.release(holder)
+
+    def logprob_token(self, token_id: int, as_ids: bool) -> str:
+        """A logprob entry's token: its text, or vLLM's "token_id:<id>" (return_tokens_as_token_ids)."""
+        return f"token_id:{token_id}" if as_ids else self.token_text(token_id)
+
+    def tokens_as_ids(self, req: Any) -> bool:
+        asked = getattr(req, "return_tokens_as_token_ids", None)
+        return self.limits.return_tokens_as_token_ids if asked is None else asked
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)

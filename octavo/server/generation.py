@@ -39,6 +39,8 @@ class Choices(Protocol):
 
     def first_chunks(self, num_choices: int) -> list[dict]: ...
 
+    def stream_start_fields(self, prompts: list[list[int]]) -> dict: ...
+
     def extra_fields(self, finals: dict[int, RequestOutput]) -> dict: ...
 
 
@@ -118,8 +120,10 @@ async def run_request(server: OpenAIServer, request: Request, req: Any, prompts:
     """Add the prompts, then answer with the whole body or a stream of chunks."""
     async with submitted(server, request, prompts, params, req.priority, req.cache_salt, lora, id_prefix) as sub:
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            pieces = _stream_pieces(server, sub.rid, sub.collector, prompts, params, choices, include_usage)
+            options = req.stream_options
+            include_usage = bool(options and options.include_usage) or server.limits.enable_force_include_usage
+            continuous = bool(options and options.continuous_usage_stats)
+            pieces = _stream_pieces(server, sub.rid, sub.collector, prompts, params, choices, include_usage, continuous)
             body = guarded_stream(server, sub, pieces, _sse_error)
             return StreamingResponse(body, media_type="text/event-stream")
         items = await collect_all(server, sub)
@@ -148,15 +152,22 @@ def _final_body(server: OpenAIServer, rid: str, prompts, finals: dict[int, Reque
 
 
 async def _stream_pieces(server, rid, collector: OutputCollector, prompts, params, choices: Choices,
-                         include_usage: bool) -> AsyncIterator[str]:
+                         include_usage: bool, continuous: bool = False) -> AsyncIterator[str]:
+    """The chunks of a stream. `include_usage`: a last chunk with the usage (and `usage: null` on
+    the others); `continuous` (vLLM's continuous_usage_stats): the usage so far on every chunk."""
     created = now()
     totals: dict[int, RequestOutput] = {}  # prompt index -> its latest output (cached-token count)
     num_tokens = 0
+    start_fields = choices.stream_start_fields(prompts)
 
     def chunk(body_choices: list[dict], usage_body: dict | None = None) -> str:
+        nonlocal start_fields
         body = {"id": rid, "object": choices.chunk_name, "created": created, "model": server.model_name,
-                "choices": body_choices}
-        if include_usage:
+                "choices": body_choices, **start_fields}
+        start_fields = {}
+        if continuous and usage_body is None:
+            usage_body = usage(server, prompts, num_tokens, list(totals.values()))
+        if include_usage or continuous:
             body["usage"] = usage_body
         return sse(body)
 
@@ -170,6 +181,6 @@ async def _stream_pieces(server, rid, collector: OutputCollector, prompts, param
                 num_tokens += len(c.token_ids)
                 for body_choice in choices.delta(i * params.n + c.index, out, c):
                     yield chunk([body_choice])
-    if include_usage:
+    if include_usage or continuous:
         yield chunk([], usage(server, prompts, num_tokens, list(totals.values())))
     yield "data: [DONE]\n\n"

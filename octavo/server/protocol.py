@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from octavo.json_limits import MAX_JSON_DEPTH, is_nested_too_deeply, loads_bounded
 from octavo.sampling.params import (
+    MAX_ALLOWED_TOKEN_IDS,
     MAX_BEAM_WIDTH,
     MAX_LOGPROBS,
     MAX_N,
@@ -59,13 +60,12 @@ REFUSED_FIELDS = {
     "reasoning_effort": "reasoning effort", "verbosity": "verbosity", "metadata": "stored-completion metadata",
     "store": "stored completions", "functions": "the legacy functions field (use tools)",
     "function_call": "the legacy function_call field (use tool_choice)", "guided_whitespace_pattern": "guided_whitespace_pattern",
-    "structural_tag": "structural tags", "bad_words": "bad_words", "allowed_token_ids": "allowed_token_ids",
-    "logits_processors": "custom logits processors", "truncate_prompt_tokens": "prompt truncation",
-    "return_tokens_as_token_ids": "return_tokens_as_token_ids", "chat_template": "a per-request chat template",
+    "structural_tag": "structural tags", "bad_words": "bad_words",
+    "logits_processors": "custom logits processors", "chat_template": "a per-request chat template",
     "chat_template_kwargs": "chat_template_kwargs", "documents": "documents", "continue_final_message": "continue_final_message",
     "mm_processor_kwargs": "multimodal inputs", "prompt_embeds": "prompt embeddings", "kv_transfer_params": "KV transfer",
     "vllm_xargs": "vllm_xargs", "spaces_between_special_tokens": "spaces_between_special_tokens",
-    "logprobs_mode": "logprobs_mode", "return_token_ids": "return_token_ids",
+    "logprobs_mode": "logprobs_mode",
 }
 # template variables a request may not set through chat_template_kwargs (the server sets them)
 RESERVED_TEMPLATE_KEYS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "tokenize", "chat_template",
@@ -98,6 +98,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk
 
 
 MAX_SPEC_CHARS = 64 * 1024
@@ -150,6 +151,12 @@ class _SamplingFields(_Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra
+    # vLLM's: sample only among these tokens; keep the prompt's last k tokens (-1: as many as fit);
+    # return the prompt's and the output's token ids; name logprob tokens "token_id:<id>"
+    allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -239,6 +246,7 @@ class _SamplingFields(_Body):
             "skip_special_tokens": self.skip_special_tokens,
             "prompt_logprobs": self.prompt_logprobs,
             "structured_outputs": self.structured(),
+            "allowed_token_ids": tuple(self.allowed_token_ids) if self.allowed_token_ids else None,
         }
         for name, default in (
             ("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("presence_penalty", 0.0),
@@ -456,6 +464,8 @@ class TokenizeRequest(_Body):
     # vLLM's: whether a prompt gets the tokenizer's special tokens (BOS...); lm-eval sends false.
     # A conversation's come from its chat template.
     add_special_tokens: bool = True
+    return_token_strs: bool = False  # vLLM's: each token's vocabulary entry too
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=64)
 
     @model_validator(mode="after")
     def _one_of(self) -> TokenizeRequest:

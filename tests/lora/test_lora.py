@@ -106,6 +106,10 @@ def test_bad_adapters_are_refused_with_the_reason(lora_model, smol_dir, smol_tok
     (broken / "adapter_model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="DoRA is not supported"):
         engine.add_lora(LoRARequest("dora", 5, str(broken)))
+    # PiSSA changes the base weights too: on the original base it would answer wrongly, silently
+    (broken / "adapter_config.json").write_text(json.dumps({**conf, "init_lora_weights": "pissa_niter_4"}))
+    with pytest.raises(ValueError, match="init_lora_weights 'pissa_niter_4'"):
+        engine.add_lora(LoRARequest("pissa", 6, str(broken)))
     assert not engine.has_unfinished_requests()  # nothing was kept
     base_only = LLM.from_engine(LLMEngine(EngineArgs(dtype="float32", kv_cache_memory=64 << 20).to_config(
         load_model_config(smol_dir)), lora_model, smol_tokenizer, weight_bytes(lora_model)))

@@ -121,7 +121,7 @@ CASES = [
                                tool_choice="required"), 400),
     ("unsupported", "/v1/responses", {"input": "hi", "tools": [{"type": "web_search"}]}, 400),
     ("unsupported", "/v1/responses", {"input": "hi", "previous_response_id": "resp_nope"}, 400),
-    ("unsupported", "/v1/responses", {"input": "hi", "reasoning": {"effort": "high"}}, 400),
+    ("unsupported", "/v1/responses", {"input": "hi", "reasoning": {"effort": "extreme"}}, 400),
     ("empty", "/v1/responses", {"input": []}, 400),
     ("unsupported", CHAT, chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400),
     ("size", C, comp(prompt="a" * (10 << 20)), 413),

@@ -135,8 +135,36 @@ def test_echo_with_logprobs_and_prompt_logprobs(client):
 def test_suffix_and_unknown_vllm_fields_are_refused(client):
     with pytest.raises(openai.BadRequestError, match="suffix"):
         client.completions.create(model=MODEL, prompt="a", suffix="b", max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="allowed_token_ids"):
-        client.completions.create(model=MODEL, prompt="a", max_tokens=2, extra_body={"allowed_token_ids": [1, 2]})
+    with pytest.raises(openai.BadRequestError, match="bad_words"):
+        client.completions.create(model=MODEL, prompt="a", max_tokens=2, extra_body={"bad_words": ["x"]})
+
+
+def test_vllm_sampling_extensions(client, live_server):
+    """allowed_token_ids, return_token_ids, truncate_prompt_tokens, prompt_logprobs null when not
+    asked, continuous usage in a stream, return_tokens_as_token_ids."""
+    allowed = [281, 314, 355]
+    r = client.completions.create(model=MODEL, prompt="The colour of the sky is", max_tokens=6, temperature=1.0,
+                                  extra_body={"allowed_token_ids": allowed, "return_token_ids": True})
+    choice = r.choices[0].model_dump()
+    assert choice["token_ids"] and set(choice["token_ids"]) <= set(allowed) and choice["prompt_logprobs"] is None
+    assert len(choice["prompt_token_ids"]) == r.usage.prompt_tokens
+    cut = client.completions.create(model=MODEL, prompt="one two three four five six seven", max_tokens=1,
+                                    extra_body={"truncate_prompt_tokens": 3, "return_token_ids": True})
+    assert cut.usage.prompt_tokens == 3 and cut.choices[0].model_dump()["prompt_token_ids"] == choice_ids_of(
+        live_server, "one two three four five six seven")[-3:]
+    chunks = list(client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert all(c.usage is not None for c in chunks)
+    assert [c.usage.completion_tokens for c in chunks] == sorted(c.usage.completion_tokens for c in chunks)
+    assert chunks[-1].usage.completion_tokens == 4
+    lp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                        logprobs=True, extra_body={"return_tokens_as_token_ids": True})
+    assert all(t.token.startswith("token_id:") for t in lp.choices[0].logprobs.content)
+
+
+def choice_ids_of(live_server, text: str) -> list[int]:
+    return httpx.post(f"{live_server.url}/tokenize", headers={"Authorization": f"Bearer {API_KEY}"},
+                      json={"prompt": text}).json()["tokens"]
 
 
 def test_responses_api_text_stream_state_and_schema(client, live_server):

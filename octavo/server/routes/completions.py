@@ -14,13 +14,14 @@ from octavo.server.generation import run_request
 from octavo.server.protocol import MAX_PROMPTS_PER_REQUEST, CompletionRequest
 
 
-def completion_logprobs(server: OpenAIServer, lps: list[TokenLogprob] | None, offset: int = 0) -> dict | None:
+def completion_logprobs(server: OpenAIServer, lps: list[TokenLogprob] | None, offset: int = 0,
+                        as_ids: bool = False) -> dict | None:
     """OpenAI's legacy logprobs object (an echoed first prompt token has logprob and top None)."""
     if lps is None:
         return None
     tokens, offsets, pos = [], [], offset
     for lp in lps:
-        text = server.token_text(lp.token_id)
+        text = server.logprob_token(lp.token_id, as_ids)
         tokens.append(text)
         offsets.append(pos)
         pos += len(text)
@@ -28,7 +29,7 @@ def completion_logprobs(server: OpenAIServer, lps: list[TokenLogprob] | None, of
         "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in lps],
         # OpenAI's: the top alternatives and always the sampled token (logprobs 0: that token alone)
-        "top_logprobs": [{**{server.token_text(t): v for t, v in lp.top.items()}, text: lp.logprob}
+        "top_logprobs": [{**{server.logprob_token(t, as_ids): v for t, v in lp.top.items()}, text: lp.logprob}
                          if lp.top is not None else None for lp, text in zip(lps, tokens)],
         "text_offset": offsets,
     }
@@ -39,8 +40,10 @@ class CompletionChoices:
 
     object_name = chunk_name = "text_completion"
 
-    def __init__(self, server: OpenAIServer, n: int, echo_texts: list[str] | None, want_logprobs: bool) -> None:
+    def __init__(self, server: OpenAIServer, n: int, echo_texts: list[str] | None, want_logprobs: bool,
+                 as_ids: bool = False, return_token_ids: bool = False) -> None:
         self.server, self.n, self.echo_texts, self.want_logprobs = server, n, echo_texts, want_logprobs
+        self.as_ids, self.return_token_ids = as_ids, return_token_ids
         self._offsets: dict[int, int] = {}  # streamed characters per choice, for text_offset
         self._started: set[int] = set()
 
@@ -55,10 +58,12 @@ class CompletionChoices:
     def final(self, index: int, out: RequestOutput, c: CompletionOutput) -> dict:
         prefix, prompt_lps = self._echo(index, out)
         lps = None if c.logprobs is None else prompt_lps + list(c.logprobs)
-        choice = {"index": index, "text": prefix + c.text, "logprobs": completion_logprobs(self.server, lps),
-                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        choice = {"index": index, "text": prefix + c.text, "logprobs": completion_logprobs(self.server, lps, 0, self.as_ids),
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason, "prompt_logprobs": None}
         if out.prompt_logprobs is not None and self.echo_texts is None:
             choice["prompt_logprobs"] = vllm_prompt_logprobs(self.server, out.prompt_logprobs)
+        if self.return_token_ids:
+            choice["prompt_token_ids"], choice["token_ids"] = list(out.prompt_token_ids), list(c.token_ids)
         return choice
 
     def delta(self, index: int, out: RequestOutput, c: CompletionOutput) -> list[dict]:
@@ -68,17 +73,25 @@ class CompletionChoices:
             prefix, prompt_lps = self._echo(index, out)
             if out.prompt_logprobs is not None and self.echo_texts is None:
                 extra["prompt_logprobs"] = vllm_prompt_logprobs(self.server, out.prompt_logprobs)
+            if self.return_token_ids:
+                extra["prompt_token_ids"] = list(out.prompt_token_ids)
+        if self.return_token_ids:
+            extra["token_ids"] = list(c.token_ids)
         if not (prefix or c.text) and c.finish_reason is None and not c.logprobs:
             return []
         lps = None if c.logprobs is None else prompt_lps + list(c.logprobs)
         text = prefix + c.text
-        choice = {"index": index, "text": text, "logprobs": completion_logprobs(self.server, lps, self._offsets.get(index, 0)),
+        choice = {"index": index, "text": text,
+                  "logprobs": completion_logprobs(self.server, lps, self._offsets.get(index, 0), self.as_ids),
                   "finish_reason": c.finish_reason, **extra}
         self._offsets[index] = self._offsets.get(index, 0) + len(text)
         return [choice]
 
     def first_chunks(self, num_choices: int) -> list[dict]:
         return []
+
+    def stream_start_fields(self, prompts: list[list[int]]) -> dict:
+        return {}
 
     def extra_fields(self, finals: dict[int, RequestOutput]) -> dict:
         return {}
@@ -96,7 +109,7 @@ def build_router(server: OpenAIServer) -> APIRouter:
         if len(raw) > MAX_PROMPTS_PER_REQUEST:
             raise APIError(400, f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {len(raw)}",
                            "BadRequestError", "prompt")
-        prompts = await server.encode(raw)
+        prompts = [server.truncate_prompt(ids, req.truncate_prompt_tokens) for ids in await server.encode(raw)]
         for ids in prompts:
             server.check_prompt_len(ids)
         if req.use_beam_search:
@@ -109,13 +122,15 @@ def build_router(server: OpenAIServer) -> APIRouter:
                 raise APIError(400, str(exc), "BadRequestError", param_of(str(exc))) from exc
             return await run_request(server, request, req, prompts, params, CompletionChoices(server, params.n, None, False),
                                      "cmpl", lora)
+        req = server.with_generation_defaults(req)
         params = sampling_params(req, 16, req.logprobs)
         if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
             params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
         echo_texts = None
         if req.echo:
             echo_texts = [p if isinstance(p, str) else await server.off_loop(server.tokenizer.decode, p) for p in raw]
-        choices = CompletionChoices(server, params.n, echo_texts, req.logprobs is not None)
+        choices = CompletionChoices(server, params.n, echo_texts, req.logprobs is not None, server.tokens_as_ids(req),
+                                    req.return_token_ids)
         async with server.grammar_held(params.structured_outputs, req.structured_param(), request):
             return await run_request(server, request, req, prompts, params, choices, "cmpl", lora)
 

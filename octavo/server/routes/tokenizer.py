@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter
 
 from octavo.server.core import APIError, OpenAIServer
-from octavo.server.protocol import DetokenizeRequest, TokenizeRequest
+from octavo.server.protocol import RESERVED_TEMPLATE_KEYS, DetokenizeRequest, TokenizeRequest
 from octavo.tokenizer import Tokenizer
 
 
@@ -34,10 +34,18 @@ def build_router(server: OpenAIServer) -> APIRouter:
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         if body.messages is not None:
-            ids = await server.render_chat([m.as_template_dict() for m in body.messages], body.add_generation_prompt)
+            kwargs = dict(body.chat_template_kwargs or {})
+            if any(k in RESERVED_TEMPLATE_KEYS or k.startswith("_") for k in kwargs):
+                raise APIError(400, "chat_template_kwargs: names the server sets cannot be given", "BadRequestError",
+                               "chat_template_kwargs")
+            ids = await server.render_chat([m.as_template_dict() for m in body.messages], body.add_generation_prompt,
+                                           template_kwargs=kwargs)
         else:
             ids = (await server.encode([body.prompt or ""], body.add_special_tokens))[0]
-        return {"tokens": ids, "count": len(ids), "max_model_len": server.max_model_len}
+        out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": server.max_model_len}
+        if body.return_token_strs:
+            out["token_strs"] = list(server.tokenizer.convert_ids_to_tokens(ids))
+        return out
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
