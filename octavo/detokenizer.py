@@ -92,12 +92,26 @@ class IncrementalDetokenizer:
         self._pending = searched[cut:]
         return new_text
 
+    def _flush_held(self) -> None:
+        """At the end: tokens held for an incomplete character (cut by max_tokens mid-character)
+        are decoded as they are (U+FFFD for the missing bytes), as decoding all the tokens gives."""
+        if self.stop_reason is None and self._read_offset < len(self._ids):
+            before = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            window = self._decode(self._ids[self._prefix_offset :])
+            self._prefix_offset = self._read_offset = len(self._ids)
+            if len(window) > len(before):
+                self._append(window[len(before) :])
+
     def visible_text(self, finished: bool) -> str:
         """All text safe to show now: while running, the held-back tail is not."""
+        if finished:
+            self._flush_held()
         return self.text if finished else "".join(self._committed)
 
     def take_delta(self, finished: bool) -> str:
         """Text safe to show that was not handed out before; on finish, the held tail too."""
+        if finished:
+            self._flush_held()
         if finished and self._pending:
             self._committed.append(self._pending)
             self._pending = ""

@@ -168,9 +168,11 @@ def check_inputs(prompt_token_ids: list[int], params: SamplingParams, cache_salt
     bad_stops = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
     if bad_stops:
         raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}); got {bad_stops[:5]}")
-    bad_allowed = [t for t in getattr(params, "allowed_token_ids", None) or () if not 0 <= t < vocab_size]
+    bad_allowed = [t for t in (getattr(params, "allowed_token_ids", None) or ()) + (getattr(params, "logprob_token_ids", None) or ())
+                   if not 0 <= t < vocab_size]
     if bad_allowed:
-        raise ValueError(f"allowed_token_ids must be token ids in [0, {vocab_size}); got {bad_allowed[:5]}")
+        raise ValueError(f"allowed_token_ids and logprob_token_ids must be token ids in [0, {vocab_size}); "
+                         f"got {bad_allowed[:5]}")
     bad_bias = [t for t, _ in getattr(params, "logit_bias", ()) if not 0 <= t < vocab_size]
     if bad_bias:
         raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}); got {bad_bias[:5]}")

@@ -173,6 +173,8 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     pooling: PoolingParams | None = None  # an embedding request: pooled prompt states, no tokens
     allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: sample only among these tokens
+    # vLLM's: with logprobs, these tokens' logprobs (and the sampled one's) instead of the top k
+    logprob_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         # Accept a single string or any iterable for the tuple fields; store tuples (hashable, frozen).
@@ -185,6 +187,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if self.logprob_token_ids is not None:
+            object.__setattr__(self, "logprob_token_ids", tuple(self.logprob_token_ids))
         bias = self.logit_bias or ()
         object.__setattr__(self, "logit_bias", tuple(sorted((bias.items() if isinstance(bias, dict) else bias))))
         self._validate()
@@ -249,6 +253,12 @@ class SamplingParams:
                 not self.allowed_token_ids or len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS
                 or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
             raise ValueError(f"allowed_token_ids must be 1 to {MAX_ALLOWED_TOKEN_IDS} token ids (integers >= 0)")
+        if self.logprob_token_ids is not None and (
+                not 1 <= len(self.logprob_token_ids) <= MAX_LOGIT_BIAS
+                or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.logprob_token_ids)):
+            raise ValueError(f"logprob_token_ids must be 1 to {MAX_LOGIT_BIAS} token ids (integers >= 0)")
+        if self.logprob_token_ids is not None and self.logprobs is None:
+            raise ValueError("logprob_token_ids needs logprobs")
         if self.pooling is not None and (self.n != 1 or self.logprobs is not None or self.prompt_logprobs is not None
                                          or self.structured_outputs is not None):
             raise ValueError("an embedding request (pooling) takes n 1 and no logprobs, prompt_logprobs or structured outputs")

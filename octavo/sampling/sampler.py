@@ -224,10 +224,12 @@ def sample(
         top_values = top.values.tolist() if top is not None else None
         for j, i in enumerate(asked):
             k = rows[i].params.logprobs
-            logprobs[i] = TokenLogprob(
-                token_id=token_list[i],
-                logprob=chosen[j],
+            named = rows[i].params.logprob_token_ids
+            if named:  # vLLM's logprob_token_ids: these tokens' logprobs (and the sampled one's), not the top k
+                values = raw_logprobs[i, list(named)].tolist()
+                top = {t: v for t, v in zip(named, values)} | {token_list[i]: chosen[j]}
+            else:
                 # a grammar's masked tokens (-inf) are not alternatives: fewer than k entries then
-                top={t: v for t, v in zip(top_ids[j][:k], top_values[j][:k]) if v != float("-inf")} if k > 0 else {},
-            )
+                top = {t: v for t, v in zip(top_ids[j][:k], top_values[j][:k]) if v != float("-inf")} if k > 0 else {}
+            logprobs[i] = TokenLogprob(token_id=token_list[i], logprob=chosen[j], top=top)
     return token_list, logprobs

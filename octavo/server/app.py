@@ -86,7 +86,8 @@ def build_app(server: OpenAIServer) -> FastAPI:
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         if first.get("type") == "json_invalid":
             return error_json(400, f"malformed JSON body: {first.get('msg')}", "BadRequestError", path=request.url.path)
-        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        kind = f" [type={first['type']}]" if first.get("type") else ""  # pydantic's error type, as vLLM shows it
+        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}{kind}"
         return error_json(400, message, "BadRequestError", loc[0] if loc else None, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)

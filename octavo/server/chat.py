@@ -43,9 +43,12 @@ class ChatChoices:
 
     def __init__(self, server: OpenAIServer, mode: str, tool_choice: Any, parallel: bool = True,
                  calls: CallFormat | None = None, schemas: Schemas | None = None, starts_in_reasoning: bool = False,
-                 include_reasoning: bool = True, as_ids: bool = False, return_token_ids: bool = False) -> None:
+                 include_reasoning: bool = True, as_ids: bool = False, return_token_ids: bool = False,
+                 echo: str = "") -> None:
         self.server, self.mode, self.tool_choice, self.parallel = server, mode, tool_choice, parallel
         self.as_ids, self.return_token_ids = as_ids, return_token_ids
+        self.echo = echo  # vLLM's chat echo: the last (assistant) message's text starts the answer
+        self._echoed: set[int] = set()
         self.calls, self.schemas = (calls if mode == "auto" else None), schemas
         self.reasoning, self.starts_in_reasoning = server.reasoning, starts_in_reasoning
         self.include_reasoning = include_reasoning
@@ -58,9 +61,9 @@ class ChatChoices:
                           None if self.parallel else 1)
 
     def _reasoning_fields(self, reasoning: str | None) -> dict[str, Any]:
-        # vLLM's reasoning_content, and `reasoning`, the name newer clients read
+        # vLLM's reasoning_content, and `reasoning`, the name newer clients read (null when none)
         if self.reasoning is None or not self.include_reasoning or reasoning is None:
-            return {}
+            return {"reasoning": None, "reasoning_content": None}
         return {"reasoning_content": reasoning, "reasoning": reasoning}
 
     def _finish(self, reason: str | None, has_calls: bool) -> str | None:
@@ -75,18 +78,19 @@ class ChatChoices:
         content: str | None = piece.content
         calls = turn.calls
         if self.mode in ("required", "named") and c.finish_reason in ("stop", "length"):
-            forced = parse_forced_calls(piece.content, self.tool_choice, complete=c.finish_reason == "stop")
-            calls = forced or []
-            content = None if forced else content
+            # the constrained JSON is never the content: a call cut before it is whole is no answer
+            calls = parse_forced_calls(piece.content, self.tool_choice, complete=c.finish_reason == "stop") or []
+            content = None
         elif calls:
             content = content.strip() or None
+        if self.echo and not calls:
+            content = self.echo + (content or "")
         message: dict[str, Any] = {"role": "assistant", "content": content, **self._reasoning_fields(reasoning)}
         if calls:
             message["tool_calls"] = [call.as_openai() for call in calls]
         choice = {"index": index, "message": message, "logprobs": chat_logprobs(self.server, c.logprobs, self.as_ids),
                   "finish_reason": self._finish(c.finish_reason, bool(calls)), "stop_reason": c.stop_reason}
-        if self.return_token_ids:
-            choice["token_ids"] = list(c.token_ids)
+        choice["token_ids"] = list(c.token_ids) if self.return_token_ids else None
         return choice
 
     def delta(self, index: int, out: RequestOutput, c: CompletionOutput) -> list[dict]:
@@ -114,16 +118,18 @@ class ChatChoices:
             first_call = len(turn.calls)
             piece = turn.feed(c.text, finished=done)
             delta = self._reasoning_fields(piece.reasoning) if piece.reasoning else {}
+            if self.echo and index not in self._echoed:
+                self._echoed.add(index)
+                delta["content"] = self.echo
             if piece.content:
-                delta["content"] = piece.content
+                delta["content"] = delta.get("content", "") + piece.content
             if piece.calls:
                 delta["tool_calls"] = [call.as_openai(first_call + k) for k, call in enumerate(piece.calls)]
             has_calls = bool(turn.calls)
-        if not delta and not done and not c.logprobs:
-            return []
+        if not delta and not done and not c.logprobs and not (self.return_token_ids and c.token_ids):
+            return []  # (a chunk still carries token ids asked for, text or not)
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": self._finish(c.finish_reason, has_calls)}
-        if self.return_token_ids:
-            choice["token_ids"] = list(c.token_ids)
+        choice["token_ids"] = list(c.token_ids) if self.return_token_ids else None
         return [choice]
 
     def first_chunks(self, num_choices: int) -> list[dict]:
@@ -139,8 +145,7 @@ class ChatChoices:
         fields: dict[str, Any] = {"prompt_logprobs": None}
         if out is not None and out.prompt_logprobs is not None:
             fields["prompt_logprobs"] = vllm_prompt_logprobs(self.server, out.prompt_logprobs)
-        if self.return_token_ids and out is not None:
-            fields["prompt_token_ids"] = list(out.prompt_token_ids)
+        fields["prompt_token_ids"] = list(out.prompt_token_ids) if self.return_token_ids and out is not None else None
         return fields
 
 
@@ -158,11 +163,12 @@ class PreparedChat:
     starts_in_reasoning: bool
     constraint_param: str  # the field a 400 about the output constraint names
     lora: LoRARequest | None
+    echo: str = ""  # vLLM's echo: the text the answer starts with (the last message's, when the assistant's)
 
     def choices(self, server: OpenAIServer) -> ChatChoices:
         return ChatChoices(server, self.mode, self.tool_choice, self.req.parallel_tool_calls, self.calls, self.schemas,
                            self.starts_in_reasoning, self.req.include_reasoning, server.tokens_as_ids(self.req),
-                           self.req.return_token_ids)
+                           self.req.return_token_ids, self.echo)
 
 
 async def prepare_chat(server: OpenAIServer, req: ChatCompletionRequest) -> PreparedChat:
@@ -192,7 +198,7 @@ async def prepare_chat(server: OpenAIServer, req: ChatCompletionRequest) -> Prep
                        "BadRequestError", req.structured_param())
     tools = req.tools if tool_choice != "none" else None
     ids = await server.render_chat(req.plain_messages(), req.add_generation_prompt, tools, template_kwargs)
-    ids = server.truncate_prompt(ids, req.truncate_prompt_tokens)
+    ids = server.truncate_prompt(ids, req.truncate_prompt_tokens, req.truncation_side)
     server.check_prompt_len(ids)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     req = req.model_copy(update={"max_tokens": max_tokens})
@@ -205,7 +211,9 @@ async def prepare_chat(server: OpenAIServer, req: ChatCompletionRequest) -> Prep
         tool_choice if tool_choice in ("required", "none") else ("auto" if req.tools else "none"))
     if mode == "auto" and calls is not None and calls.keeps_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)  # its markers are special tokens
+    last = req.messages[-1]
+    echo = last.text() if req.echo and (last.role == "assistant" or not req.add_generation_prompt) else ""
     return PreparedChat(req, ids, params, mode, tool_choice, calls, tool_schemas(req.tools),
-                        server.prompt_opens_reasoning(ids), "tools" if forced else req.structured_param(), lora)
+                        server.prompt_opens_reasoning(ids), "tools" if forced else req.structured_param(), lora, echo)
 
 

@@ -178,13 +178,15 @@ class OpenAIServer:
             raise APIError(400, f"this server runs with --runner {self.limits.runner}: it serves {served} only",
                            "BadRequestError", "model")
 
-    def truncate_prompt(self, ids: list[int], keep: int | None) -> list[int]:
-        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the context length's
-        worth); None leaves it whole."""
+    def truncate_prompt(self, ids: list[int], keep: int | None, side: str = "left") -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (side "left": the start is
+        cut; "right": its first `keep`); -1: the context length's worth; None leaves it whole."""
         if keep is None:
             return ids
         keep = self.max_model_len - 1 if keep == -1 else keep
-        return ids[-keep:] if keep else []
+        if not keep:
+            return []
+        return ids[-keep:] if side == "left" else ids[:keep]
 
     def check_request(self, req: Any) -> LoRARequest | None:
         """Checks a request's fields; returns the LoRA adapter its `model` selects, if any."""

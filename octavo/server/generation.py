@@ -121,8 +121,10 @@ async def run_request(server: OpenAIServer, request: Request, req: Any, prompts:
     async with submitted(server, request, prompts, params, req.priority, req.cache_salt, lora, id_prefix) as sub:
         if req.stream:
             options = req.stream_options
-            include_usage = bool(options and options.include_usage) or server.limits.enable_force_include_usage
-            continuous = bool(options and options.continuous_usage_stats)
+            # vLLM's rules: continuous stats only with include_usage; the force flag gives both
+            forced = server.limits.enable_force_include_usage
+            include_usage = bool(options and options.include_usage) or forced
+            continuous = bool(include_usage and options and options.continuous_usage_stats) or forced
             pieces = _stream_pieces(server, sub.rid, sub.collector, prompts, params, choices, include_usage, continuous)
             body = guarded_stream(server, sub, pieces, _sse_error)
             return StreamingResponse(body, media_type="text/event-stream")

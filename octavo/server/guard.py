@@ -77,7 +77,23 @@ def needs_key(path: str) -> bool:
     and its script hold no data (the page asks for the key), nor do /health and /metrics' counts."""
     if path.startswith("/dashboard/"):
         return not path.startswith("/dashboard/static/")
-    return path.startswith("/v1")
+    # the API's routes outside /v1 too: rerank's and score's other paths, SageMaker's /invocations
+    return path.startswith(("/v1", "/v2")) or path in ("/invocations", "/score", "/rerank")
+
+
+def invocation_route(body: bytes) -> str:
+    """The route a POST /invocations body is for, by its fields: messages -> chat, prompt ->
+    completions, input -> embeddings (an unreadable body goes to chat, which says what is wrong)."""
+    try:
+        keys = json.loads(body)
+    except ValueError:
+        return "/v1/chat/completions"
+    if isinstance(keys, dict) and "messages" not in keys:
+        if "prompt" in keys:
+            return "/v1/completions"
+        if "input" in keys:
+            return "/v1/embeddings"
+    return "/v1/chat/completions"
 
 
 class RequestGuard:
@@ -125,6 +141,8 @@ class RequestGuard:
         if nested is not None:
             await _send_error(send, 400, nested, "BadRequestError", param=nested.split(":", 1)[0], path=path)
             return
+        if path == "/invocations" and scope.get("method") == "POST":  # SageMaker's entry point (vLLM serves it)
+            scope = {**scope, "path": invocation_route(body), "raw_path": None}
         replayed = False
 
         async def replay() -> dict:

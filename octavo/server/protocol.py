@@ -154,7 +154,9 @@ class _SamplingFields(_Body):
     # vLLM's: sample only among these tokens; keep the prompt's last k tokens (-1: as many as fit);
     # return the prompt's and the output's token ids; name logprob tokens "token_id:<id>"
     allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
+    logprob_token_ids: list[int] | None = Field(None, min_length=1, max_length=1024)
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
+    truncation_side: Literal["left", "right"] = "left"  # which end truncate_prompt_tokens cuts
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool | None = None
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
@@ -219,6 +221,9 @@ class _SamplingFields(_Body):
     def _logit_bias(self) -> dict[int, float]:
         """OpenAI's {"token id as a string": bias}; ValueError naming logit_bias otherwise."""
         out = {}
+        bad = [k for k in (self.logit_bias or {}) if not str(k).lstrip("-").isdigit()]
+        if bad:
+            raise ValueError(f"logit_bias keys must be token ids, got {', '.join(map(repr, bad[:16]))}")
         for key, value in (self.logit_bias or {}).items():
             try:
                 token = int(key)
@@ -247,6 +252,7 @@ class _SamplingFields(_Body):
             "prompt_logprobs": self.prompt_logprobs,
             "structured_outputs": self.structured(),
             "allowed_token_ids": tuple(self.allowed_token_ids) if self.allowed_token_ids else None,
+            "logprob_token_ids": tuple(self.logprob_token_ids) if self.logprob_token_ids else None,
         }
         for name, default in (
             ("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("presence_penalty", 0.0),
@@ -350,7 +356,8 @@ class ToolCall(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # OpenAI's roles, or any other name a model's template knows (vLLM passes custom roles through)
+    role: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     content: str | list[ContentPart] | None = None
     name: str | None = Field(None, max_length=256)
     tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)
@@ -419,6 +426,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = Field(None, max_length=MAX_SPEC_CHARS)  # only with --trust-request-chat-template
     continue_final_message: bool = False  # the last (assistant) message is continued, not closed
     include_reasoning: bool = True  # vLLM's: False drops reasoning_content from the answer
+    echo: bool = False  # vLLM's: the answer starts with the last message's text when it is the assistant's
 
     def template_kwargs(self) -> dict[str, Any]:
         """What goes to the chat template beside the messages; ValueError naming a reserved key."""
@@ -439,8 +447,6 @@ class ChatCompletionRequest(_SamplingFields):
 
     def unsupported(self) -> tuple[str, str] | None:
         extra = self.model_extra or {}
-        if extra.get("echo"):
-            return "echo", "echo is not supported on chat completions by this server (use /v1/completions)"
         if extra.get("use_beam_search"):
             return "use_beam_search", "use_beam_search is not supported on chat completions (use /v1/completions)"
         if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):

@@ -5,7 +5,6 @@ that do not render tools. A model's own calls (tool_choice "auto") are read by p
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from octavo.sampling.params import StructuredOutputsParams
@@ -66,47 +65,34 @@ def _rebase_refs(node: Any, base: str) -> Any:
 
 def parse_forced_calls(text: str, tool_choice: Any, complete: bool = True) -> list[ParsedCall] | None:
     """The calls in a constrained output. `complete` False (the output was cut by max_tokens): the
-    calls are still calls, as OpenAI returns them with finish_reason "length": a named function's
-    arguments as far as they were written; for "required", the calls written whole and then the cut
-    one, when its name was written (its arguments as far as they go). None when there is no call.
-    Never raises on what a model wrote (nesting too deep for the parser included)."""
+    calls of "required"'s array written whole before the cut; a call cut mid-way is no call (its
+    arguments are not JSON), as OpenAI answers: no tool_calls, and no content either. None when
+    there is no call. Never raises on what a model wrote (nesting too deep for the parser included)."""
     try:
         if tool_choice != "required":
-            name = tool_choice.function.name
-            return [ParsedCall(name, arguments_text(json.loads(text)) if complete else text)]
-        if complete:
-            items, cut = json.loads(text), None
-        else:
-            items, cut = _whole_array_items(text)
+            return [ParsedCall(tool_choice.function.name, arguments_text(json.loads(text)))] if complete else None
+        items = json.loads(text) if complete else _whole_array_items(text)
         calls = [ParsedCall(c["name"], arguments_text(c["parameters"])) for c in items
                  if isinstance(c, dict) and isinstance(c.get("name"), str) and "parameters" in c]
     except (ValueError, RecursionError, TypeError):
         return None
-    if cut is not None and (named := _CUT_CALL.match(cut)):
-        calls.append(ParsedCall(json.loads(f'"{named.group(1)}"'), named.group(2)))
     return calls or None
 
 
-# a cut item of "required"'s array: {"name": "NAME", "parameters": ARGUMENTS-SO-FAR
-_CUT_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"parameters"\s*:\s*(.*)\Z', re.S)
-
-
-def _whole_array_items(text: str) -> tuple[list[Any], str | None]:
-    """The items of a JSON array that was cut off, as far as they were written whole, and the text
-    of the cut item (None if the cut fell between items)."""
+def _whole_array_items(text: str) -> list[Any]:
+    """The items of a JSON array that was cut off, as far as they were written whole."""
     decoder = json.JSONDecoder()
     pos = text.find("[") + 1
     items: list[Any] = []
     if pos == 0:
-        return items, None
+        return items
     while True:
         while pos < len(text) and text[pos] in " \t\n\r,":
             pos += 1
         try:
             value, pos = decoder.raw_decode(text, pos)
         except ValueError:  # the cut item (or the closing bracket)
-            rest = text[pos:]
-            return items, (rest if rest.strip() and not rest.lstrip().startswith("]") else None)
+            return items
         items.append(value)
 
 

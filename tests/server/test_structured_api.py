@@ -160,6 +160,22 @@ def test_vllm_sampling_extensions(client, live_server):
     lp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
                                         logprobs=True, extra_body={"return_tokens_as_token_ids": True})
     assert all(t.token.startswith("token_id:") for t in lp.choices[0].logprobs.content)
+    named = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                           logprobs=True, top_logprobs=5, extra_body={
+                                               "logprob_token_ids": [100, 5000], "allowed_token_ids": [42],
+                                               "return_tokens_as_token_ids": True})
+    entry = named.choices[0].logprobs.content[0]
+    assert entry.token == "token_id:42" and {t.token for t in entry.top_logprobs} == {"token_id:42", "token_id:100",
+                                                                                       "token_id:5000"}
+    # cut by max_tokens inside a character: the text is what decoding the tokens gives (U+FFFD at the end)
+    cat = client.completions.create(model=MODEL, prompt="cat", max_tokens=2, extra_body={
+        "allowed_token_ids": [15107], "return_token_ids": True})  # 15107 is the first byte-token of an emoji
+    assert cat.choices[0].text == tokenizer_decode(live_server, cat.choices[0].model_dump()["token_ids"])
+
+
+def tokenizer_decode(live_server, ids: list[int]) -> str:
+    return httpx.post(f"{live_server.url}/detokenize", headers={"Authorization": f"Bearer {API_KEY}"},
+                      json={"tokens": ids}).json()["prompt"]
 
 
 def choice_ids_of(live_server, text: str) -> list[int]:

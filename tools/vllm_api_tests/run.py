@@ -66,6 +66,7 @@ def build_workspace(sdist: Path, work: Path) -> list[Path]:
         shutil.copytree(sdist / "tests" / part, tests / part)
     for init in (tests, tests / "entrypoints"):
         (init / "__init__.py").touch()
+    shutil.copy(sdist / "tests" / "entrypoints" / "conftest.py", tests / "entrypoints" / "conftest.py")
     shutil.copy(HERE / "shim_utils.py", tests / "utils.py")
     shutil.copy(HERE / "vllm_stub.py", work / "vllm_stub.py")
     (work / "conftest.py").write_text(CONFTEST.format(here=str(work)))
@@ -87,7 +88,7 @@ def main() -> int:
         files = [work / "tests" / "entrypoints" / f for f in args.files]
     report = work / "report.json"
     env = {**os.environ, "PYTHONPATH": f"{work}:{ROOT}", "VLLM_SDIST": str(sdist),
-           "OCTAVO_SHIM_LOG": str(work / "dropped-flags.log"), "OCTAVO_SHIM_SERVER_LOG": str(work / "servers.log")}
+           "OCTAVO_SHIM_LOG": str(work / "dropped-flags.log"), "OCTAVO_SHIM_WORK": str(work), "OCTAVO_SHIM_SERVER_LOG": str(work / "servers.log")}
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--tb=line", "-rN", "--timeout=150",
            "--continue-on-collection-errors",
            *(["-k", args.k] if args.k else []), f"--junitxml={work / 'junit.xml'}",

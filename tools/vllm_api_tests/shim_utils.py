@@ -42,7 +42,10 @@ def translate(args: list[str]) -> tuple[list[str], list[str]]:
     known = _octavo_flags()
     tokens: list[str] = []
     for a in args:
-        tokens.extend(a.split("=", 1) if a.startswith("--") and "=" in a else [a])
+        parts = a.split("=", 1) if a.startswith("--") and "=" in a else [a]
+        if parts[0].startswith("--"):  # vLLM takes --max_model_len as --max-model-len
+            parts[0] = parts[0].replace("_", "-")
+        tokens.extend(parts)
     kept, dropped, i = [], [], 0
     while i < len(tokens):
         flag = tokens[i]
@@ -80,9 +83,9 @@ class RemoteOpenAIServer:
         env = {**os.environ, **(env_dict or {}), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
         names = [] if "--served-model-name" in kept else ["--served-model-name", model]
         # a request that sets no max_tokens may generate up to the context length: on two CPU cores
-        # that is minutes a test; CPU time, not behaviour, so chats default to 128 new tokens here
+        # that is minutes a test; CPU time, not behaviour, so chats default to 256 new tokens here
         if "--override-generation-config" not in kept:
-            names += ["--override-generation-config", '{"max_new_tokens": 128}']
+            names += ["--override-generation-config", '{"max_new_tokens": 256}']
         cmd = [sys.executable, "-m", "octavo.cli", "serve", "--port", str(self.port), *names,
                "--dtype", "float32", "--kv-cache-memory", str(512 << 20), *kept]
         self.log = Path(os.environ.get("OCTAVO_SHIM_SERVER_LOG", "/tmp/vllm-shim-server.log"))

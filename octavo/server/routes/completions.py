@@ -41,8 +41,10 @@ class CompletionChoices:
     object_name = chunk_name = "text_completion"
 
     def __init__(self, server: OpenAIServer, n: int, echo_texts: list[str] | None, want_logprobs: bool,
-                 as_ids: bool = False, return_token_ids: bool = False) -> None:
+                 as_ids: bool = False, return_token_ids: bool = False, prompt_logprobs_asked: bool = False) -> None:
         self.server, self.n, self.echo_texts, self.want_logprobs = server, n, echo_texts, want_logprobs
+        # with echo, prompt logprobs are asked for the echoed logprobs; returned apart only if asked
+        self.prompt_logprobs_asked = prompt_logprobs_asked
         self.as_ids, self.return_token_ids = as_ids, return_token_ids
         self._offsets: dict[int, int] = {}  # streamed characters per choice, for text_offset
         self._started: set[int] = set()
@@ -60,10 +62,11 @@ class CompletionChoices:
         lps = None if c.logprobs is None else prompt_lps + list(c.logprobs)
         choice = {"index": index, "text": prefix + c.text, "logprobs": completion_logprobs(self.server, lps, 0, self.as_ids),
                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason, "prompt_logprobs": None}
-        if out.prompt_logprobs is not None and self.echo_texts is None:
+        if out.prompt_logprobs is not None and (self.echo_texts is None or self.prompt_logprobs_asked):
             choice["prompt_logprobs"] = vllm_prompt_logprobs(self.server, out.prompt_logprobs)
-        if self.return_token_ids:
-            choice["prompt_token_ids"], choice["token_ids"] = list(out.prompt_token_ids), list(c.token_ids)
+        asked = self.return_token_ids  # vLLM's keys, null unless asked
+        choice["prompt_token_ids"] = list(out.prompt_token_ids) if asked else None
+        choice["token_ids"] = list(c.token_ids) if asked else None
         return choice
 
     def delta(self, index: int, out: RequestOutput, c: CompletionOutput) -> list[dict]:
@@ -71,13 +74,13 @@ class CompletionChoices:
         if index not in self._started:
             self._started.add(index)
             prefix, prompt_lps = self._echo(index, out)
-            if out.prompt_logprobs is not None and self.echo_texts is None:
+            if out.prompt_logprobs is not None and (self.echo_texts is None or self.prompt_logprobs_asked):
                 extra["prompt_logprobs"] = vllm_prompt_logprobs(self.server, out.prompt_logprobs)
             if self.return_token_ids:
                 extra["prompt_token_ids"] = list(out.prompt_token_ids)
         if self.return_token_ids:
             extra["token_ids"] = list(c.token_ids)
-        if not (prefix or c.text) and c.finish_reason is None and not c.logprobs:
+        if not (prefix or c.text) and c.finish_reason is None and not c.logprobs and not (self.return_token_ids and c.token_ids):
             return []
         lps = None if c.logprobs is None else prompt_lps + list(c.logprobs)
         text = prefix + c.text
@@ -109,7 +112,7 @@ def build_router(server: OpenAIServer) -> APIRouter:
         if len(raw) > MAX_PROMPTS_PER_REQUEST:
             raise APIError(400, f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {len(raw)}",
                            "BadRequestError", "prompt")
-        prompts = [server.truncate_prompt(ids, req.truncate_prompt_tokens) for ids in await server.encode(raw)]
+        prompts = [server.truncate_prompt(ids, req.truncate_prompt_tokens, req.truncation_side) for ids in await server.encode(raw)]
         for ids in prompts:
             server.check_prompt_len(ids)
         if req.use_beam_search:
@@ -130,7 +133,7 @@ def build_router(server: OpenAIServer) -> APIRouter:
         if req.echo:
             echo_texts = [p if isinstance(p, str) else await server.off_loop(server.tokenizer.decode, p) for p in raw]
         choices = CompletionChoices(server, params.n, echo_texts, req.logprobs is not None, server.tokens_as_ids(req),
-                                    req.return_token_ids)
+                                    req.return_token_ids, req.prompt_logprobs is not None)
         async with server.grammar_held(params.structured_outputs, req.structured_param(), request):
             return await run_request(server, request, req, prompts, params, choices, "cmpl", lora)
 

@@ -84,6 +84,8 @@ class MessagesRequest(_Body):
     tool_choice: AnthropicToolChoice | None = None
     thinking: ThinkingConfig | None = None
     metadata: dict[str, Any] | None = None
+    # Anthropic's structured outputs: {"format": {"type": "json_schema", "schema": {...}}}
+    output_config: dict[str, Any] | None = None
     # the same extensions the chat route takes, for clients that send them here
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=64)
     seed: int | None = None
@@ -183,6 +185,12 @@ def as_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
         body["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                            "parameters": t.input_schema}} for t in req.tools]
         body["tool_choice"] = tool_choice
+    fmt = (req.output_config or {}).get("format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+            raise APIError(400, "output_config.format: give {\"type\": \"json_schema\", \"schema\": {...}}",
+                           "invalid_request_error", "output_config")
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
     user = (req.metadata or {}).get("user_id")
     if isinstance(user, str):
         body["user"] = user[:MAX_USER_CHARS]
@@ -216,10 +224,17 @@ def stop_reason(c: CompletionOutput, has_calls: bool) -> tuple[str, str | None]:
 
 
 def _usage(server: OpenAIServer, chat: PreparedChat, out: RequestOutput | None, num_output: int) -> dict[str, Any]:
-    body: dict[str, Any] = {"input_tokens": len(chat.ids), "output_tokens": num_output}
-    if server.limits.enable_prompt_tokens_details and out is not None:
-        body["cache_read_input_tokens"] = out.num_cached_tokens
-    return body
+    """Anthropic's usage. With --enable-prompt-tokens-details (off by default: it tells a tenant
+    what is cached) the prompt is split as Anthropic counts it: read from the cache, written to it
+    (the full blocks computed now), and the rest (input_tokens); the three add up to the prompt."""
+    num_prompt = len(chat.ids)
+    if not server.limits.enable_prompt_tokens_details or out is None:
+        return {"input_tokens": num_prompt, "output_tokens": num_output}
+    block = server.engine.config.cache.block_size
+    read = min(out.num_cached_tokens, num_prompt)
+    created = max(0, num_prompt // block * block - read)
+    return {"input_tokens": num_prompt - read - created, "output_tokens": num_output,
+            "cache_read_input_tokens": read, "cache_creation_input_tokens": created}
 
 
 class BlockWriter:
@@ -356,7 +371,6 @@ async def _stream_events(server: OpenAIServer, chat: PreparedChat, msg_id: str, 
     out, c = last
     reason, sequence = stop_reason(c, writer.has_calls)
     usage = _usage(server, chat, out, num_tokens)
-    usage.pop("input_tokens")
     yield _sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                  "usage": usage})
     yield _sse("message_stop", {"type": "message_stop"})

@@ -36,6 +36,8 @@ from octavo.server.tools import parse_forced_calls
 # OpenAI's limits on metadata: 16 pairs, keys of at most 64 characters, values of at most 512
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+PASSED_SAMPLING_FIELDS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
+                          "stop", "min_tokens", "chat_template_kwargs", "skip_special_tokens")
 
 
 class InputContent(_Body):
@@ -218,6 +220,9 @@ def as_chat_request(req: ResponsesRequest, messages: list[dict]) -> ChatCompleti
     body: dict[str, Any] = {"model": req.model, "messages": messages, "max_tokens": req.max_output_tokens,
                             "temperature": req.temperature, "top_p": req.top_p, "priority": req.priority,
                             "cache_salt": req.cache_salt, "user": req.user}
+    for name in PASSED_SAMPLING_FIELDS:  # vLLM's extra sampling fields, as chat takes them
+        if (req.model_extra or {}).get(name) is not None:
+            body[name] = req.model_extra[name]
     if req.wants_logprobs:
         body["logprobs"], body["top_logprobs"] = True, req.top_logprobs or 0
     fmt = req.text.format if req.text is not None else None
