@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 from octavo.config import ACTIVATION_DTYPES, DEFAULT_MAX_WAIT_STEPS
 from octavo.sampling.params import MAX_LOGPROBS
@@ -164,31 +165,13 @@ def cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    check_model_file(args.model)
-    import uvicorn
-
-    from octavo.engine import LLMEngine
-    from octavo.engine_args import EngineArgs
-    from octavo.metrics import EngineMetrics
-    from octavo.models.loader import DEFAULT_MODEL_NAME
-    from octavo.server.app import OpenAIServer, ServerLimits, build_app
-    from octavo.server.async_engine import AsyncEngine
-    from octavo.server.connections import default_max_connections, protocol_factory
-
-    log = logging.getLogger("octavo")
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        print("error: --enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)", file=sys.stderr)
-        return 2
-    engine_args = EngineArgs(**engine_kwargs(args))
-    _check_serve_flags(args)
-    names = args.served_model_name or [DEFAULT_MODEL_NAME if args.model is None else args.model]
-    name = names[0]
+def server_limits(args: argparse.Namespace, limits_cls: type, log: logging.Logger) -> Any:
+    """`octavo serve`'s ServerLimits from its flags."""
     if args.max_logprobs < 0 or args.max_logprobs > MAX_LOGPROBS:  # vLLM's -1 / the vocabulary size: "no limit"
         log.warning("--max-logprobs %d: Octavo returns at most %d logprobs; the limit is %d",
                     args.max_logprobs, MAX_LOGPROBS, MAX_LOGPROBS)
         args.max_logprobs = MAX_LOGPROBS
-    limits = ServerLimits(
+    return limits_cls(
         max_request_bytes=args.max_request_bytes,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         enable_debug_endpoints=args.enable_debug_endpoints,
@@ -211,6 +194,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
         header_timeout_s=args.header_timeout,
         dashboard_interval_s=args.dashboard_interval,
     )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    check_model_file(args.model)
+    import uvicorn
+
+    from octavo.engine import LLMEngine
+    from octavo.engine_args import EngineArgs
+    from octavo.metrics import EngineMetrics
+    from octavo.models.loader import DEFAULT_MODEL_NAME
+    from octavo.server.app import OpenAIServer, ServerLimits, build_app
+    from octavo.server.async_engine import AsyncEngine
+    from octavo.server.connections import default_max_connections, protocol_factory
+
+    log = logging.getLogger("octavo")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        print("error: --enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)", file=sys.stderr)
+        return 2
+    engine_args = EngineArgs(**engine_kwargs(args))
+    _check_serve_flags(args)
+    names = args.served_model_name or [DEFAULT_MODEL_NAME if args.model is None else args.model]
+    name = names[0]
+    limits = server_limits(args, ServerLimits, log)
     died: list[BaseException] = []
 
     class Server(uvicorn.Server):

@@ -44,8 +44,13 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     disable_any_whitespace: bool = False
+    # the text that ends a reasoning model's thinking ("</think>"): the constraint applies to the
+    # output after its first appearance (the answer), not to the reasoning; None: from the start
+    after_text: str | None = None
 
     def __post_init__(self) -> None:
+        if self.after_text is not None and not (isinstance(self.after_text, str) and 0 < len(self.after_text) <= 64):
+            raise ValueError("structured_outputs.after_text must be 1 to 64 characters")
         if isinstance(self.json, dict):
             try:
                 object.__setattr__(self, "json", json.dumps(self.json, ensure_ascii=False))

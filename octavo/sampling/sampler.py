@@ -144,6 +144,28 @@ def _unban_eos_where_nothing_is_left(logits: torch.Tensor, rows: list[SamplingRo
     return logits
 
 
+def _apply_bias_and_allowed(logits: torch.Tensor, rows: list[SamplingRow], edited: bool) -> torch.Tensor:
+    """OpenAI's logit_bias (added to the logits, all rows at once) and vLLM's allowed_token_ids
+    (every other token banned); a copy when anything changes and `edited` is False (the caller's
+    logits stay as they were)."""
+    device = logits.device
+    if any(r.params.logit_bias for r in rows):
+        logits = logits if edited else logits.clone()
+        edited = True
+        r_idx, t_idx = _flat_ids([[t for t, _ in r.params.logit_bias] for r in rows], device)
+        bias = torch.tensor([v for r in rows for _, v in r.params.logit_bias], dtype=logits.dtype, device=device)
+        logits.index_put_((r_idx, t_idx), bias, accumulate=True)
+    if any(r.params.allowed_token_ids for r in rows):
+        logits = logits if edited else logits.clone()
+        for i, r in enumerate(rows):
+            if r.params.allowed_token_ids:
+                ids = torch.tensor(r.params.allowed_token_ids, dtype=torch.long, device=device)
+                kept = logits[i, ids].clone()
+                logits[i] = float("-inf")
+                logits[i, ids] = kept
+    return logits
+
+
 def sample(
     logits: torch.Tensor, rows: list[SamplingRow], allowed: tuple[torch.Tensor, torch.Tensor] | None = None,
     generator_states: dict[int, object] | None = None,
@@ -182,20 +204,7 @@ def sample(
         logits[_flat_ids(bans, device)] = float("-inf")
         if allowed is not None:
             logits = _unban_eos_where_nothing_is_left(logits, rows, allowed[0])
-    if any(r.params.logit_bias for r in rows):  # OpenAI's logit_bias: added to the logits, all rows at once
-        logits = logits if edited else logits.clone()
-        r_idx, t_idx = _flat_ids([[t for t, _ in r.params.logit_bias] for r in rows], device)
-        bias = torch.tensor([v for r in rows for _, v in r.params.logit_bias], dtype=logits.dtype, device=device)
-        logits.index_put_((r_idx, t_idx), bias, accumulate=True)
-    if any(r.params.allowed_token_ids for r in rows):  # vLLM's allowed_token_ids: every other token banned
-        logits = logits if edited else logits.clone()
-        edited = True
-        for i, r in enumerate(rows):
-            if r.params.allowed_token_ids:
-                ids = torch.tensor(r.params.allowed_token_ids, dtype=torch.long, device=device)
-                kept = logits[i, ids].clone()
-                logits[i] = float("-inf")
-                logits[i, ids] = kept
+    logits = _apply_bias_and_allowed(logits, rows, edited)
 
     tokens = logits.argmax(dim=-1)  # greedy rows are done; random rows are redrawn below
     random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]

@@ -97,22 +97,26 @@ class ChatChoices:
         logprobs = chat_logprobs(self.server, c.logprobs, self.as_ids)
         done = c.finish_reason is not None
         has_calls = False
+        if self.mode in ("named", "required"):  # the forced call is the answer after any reasoning
+            piece = self._turns.setdefault(index, self._turn()).feed(c.text, finished=done)
+            text = piece.content
         if self.mode == "named":
-            delta: dict[str, Any] = {}
-            if index not in self._named_started and (c.text or done):
+            delta: dict[str, Any] = self._reasoning_fields(piece.reasoning) if piece.reasoning else {}
+            if index not in self._named_started and (text or done):
                 self._named_started.add(index)
                 call = ParsedCall(self.tool_choice.function.name, "")
-                delta = {"tool_calls": [call.as_openai(0) | {"function": {"name": call.name, "arguments": c.text}}]}
-            elif c.text:
-                delta = {"tool_calls": [{"index": 0, "function": {"arguments": c.text}}]}
+                delta["tool_calls"] = [call.as_openai(0) | {"function": {"name": call.name, "arguments": text}}]
+            elif text:
+                delta["tool_calls"] = [{"index": 0, "function": {"arguments": text}}]
             has_calls = True
         elif self.mode == "required":
-            self._buffers[index] = self._buffers.get(index, "") + c.text
-            delta = {}
+            self._buffers[index] = self._buffers.get(index, "") + text
+            delta = self._reasoning_fields(piece.reasoning) if piece.reasoning else {}
             if done:
                 calls = parse_forced_calls(self._buffers.pop(index), self.tool_choice, complete=c.finish_reason == "stop")
                 has_calls = bool(calls)
-                delta = {"tool_calls": [call.as_openai(k) for k, call in enumerate(calls)]} if calls else {}
+                if calls:
+                    delta["tool_calls"] = [call.as_openai(k) for k, call in enumerate(calls)]
         else:
             turn = self._turns.setdefault(index, self._turn())
             first_call = len(turn.calls)
@@ -211,6 +215,10 @@ async def prepare_chat(server: OpenAIServer, req: ChatCompletionRequest) -> Prep
         tool_choice if tool_choice in ("required", "none") else ("auto" if req.tools else "none"))
     if mode == "auto" and calls is not None and calls.keeps_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)  # its markers are special tokens
+    if params.structured_outputs is not None and server.reasoning is not None and not server.reasoning_ended(ids):
+        # a reasoning model: the constraint (or forced call) applies to its answer, after the thinking
+        params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
+            params.structured_outputs, after_text=server.reasoning.end))
     last = req.messages[-1]
     echo = last.text() if req.echo and (last.role == "assistant" or not req.add_generation_prompt) else ""
     return PreparedChat(req, ids, params, mode, tool_choice, calls, tool_schemas(req.tools),

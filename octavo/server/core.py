@@ -134,6 +134,14 @@ class OpenAIServer:
         # adapters by the name a request's `model` field selects (kept in step with the engine)
         self.loras: dict[str, LoRARequest] = {r.lora_name: r for r in engine.list_loras()}
         self._token_text: dict[int, str] = {}
+        # OpenAI's system_fingerprint: the backend configuration an answer came from (Octavo's
+        # version, the weights' quantization and activation dtype); it changes when they do
+        import hashlib
+
+        import octavo
+
+        backend = f"{octavo.__version__}|{config.quantization}|{config.activation_dtype}|{config.dtype}"
+        self.system_fingerprint = "fp_" + hashlib.sha256(backend.encode()).hexdigest()[:10]
         self.tool_calls: CallFormat | None = (call_format(self.limits.tool_call_parser)
                                               if self.limits.tool_call_parser else None)
         self.reasoning: ReasoningFormat | None = (reasoning_format(self.limits.reasoning_parser)
@@ -279,6 +287,15 @@ class OpenAIServer:
         if self.tool_calls is not None:
             return self.tool_calls
         return None if self.template_renders_tools else call_format("hermes")
+
+    def reasoning_ended(self, ids: list[int]) -> bool:
+        """Whether the rendered prompt already closed the reasoning (a template with thinking off
+        writes an empty <think></think>): the answer is all the output then."""
+        if self.reasoning is None:
+            return True
+        tail = self.tokenizer.decode(ids[-32:])
+        end = tail.rfind(self.reasoning.end)
+        return end != -1 and end > tail.rfind(self.reasoning.start)
 
     def prompt_opens_reasoning(self, ids: list[int]) -> bool:
         """Whether the rendered prompt ends inside an open reasoning block (see parsers/reasoning.py)."""

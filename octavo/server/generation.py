@@ -149,7 +149,7 @@ def _final_body(server: OpenAIServer, rid: str, prompts, finals: dict[int, Reque
     body_choices = [choices.final(i * params.n + c.index, finals[i], c) for i in sorted(finals) for c in finals[i].outputs]
     num_completion = sum(len(c.token_ids) for out in finals.values() for c in out.outputs)
     return {"id": rid, "object": choices.object_name, "created": now(), "model": server.model_name,
-            "choices": body_choices, "usage": usage(server, prompts, num_completion, list(finals.values())),
+            "system_fingerprint": server.system_fingerprint, "choices": body_choices, "usage": usage(server, prompts, num_completion, list(finals.values())),
             **choices.extra_fields(finals)}
 
 
@@ -165,7 +165,7 @@ async def _stream_pieces(server, rid, collector: OutputCollector, prompts, param
     def chunk(body_choices: list[dict], usage_body: dict | None = None) -> str:
         nonlocal start_fields
         body = {"id": rid, "object": choices.chunk_name, "created": created, "model": server.model_name,
-                "choices": body_choices, **start_fields}
+                "system_fingerprint": server.system_fingerprint, "choices": body_choices, **start_fields}
         start_fields = {}
         if continuous and usage_body is None:
             usage_body = usage(server, prompts, num_tokens, list(totals.values()))

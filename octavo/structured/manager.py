@@ -132,6 +132,10 @@ class StructuredOutputManager:
         self._cache: OrderedDict[tuple, _Cached] = OrderedDict()  # least recently used first
         self._holders: dict[str, tuple] = {}  # holder (a request id) -> the key it holds
         self._matchers: dict[str, _Matcher] = {}
+        # constraints that start after a reasoning model's closing tag: per sequence, how many of its
+        # tokens were scanned and the text's tail (no tag yet), or where the answer starts
+        self._scanned: dict[str, tuple[int, str]] = {}
+        self._answer_starts: dict[str, int] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._batch: Any = None
 
@@ -248,6 +252,28 @@ class StructuredOutputManager:
 
     # ---- matchers (engine thread) ------------------------------------------------------------
 
+    def constrained_part(self, seq_id: str, params: StructuredOutputsParams, output_token_ids: list[int]) -> list[int] | None:
+        """The output tokens the constraint applies to: all of them, or with `after_text` those
+        after its first appearance; None while it has not appeared (the reasoning is free). Scans
+        each token once (its text decoded alone: the tag is ASCII)."""
+        if params.after_text is None:
+            return output_token_ids
+        start = self._answer_starts.get(seq_id)
+        if start is not None and start <= len(output_token_ids):
+            return output_token_ids[start:]
+        num, tail = self._scanned.get(seq_id, (0, ""))
+        if num > len(output_token_ids):  # rolled back (speculative decoding): scan again
+            num, tail = 0, ""
+        tag = params.after_text
+        for i in range(num, len(output_token_ids)):
+            tail = (tail + self.tokenizer.decode([output_token_ids[i]]))[-(len(tag) + 32):]
+            if tag in tail:
+                self._answer_starts[seq_id] = i + 1
+                self._scanned.pop(seq_id, None)
+                return output_token_ids[i + 1:]
+        self._scanned[seq_id] = (len(output_token_ids), tail)
+        return None
+
     def _matcher(self, seq_id: str, params: StructuredOutputsParams, output_token_ids: list[int]) -> _Matcher:
         """The sequence's matcher, brought to the end of its output tokens."""
         state = self._matchers.get(seq_id)
@@ -275,7 +301,10 @@ class StructuredOutputManager:
         """Speculative decoding: the longest prefix of `drafts` the sequence's grammar accepts
         after its output so far (drafts it would reject are cut before they are verified). The
         matcher is rolled back to the output afterwards."""
-        state = self._matcher(seq_id, params, output_token_ids)
+        answer = self.constrained_part(seq_id, params, output_token_ids)
+        if answer is None:
+            return []  # reasoning: no drafts until the constrained answer starts (the tag could be in them)
+        state = self._matcher(seq_id, params, answer)
         if state.failed:
             return []
         num = 0
@@ -298,7 +327,12 @@ class StructuredOutputManager:
             ahead = drafts.get(seq_id) if drafts else None
             if ahead is not None and i and rows[i - 1][0] == seq_id:
                 continue  # filled with the sequence's first row
-            state = self._matcher(seq_id, params, output)
+            answer = self.constrained_part(seq_id, params, output)
+            if answer is None:  # still reasoning: every token allowed
+                for j in range(len(ahead or ()) + 1):
+                    mask[i + j] = -1
+                continue
+            state = self._matcher(seq_id, params, answer)
             if state.failed or state.matcher.is_terminated():
                 mask[i] = self._eos_row(mask.shape[1])
                 for j in range(1, len(ahead or ()) + 1):
@@ -362,6 +396,8 @@ class StructuredOutputManager:
     def forget(self, seq_ids: list[str]) -> None:
         for sid in seq_ids:
             self._matchers.pop(sid, None)
+            self._scanned.pop(sid, None)
+            self._answer_starts.pop(sid, None)
 
     @property
     def num_matchers(self) -> int:

@@ -128,3 +128,33 @@ def test_thinking_text_and_tool_use_loop(thinking_url):
         model="scripted", messages=[{"role": "user", "content": "Hi"}], max_tokens=200)
     message = chat.choices[0].message
     assert message.reasoning_content.strip().startswith("The user wants") and message.content.startswith("Let me check.")
+
+
+CONSTRAINED = '<think>\nThe answer must be JSON.\n</think>{"city": "Paris"}'
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def constrained_url(smol_dir, smol_tokenizer):
+    with serve_in_thread(scripted_engine(smol_dir, smol_tokenizer, CONSTRAINED), reasoning_parser="qwen3") as url:
+        yield url
+
+
+def test_constraints_apply_to_the_answer_after_the_reasoning(constrained_url):
+    """A JSON schema (or a forced call) constrains the answer, not the thinking before it: were it
+    applied from the first token, the grammar would ban `<think>` and the stub's script would break."""
+    client = openai.OpenAI(base_url=f"{constrained_url}/v1", api_key="x", max_retries=0)
+    asked = dict(model="scripted", messages=[{"role": "user", "content": "Where?"}], max_tokens=100)
+    r = client.chat.completions.create(**asked, response_format={
+        "type": "json_schema", "json_schema": {"name": "city", "schema": CITY}})
+    message = r.choices[0].message
+    assert message.reasoning_content.strip() == "The answer must be JSON." and message.content == '{"city": "Paris"}'
+    tool = {"type": "function", "function": {"name": "locate", "parameters": CITY}}
+    named = client.chat.completions.create(**asked, tools=[tool], tool_choice={"type": "function",
+                                                                               "function": {"name": "locate"}})
+    call = named.choices[0].message.tool_calls[0]
+    assert call.function.name == "locate" and call.function.arguments == '{"city": "Paris"}'
+    chunks = list(client.chat.completions.create(**asked, tools=[tool], stream=True,
+                                                 tool_choice={"type": "function", "function": {"name": "locate"}}))
+    arguments = "".join(tc.function.arguments or "" for ch in chunks for tc in (ch.choices[0].delta.tool_calls or []))
+    assert arguments == '{"city": "Paris"}'

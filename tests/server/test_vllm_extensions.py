@@ -20,6 +20,7 @@ def test_invocations_route_by_body_and_need_the_key(live_server):
     direct = httpx.post(f"{live_server.url}/v1/chat/completions", headers=HEADERS, json=chat).json()
     via = httpx.post(f"{live_server.url}/invocations", headers=HEADERS, json=chat).json()
     assert via["object"] == "chat.completion" and via["choices"] == direct["choices"]
+    assert direct["system_fingerprint"].startswith("fp_") and via["system_fingerprint"] == direct["system_fingerprint"]
     done = httpx.post(f"{live_server.url}/invocations", headers=HEADERS, json={"prompt": "Hi", "max_tokens": 2}).json()
     assert done["object"] == "text_completion"
     vec = httpx.post(f"{live_server.url}/invocations", headers=HEADERS, json={"input": "Hi"}).json()

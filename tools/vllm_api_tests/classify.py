@@ -43,6 +43,8 @@ MODEL_DEPENDENT = [
      "Qwen3 must reason"),
     (r"test_simple::test_max_tokens", "the model must not end within 30 tokens"),
     (r"test_return_token_ids::test_chat_completion_with_tool_use", "the model must call the tool"),
+    (r"test_return_token_ids::test_comparison_with_prompt_logprobs_and_logprobs",
+     "the model must not end within 20 tokens (its end token is in token_ids, not in the text)"),
     (r"test_return_tokens_as_ids::test_completion", "zephyr's tokenizer: its BOS is the first token"),
 ]
 # features refused by name (docs/API.md), or tests that need vLLM's package rather than a server
@@ -60,8 +62,8 @@ VLLM = (r"structured_outputs|prompt_logprobs|return_token|token_ids|truncat|cont
         r"|n_parameter|min_tokens|echo|include_reasoning|models::|beam")
 
 
-def classify(name: str, outcome: str) -> tuple[str, str]:
-    if outcome == "needs vLLM":
+def classify(name: str, outcome: str, detail: str = "") -> tuple[str, str]:
+    if outcome == "needs vLLM" or "_Thing" in detail:  # (a stub raised, or was used as an exception or number)
         return "n/a", "exercises vLLM's own classes"
     for pattern, reason in REFUSED:
         if re.search(pattern, name):
@@ -80,7 +82,7 @@ def main() -> None:
     table: dict[str, dict[str, int]] = {}
     failing: list[str] = []
     for name, r in results.items():
-        kind, reason = classify(name, r["outcome"])
+        kind, reason = classify(name, r["outcome"], r["detail"])
         ok = r["outcome"] in ("passed", "skipped")
         table.setdefault(kind, {"passed": 0, "failed": 0})["passed" if ok else "failed"] += 1
         if kind != "n/a" and not ok:
