@@ -215,13 +215,29 @@ async def prepare_chat(server: OpenAIServer, req: ChatCompletionRequest) -> Prep
         tool_choice if tool_choice in ("required", "none") else ("auto" if req.tools else "none"))
     if mode == "auto" and calls is not None and calls.keeps_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)  # its markers are special tokens
-    if params.structured_outputs is not None and server.reasoning is not None and not server.reasoning_ended(ids):
-        # a reasoning model: the constraint (or forced call) applies to its answer, after the thinking
+    starts_in_reasoning = server.prompt_opens_reasoning(ids)
+    if params.structured_outputs is not None and _thinks(server, req, template_kwargs, starts_in_reasoning, ids):
+        # a reasoning model that thinks first: the constraint (or forced call) applies to its
+        # answer, after the thinking
         params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
             params.structured_outputs, after_text=server.reasoning.end))
     last = req.messages[-1]
     echo = last.text() if req.echo and (last.role == "assistant" or not req.add_generation_prompt) else ""
     return PreparedChat(req, ids, params, mode, tool_choice, calls, tool_schemas(req.tools),
-                        server.prompt_opens_reasoning(ids), "tools" if forced else req.structured_param(), lora, echo)
+                        starts_in_reasoning, "tools" if forced else req.structured_param(), lora, echo)
+
+
+def _thinks(server: OpenAIServer, req: ChatCompletionRequest, template_kwargs: dict[str, Any],
+            starts_in_reasoning: bool, ids: list[int]) -> bool:
+    """Whether a constrained request's answer comes after reasoning: its prompt opened the
+    reasoning, or it asked for thinking (enable_thinking / thinking true, a reasoning_effort). Not
+    otherwise: a constraint held back for a closing tag a model may never write would not be a
+    constraint (a model that does not reason, a template without the switch), so it applies from
+    the first token then, and a model that would have thought answers at once."""
+    if server.reasoning is None or server.reasoning_ended(ids):
+        return False
+    asked = (template_kwargs.get("enable_thinking") is True or template_kwargs.get("thinking") is True
+             or req.reasoning_effort not in (None, "none"))
+    return starts_in_reasoning or asked
 
 

@@ -144,7 +144,14 @@ def test_constraints_apply_to_the_answer_after_the_reasoning(constrained_url):
     """A JSON schema (or a forced call) constrains the answer, not the thinking before it: were it
     applied from the first token, the grammar would ban `<think>` and the stub's script would break."""
     client = openai.OpenAI(base_url=f"{constrained_url}/v1", api_key="x", max_retries=0)
-    asked = dict(model="scripted", messages=[{"role": "user", "content": "Where?"}], max_tokens=100)
+    # not asked to think (and the prompt does not open the reasoning): constrained from the first
+    # token, so the grammar refuses the stub's <think> and nothing comes back as reasoning
+    plain = client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "Where?"}],
+                                           max_tokens=100, response_format={"type": "json_object"})
+    assert plain.choices[0].message.reasoning_content is None
+    assert not (plain.choices[0].message.content or "").startswith("<think>")
+    asked = dict(model="scripted", messages=[{"role": "user", "content": "Where?"}], max_tokens=100,
+                 extra_body={"chat_template_kwargs": {"enable_thinking": True}})
     r = client.chat.completions.create(**asked, response_format={
         "type": "json_schema", "json_schema": {"name": "city", "schema": CITY}})
     message = r.choices[0].message
