@@ -188,8 +188,8 @@ class Scheduler:
         """The step's tokens for embedding requests: a share of the running generation requests
         (rounded up, at least 1) while generation requests are held; None (no cap) otherwise."""
         share = self.config.pooling_share
-        if share is None or len(self.requests) == self._num_pooling:
-            return None
+        if share is None or not self._num_pooling or len(self.requests) == self._num_pooling:
+            return None  # (no embedding request held: nothing to count, the common step)
         num_generating = sum(r.sampling_params.pooling is None for r in self.running)
         return max(1, math.ceil(share * num_generating))
 
