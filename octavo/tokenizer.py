@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import threading
-from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from octavo.chat_template.sandbox import RenderBudget, compile_chat_template, render_chat
 
 
 # tokenizer_config.json classes that are transformers' generic tokenizers.json wrapper (what a GGUF
@@ -29,7 +30,7 @@ _PLAIN_TOKENIZERS = (*_GENERIC_TOKENIZERS, "GemmaTokenizer", "Qwen2Tokenizer")
 _CHANGES_BEHAVIOUR = ("add_bos_token", "add_eos_token", "add_prefix_space", "legacy", "from_slow",
                       "split_special_tokens", "do_lower_case")
 # apply_chat_template's options that transformers' object handles (not template variables).
-_HF_CHAT_OPTIONS = ("chat_template", "documents", "continue_final_message", "sanitize_control_tokens", "padding",
+_HF_CHAT_OPTIONS = ("sanitize_control_tokens", "padding",
                     "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
                     "tokenizer_kwargs")
 # Named special tokens, in transformers' order (its special_tokens_map, passed to chat templates).
@@ -154,21 +155,30 @@ class Tokenizer:
     # ---- the chat template -------------------------------------------------------------------
 
     def apply_chat_template(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                            add_generation_prompt: bool = False, tokenize: bool = True, **kwargs: Any) -> Any:
-        """The conversation rendered by the model's chat template, as transformers renders it.
-        `tokenize=False` and template variables are rendered here; tokenizing, batches and
-        transformers' other options (continue_final_message, documents...) go to `hf`."""
+                            add_generation_prompt: bool = False, tokenize: bool = True,
+                            chat_template: str | None = None, continue_final_message: bool = False,
+                            budget: RenderBudget | None = None, **kwargs: Any) -> Any:
+        """The conversation rendered by the model's chat template (or `chat_template`, a template's
+        source), as transformers renders it, within `budget` (sandbox.RenderBudget's defaults when
+        None). `tokenize=False` and template variables (`documents` among them) are rendered here;
+        tokenizing, batches and transformers' other options go to `hf`."""
         if tokenize or not isinstance(conversation, list) or any(k in _HF_CHAT_OPTIONS for k in kwargs):
             return self.hf.apply_chat_template(conversation, tools=tools, add_generation_prompt=add_generation_prompt,
-                                               tokenize=tokenize, **kwargs)
-        if not self.chat_template:
+                                               tokenize=tokenize, chat_template=chat_template,
+                                               continue_final_message=continue_final_message, **kwargs)
+        source = chat_template or self.chat_template
+        if not source:
             raise ValueError("this model's tokenizer has no chat template")
         if not conversation:
             raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")
-        if self._compiled is None:
-            self._compiled = compile_chat_template(self.chat_template)
-        return render_chat(self._compiled, conversation, tools, add_generation_prompt,
-                           {**self.special_tokens_map, **kwargs})
+        if chat_template:
+            compiled = compile_chat_template(chat_template)
+        else:
+            if self._compiled is None:
+                self._compiled = compile_chat_template(self.chat_template)
+            compiled = self._compiled
+        return render_chat(compiled, conversation, tools, add_generation_prompt, {**self.special_tokens_map, **kwargs},
+                           budget, continue_final_message)
 
     # ---- everything else: transformers' object -----------------------------------------------
 
@@ -198,118 +208,6 @@ class Tokenizer:
 def hf_tokenizer(tokenizer: Any) -> Any:
     """transformers' object behind `tokenizer` (itself if it is one): for libraries that want it."""
     return tokenizer.hf if isinstance(tokenizer, Tokenizer) else tokenizer
-
-
-# ---- chat templates ------------------------------------------------------------------------------
-# Templates come from model files: untrusted code, run in jinja2's immutable sandbox. What they may
-# call is what transformers gives them (utils/chat_template_utils.py in transformers 5.x): blocks
-# trimmed and lstripped, `break`/`continue`, a `{% generation %}` block (rendered as its body),
-# `tojson` without HTML escaping, `raise_exception`, `strftime_now`, `dict` and `namespace` without
-# underscore names. Inputs are rebuilt from plain JSON types; None-valued message keys are dropped
-# and reasoning is passed under each name templates read, as transformers does before rendering.
-
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-
-
-def compile_chat_template(source: str) -> Any:
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Generation(jinja2.ext.Extension):
-        """`{% generation %}...{% endgeneration %}` marks an assistant's span for training masks;
-        here it renders its body."""
-        tags = {"generation"}
-
-        def parse(self, parser: Any) -> Any:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-        def _body(self, caller: Any) -> str:
-            return caller()
-
-    class SafeNamespace(jinja2.utils.Namespace):
-        def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 (jinja's own signature trick)
-            self, attrs = args[0], dict(*args[1:], **kwargs)
-            for name in attrs:
-                _check_attribute(name)
-            jinja2.utils.Namespace.__init__(self, attrs)
-
-        def __setitem__(self, name: str, value: Any) -> None:
-            _check_attribute(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    def _check_attribute(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"a chat template may not set {name!r} on a namespace")
-
-    class DictMaker:
-        """`dict(...)` and `dict.fromkeys(...)`, and nothing else of the type."""
-
-        def __call__(self, *args: Any, **kwargs: Any) -> dict:
-            return dict(*args, **kwargs)
-
-        def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
-            return dict.fromkeys(*args, **kwargs)
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.globals["dict"] = DictMaker()
-    env.globals["namespace"] = SafeNamespace
-    return env.from_string(source)
-
-
-def _plain(value: Any) -> Any:
-    """`value` rebuilt from JSON types (a template sees no object's methods)."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, dict):
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
-    if callable(getattr(value, "model_dump", None)):
-        return _plain(value.model_dump())
-    return f"<{type(value).__name__}>"
-
-
-def render_chat(compiled: Any, conversation: list[Any], tools: list[dict[str, Any]] | None,
-                add_generation_prompt: bool, variables: dict[str, Any]) -> str:
-    messages = []
-    for message in conversation:
-        if callable(getattr(message, "model_dump", None)):
-            message = message.model_dump()
-        if not isinstance(message, dict):
-            raise TypeError(f"Chat messages should be dicts, but got {message!r}.")
-        message = _plain({k: v for k, v in message.items() if v is not None})
-        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
-        if reasoning is not None:
-            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-        messages.append(message)
-    if tools is not None:
-        for tool in tools:
-            if not isinstance(tool, dict):
-                raise ValueError("tools must be JSON schemas (dicts)")
-    return compiled.render(messages=messages, tools=_plain(tools), documents=None,
-                           add_generation_prompt=add_generation_prompt, **_plain(variables))
 
 
 def encode_prompt(tokenizer: Any, prompt: str, add_special_tokens: bool = True) -> list[int]:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from contextlib import asynccontextmanager
 from typing import Any
@@ -58,14 +59,41 @@ class RequestIdHeader:
         await self.app(scope, receive, with_header)
 
 
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list|dict|.*\[.*\]|[A-Z][A-Za-z]*)$")
+
+
+def validation_message(errors: list[dict]) -> tuple[list[str], str]:
+    """(the field's path, one message) for pydantic's errors: a validator's own words first (an
+    image_url part says it is not supported, not that the content is not a string), the union
+    members' type tags dropped from the path, and a union's alternatives named together."""
+    if not errors:
+        return [], "body: invalid request"
+    own = [e for e in errors if e.get("type") == "value_error"]
+    first = (own or errors)[0]
+
+    def path(error: dict) -> list[str]:
+        return [str(p) for p in error.get("loc", ()) if p != "body" and not _TYPE_TAG.match(str(p))]
+
+    loc = path(first)
+    if own:
+        text = str(first.get("msg", "")).removeprefix("Value error, ")
+    else:
+        same = list(dict.fromkeys(str(e.get("msg")) for e in errors if path(e) == loc))
+        text = " or ".join(same)
+    kind = f" [type={first['type']}]" if first.get("type") else ""  # pydantic's error type, as vLLM shows it
+    return loc, f"{'.'.join(loc) or 'body'}: {text}{kind}"
+
+
 def build_app(server: OpenAIServer) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         server.engine.start()
+        server.templates.start()
         yield
         server.engine.shutdown()
         server.executor.shutdown(wait=False, cancel_futures=True)
         server.grammars.close()
+        server.templates.close()
 
     app = FastAPI(title="Octavo", version=octavo.__version__, lifespan=lifespan)
     app.add_middleware(RequestGuard, max_body_bytes=server.limits.max_request_bytes, api_key=server.api_key,
@@ -82,12 +110,10 @@ def build_app(server: OpenAIServer) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        if first.get("type") == "json_invalid":
-            return error_json(400, f"malformed JSON body: {first.get('msg')}", "BadRequestError", path=request.url.path)
-        kind = f" [type={first['type']}]" if first.get("type") else ""  # pydantic's error type, as vLLM shows it
-        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}{kind}"
+        if errors and errors[0].get("type") == "json_invalid":
+            return error_json(400, f"malformed JSON body: {errors[0].get('msg')}", "BadRequestError",
+                              path=request.url.path)
+        loc, message = validation_message(errors)
         return error_json(400, message, "BadRequestError", loc[0] if loc else None, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)

@@ -12,6 +12,8 @@ from typing import Any
 
 from fastapi import Request
 
+from octavo.chat_template.isolated import TemplateRenderer
+from octavo.chat_template.sandbox import RenderBudget
 from octavo.lora.request import LoRARequest
 from octavo.sampling.logprobs import TokenLogprob
 from octavo.sampling.params import MAX_LOGPROBS, PoolingParams, StructuredOutputsParams
@@ -28,7 +30,7 @@ from octavo.server.protocol import new_id
 from octavo.server.tools import render_tool_calls_as_text, tools_system_prompt
 from octavo.structured.isolated import DEFAULT_COMPILE_TIMEOUT_S, GrammarQueueFull, IsolatedCompiler
 from octavo.structured.manager import GrammarCacheFull, GrammarError
-from octavo.tokenizer import apply_chat_template, encode_prompt
+from octavo.tokenizer import encode_prompt
 
 
 class APIError(Exception):
@@ -83,6 +85,7 @@ class ServerLimits:
     max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id (oldest dropped)
     max_stored_response_bytes: int = 128 << 20  # ... and their JSON together at most this large
     grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S  # a constraint not compiled by then: 400
+    chat_template_timeout_s: float = 10.0  # a chat template not rendered by then: 400 (its worker replaced)
     header_timeout_s: float = 30.0  # a request's head (and each pause in its body) must come within this
     dashboard_interval_s: float = 0.25  # the dashboard builds at most one snapshot per interval (4 a second)
 
@@ -107,6 +110,7 @@ class ServerLimits:
             ("--max-stored-responses", self.max_stored_responses, 0, 1 << 24),
             ("--max-stored-response-bytes", self.max_stored_response_bytes, 0, 1 << 40),
             ("--grammar-compile-timeout", self.grammar_compile_timeout_s, 0.01, 3600.0),
+            ("--chat-template-timeout", self.chat_template_timeout_s, 0.01, 3600.0),
             ("--header-timeout", self.header_timeout_s, 0.1, 3600.0),
         ):
             if not low <= value <= high:  # NaN fails too
@@ -131,6 +135,10 @@ class OpenAIServer:
         self.priority_enabled = config.scheduler.policy in ("priority", "cache-aware")
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="octavo-tokenize")
         self.grammars = IsolatedCompiler(engine.grammar_cache, self.limits.grammar_compile_timeout_s)
+        # chat templates render in worker processes with a budget (chat_template/isolated.py); the
+        # longest text one may write: what the largest request body could hold, four times over
+        self.templates = TemplateRenderer(RenderBudget(self.limits.chat_template_timeout_s,
+                                                       max_chars=max(1 << 20, 4 * self.limits.max_request_bytes)))
         # adapters by the name a request's `model` field selects (kept in step with the engine)
         self.loras: dict[str, LoRARequest] = {r.lora_name: r for r in engine.list_loras()}
         self._token_text: dict[int, str] = {}
@@ -275,10 +283,22 @@ class OpenAIServer:
                     messages = [{**messages[0], "content": messages[0]["content"] + "\n\n" + system}, *messages[1:]]
                 else:
                     messages = [{"role": "system", "content": system}, *messages]
+        request_template = kwargs.pop("chat_template", None)
+        source = request_template or getattr(self.tokenizer, "chat_template", None)
+        if not isinstance(source, str) or not source:
+            raise APIError(400, "this model has no chat template: start the server with --chat-template FILE, "
+                                "or send prompts to /v1/completions", "BadRequestError", "messages")
+        continue_final = bool(kwargs.pop("continue_final_message", False))
+        tools_json = kwargs.pop("tools", None)
+        variables = {**(getattr(self.tokenizer, "special_tokens_map", None) or {}), **kwargs}
+        param = "chat_template" if request_template else "messages"
         try:
-            return await self.off_loop(lambda: apply_chat_template(self.tokenizer, messages, add_generation_prompt, **kwargs))
-        except Exception as exc:
-            raise APIError(400, f"could not apply the chat template: {exc}", "BadRequestError", "messages") from exc
+            text = await self.templates.render(source, messages, tools_json, add_generation_prompt, variables,
+                                               continue_final, from_request=request_template is not None)
+        except Exception as exc:  # TemplateBudgetError names the bound; otherwise the template's own error
+            raise APIError(400, f"could not apply the chat template: {exc}", "BadRequestError", param) from exc
+        self.check_text_len(text)
+        return await self.off_loop(encode_prompt, self.tokenizer, text, False)
 
     def auto_tool_format(self) -> CallFormat | None:
         """How tool_choice "auto" reads the model's calls: --tool-call-parser's format; else Hermes'

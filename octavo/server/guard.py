@@ -72,13 +72,17 @@ def bearer_token_matches(header: str | None, api_key: str) -> bool:
     return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), api_key.encode())
 
 
+# Routes open without the key: the probes and counters (as vLLM keeps /health and /metrics open
+# for load balancers and Prometheus), the version, FastAPI's schema pages, and the dashboard's
+# page and script (they hold no data; the page asks for the key). Each answers from memory, with
+# no tokenizer or engine work, so a keyless flood of them cannot starve keyed requests.
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/docs", "/redoc", "/openapi.json", "/dashboard"})
+
+
 def needs_key(path: str) -> bool:
-    """The API and the dashboard's data need the API key (when one is set); the dashboard's page
-    and its script hold no data (the page asks for the key), nor do /health and /metrics' counts."""
-    if path.startswith("/dashboard/"):
-        return not path.startswith("/dashboard/static/")
-    # the API's routes outside /v1 too: rerank's and score's other paths, SageMaker's /invocations
-    return path.startswith(("/v1", "/v2")) or path in ("/invocations", "/score", "/rerank")
+    """Whether a route needs the API key (when one is set): every route but OPEN_PATHS, /tokenize,
+    /detokenize and /tokenizer_info included (they share the tokenizer's threads with keyed work)."""
+    return not (path in OPEN_PATHS or path.startswith("/dashboard/static/"))
 
 
 def invocation_route(body: bytes) -> str:

@@ -274,6 +274,26 @@ class CompletionRequest(_SamplingFields):
     length_penalty: float = Field(1.0, ge=-100, le=100)
     early_stopping: bool | Literal["never"] = False
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        """One clear message for a prompt of the wrong shape or an empty one (pydantic's own, for
+        a union of four shapes, names only the first: "prompt.str: Input should be a valid string")."""
+        def is_ids(v: Any) -> bool:
+            return isinstance(v, list) and bool(v) and all(type(t) is int for t in v)
+        if isinstance(value, str):
+            if not value:
+                raise ValueError("is empty; give at least one character or token id")
+            return value
+        if isinstance(value, list) and value and (is_ids(value) or all(isinstance(v, str) and v for v in value)
+                                                  or all(is_ids(v) for v in value)):
+            return value
+        if value in ([], [""], [[]]) or (isinstance(value, list) and any(v in ("", []) for v in value)):
+            raise ValueError("is empty; give at least one character or token id")
+        raise ValueError("must be a string, a list of token ids (integers), a list of strings or a list of "
+                         f"token-id lists; got {type(value).__name__}" + (" with other items" if isinstance(value, list)
+                                                                           else ""))
+
     def to_beam_search_params(self, default_max_tokens: int) -> BeamSearchParams:
         """Raises ValueError naming the field when beam search cannot take this request as it is."""
         if self.n > MAX_BEAM_WIDTH:

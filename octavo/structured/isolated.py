@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import multiprocessing
 import os
 import threading
 import time
@@ -35,6 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from octavo.forkserver import forkserver_context
 from octavo.sampling.params import StructuredOutputsParams
 from octavo.structured.manager import GrammarError, StructuredOutputManager, _xgr, compile_spec
 
@@ -169,8 +169,7 @@ class _Worker:
                 job.future.set_result(result)
 
     def _start_process(self) -> None:
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["octavo.structured.isolated", "octavo.structured.manager", "xgrammar", "jsonschema"])
+        ctx = forkserver_context()
         mine, theirs = ctx.Pipe(duplex=True)
         self.process = ctx.Process(target=_worker_main, args=(theirs, self.pool._info()), daemon=True,
                                    name=f"octavo-grammar-compile-{self.index}")

@@ -1,5 +1,5 @@
 """Issue 36's leftovers of round two, against the shared live server: nesting inside a string that
-is parsed later (tool-call arguments, on chat and the unauthenticated /tokenize) is a 400, not a
+is parsed later (tool-call arguments, on chat and /tokenize) is a 400, not a
 500; tool_choice "required" with a tool schema of local $defs/$ref works; a complete grammar ends
 the request under min_tokens (it repeated EOS until min_tokens); a regex no output satisfies is a
 400 at compile time."""

@@ -123,7 +123,7 @@ def test_masked_top_logprobs_are_valid_json(server):
 
 
 def test_tokenizer_info_serves_a_remote_tokenizer(server, smol_tokenizer):
-    info = httpx.get(f"{server.url}/tokenizer_info", timeout=30).json()
+    info = httpx.get(f"{server.url}/tokenizer_info", headers=HEADERS, timeout=30).json()
     assert info["eos_token"] == smol_tokenizer.eos_token and info["bos_token"] == smol_tokenizer.bos_token
     assert info["chat_template"] == smol_tokenizer.chat_template and info["model_max_length"] == 512
     # what lm-eval's remote tokenizer does with it: the EOS id from /tokenize without specials

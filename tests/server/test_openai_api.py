@@ -16,6 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from octavo.sampling.params import SamplingParams
 from tests.live_server import API_KEY, MAX_MODEL_LEN, MODEL, free_port, wait_healthy
 
+KEYED = {"Authorization": f"Bearer {API_KEY}"}
+
 PROMPT = "The three primary colours are"
 
 
@@ -104,7 +106,7 @@ def test_sampling_extensions_and_usage_counts(client, live_server):
                                      extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2,
                                                  "min_tokens": 10, "ignore_eos": True, "cache_salt": "s"})
     assert resp.usage.completion_tokens == 10 and resp.choices[0].finish_reason == "length"
-    count = httpx.post(f"{live_server.url}/tokenize", json={"prompt": PROMPT}).json()["count"]
+    count = httpx.post(f"{live_server.url}/tokenize", json={"prompt": PROMPT}, headers=KEYED).json()["count"]
     assert resp.usage.prompt_tokens == count
 
 
@@ -144,8 +146,8 @@ def test_missing_api_key_and_malformed_json(live_server):
 def test_models_version_tokenize_detokenize(client, live_server):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{live_server.url}/version").json()["version"]
-    tok = httpx.post(f"{live_server.url}/tokenize", json={"prompt": PROMPT}).json()
-    back = httpx.post(f"{live_server.url}/detokenize", json={"tokens": tok["tokens"]}).json()
+    tok = httpx.post(f"{live_server.url}/tokenize", json={"prompt": PROMPT}, headers=KEYED).json()
+    back = httpx.post(f"{live_server.url}/detokenize", json={"tokens": tok["tokens"]}, headers=KEYED).json()
     assert back["prompt"] == PROMPT and tok["max_model_len"] == MAX_MODEL_LEN
 
 

@@ -14,7 +14,7 @@ import asyncio
 import json
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -92,7 +92,9 @@ class ReasoningConfig(_Body):
 
 class ResponsesRequest(_Body):
     model: str | None = None
-    input: str | list[InputItem] = Field(min_length=1, max_length=MAX_MESSAGES)
+    # a string is bounded by the prompt-length limits (checked when it is tokenised), a list by its
+    # item count
+    input: Annotated[str, Field(min_length=1)] | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_MESSAGES)]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0, le=2)
