@@ -23,8 +23,12 @@ $(STAMP): pyproject.toml Makefile
 	-bash tools/install_browser.sh
 	touch $(STAMP)
 
+# make run PORT=8080 ARGS="--api-key secret"
+PORT ?= 8000
+ARGS ?=
+
 run: $(STAMP)
-	$(VENV)/bin/octavo serve
+	$(VENV)/bin/octavo serve --port $(PORT) $(ARGS)
 
 generate: $(STAMP)
 	$(VENV)/bin/octavo generate

@@ -55,7 +55,11 @@ def add_engine_flags(parser: argparse.ArgumentParser, model_positional: bool = T
 
 def check_model_file(model: str | None) -> None:
     """A .gguf model's header and shapes checked before anything heavy is imported or allocated:
-    a malformed file is refused in milliseconds with one line (GGUFFormatError, a ValueError)."""
+    a malformed file is refused in milliseconds with one line (GGUFFormatError, a ValueError); a
+    name that is neither a path nor a packaged model, likewise (FileNotFoundError)."""
+    from octavo.models.packaged import check_model_argument
+
+    check_model_argument(model)
     if model is None or not str(model).endswith(".gguf"):
         return
     from pathlib import Path
@@ -199,6 +203,8 @@ def server_limits(args: argparse.Namespace, limits_cls: type, log: logging.Logge
 
 def cmd_serve(args: argparse.Namespace) -> int:
     check_model_file(args.model)
+    _check_serve_flags(args)
+    listening = bind_port(args.host, args.port)  # a busy port is refused before anything heavy is imported
     import uvicorn
 
     from octavo.engine import LLMEngine
@@ -214,7 +220,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("error: --enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)", file=sys.stderr)
         return 2
     engine_args = EngineArgs(**engine_kwargs(args))
-    _check_serve_flags(args)
     names = args.served_model_name or [DEFAULT_MODEL_NAME if args.model is None else args.model]
     name = names[0]
     limits = server_limits(args, ServerLimits, log)
@@ -252,12 +257,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # shutdown ends with exit status 0 rather than death by signal.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: None)
-    http_server.run()
+    http_server.run(sockets=[listening])
     if died:
         log.error("server stopped after the engine failed: %r", died[0])
         return 1
     log.info("server stopped")
     return 0
+
+
+def bind_port(host: str, port: int) -> Any:
+    """The server's listening socket, bound now (ValueError naming the address when it is taken or
+    cannot be had), so a busy port costs no model load."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (another server there? "
+                         "pick a free port with --port)") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def _check_serve_flags(args: argparse.Namespace) -> None:
@@ -836,7 +859,10 @@ def _add_bench(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import octavo
+
     parser = argparse.ArgumentParser(prog="octavo", description="Serve LLMs with a paged KV cache and continuous batching.")
+    parser.add_argument("--version", action="version", version=f"octavo {octavo.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_generate, _add_serve, _add_router, _add_plan, _add_simulate, _add_bench, _add_eval):
         add(sub)
@@ -873,7 +899,8 @@ def _torchrun_worker(args: argparse.Namespace) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%Y-%m-%d %H:%M:%S")
     try:
         if _torchrun_worker(args):
             return 0

@@ -160,8 +160,15 @@ class EngineArgs:
     grammar_cache_bytes: int = field(default=256 << 20, metadata={
         "help": "memory for compiled structured-output grammars (default 256MiB; least recently used dropped first)",
         "bytes": True})
+    chat_template: str | None = field(default=None, metadata={
+        "help": "a chat template (a .jinja file's path, or the template itself; vLLM's flag): replaces the model's, "
+                "or gives one to a model whose file has none; rendered in the same budgeted sandbox"})
 
     def __post_init__(self) -> None:
+        if self.chat_template is not None:
+            from octavo.chat_template.sandbox import chat_template_source
+
+            chat_template_source(self.chat_template)  # a missing file or a syntax error: refused at start
         if self.speculative_config is not None:
             self._apply_speculative_config()
         if self.kv_events_config is not None:

@@ -24,7 +24,8 @@ from octavo.memory import CUDA_GRAPH_RESERVE_BYTES, KVSizing, size_kv_cache
 from octavo.model_runner import ModelRunner
 from octavo.models.loader import auto_dtype, describe_weights, load_model, resolve_model, stored_dtype, weight_bytes
 from octavo.models.registry import load_model_config
-from octavo.tokenizer import load_tokenizer
+from octavo.chat_template.sandbox import chat_template_source
+from octavo.tokenizer import load_tokenizer, set_chat_template
 
 if TYPE_CHECKING:
     from octavo.distributed.executor import TensorParallelExecutor
@@ -75,6 +76,9 @@ def load(args: EngineArgs) -> LoadedModel:
     logger.info(describe_weights(model))
     try:
         tokenizer = load_tokenizer(model_dir)
+        if args.chat_template is not None:
+            set_chat_template(tokenizer, chat_template_source(args.chat_template))
+            logger.info("chat template: from --chat-template (the model's own replaced)")
     except BaseException:
         if group is not None:
             group.close()

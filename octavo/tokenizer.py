@@ -188,6 +188,8 @@ class Tokenizer:
         with self._hf_lock:
             if self._hf is None:
                 self._hf = load_hf_tokenizer(self.model_dir)
+                if self.chat_template is not None:  # --chat-template's, where one replaced the file's
+                    self._hf.chat_template = self.chat_template
             return self._hf
 
     def __getattr__(self, name: str) -> Any:
@@ -203,6 +205,15 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({str(self.model_dir)!r}, {len(self)} tokens, as {self.tokenizer_class})"
+
+
+def set_chat_template(tokenizer: Any, source: str) -> None:
+    """Replace `tokenizer`'s chat template (ours or transformers') with `source`."""
+    tokenizer.chat_template = source
+    if isinstance(tokenizer, Tokenizer):
+        tokenizer._compiled = None
+        if tokenizer._hf is not None:
+            tokenizer._hf.chat_template = source
 
 
 def hf_tokenizer(tokenizer: Any) -> Any:

