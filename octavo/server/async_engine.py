@@ -308,9 +308,12 @@ class AsyncEngine:
     def _apply_add(self, cmd: _Add) -> None:
         limit = self.max_waiting_requests
         num_waiting = self.engine.num_waiting_requests()
-        if limit is not None and num_waiting + len(cmd.prompts) > limit:
+        # the limit bounds the queue, not one request: a request of more prompts than the limit
+        # (a rerank of 1,024 documents) is taken when nothing waits, and a 429 says what is true
+        if limit is not None and num_waiting and num_waiting + len(cmd.prompts) > limit:
+            adds = f"; this request adds {len(cmd.prompts)}" if len(cmd.prompts) > 1 else ""
             exc: Exception = EngineOverloadedError(
-                f"{num_waiting} requests are already waiting (limit {limit}); retry later")
+                f"{num_waiting} requests are already waiting (limit {limit}{adds}); retry later")
             cmd.loop.call_soon_threadsafe(_set_exception, cmd.done, exc)
             return
         if cmd.lora_request is not None and not self.engine.has_lora(cmd.lora_request):

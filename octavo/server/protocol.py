@@ -1,6 +1,7 @@
 """OpenAI-compatible request models (pydantic), their limits, and their mapping to SamplingParams.
 
-Every value is bounded here, before it reaches the engine: numbers are finite and in range,
+Every value is bounded here, before it reaches the engine: values have their JSON type (no
+string-to-number or bool-to-number coercion), numbers are finite and in range,
 lists have a maximum length, strings are valid Unicode (no lone surrogates, which JSON can carry
 but UTF-8 cannot encode). Unknown fields are ignored, as OpenAI-compatible servers do; known
 OpenAI fields this server cannot honour are refused with a 400 (`unsupported`), never ignored.
@@ -76,7 +77,9 @@ _NEUTRAL = {"modalities": (["text"],), "service_tier": ("auto", "default"), "gui
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # strict: no string-to-number, no bool-to-number ("max_tokens": "8" and "input": [true] are
+    # refused, as OpenAI and Anthropic refuse them); a JSON integer still fills a float field
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
     def refused_extra(self) -> tuple[str, str] | None:
         """(field, message) of the first set field this server knows of but does not implement."""

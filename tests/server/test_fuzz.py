@@ -53,5 +53,5 @@ def test_no_5xx_and_errors_in_the_openai_shape(fault_server):
 
 def test_server_is_healthy_after_fuzzing(fault_server):
     assert httpx.get(f"{fault_server.url}/health").status_code == 200
-    report = httpx.get(f"{fault_server.url}/debug/kv_cache").json()
+    report = httpx.get(f"{fault_server.url}/debug/kv_cache", headers={"Authorization": f"Bearer {API_KEY}"}).json()
     assert report["problems"] == []

@@ -49,7 +49,7 @@ def chat_seconds(url: str) -> float:
 
 
 def grammars(url: str) -> dict:
-    return httpx.get(f"{url}/debug/grammars", timeout=30).json()
+    return httpx.get(f"{url}/debug/grammars", headers=HEADERS, timeout=30).json()
 
 
 def test_a_slow_grammar_is_stopped_at_its_deadline_and_stalls_nobody(server):

@@ -17,7 +17,7 @@ HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def kv(url: str) -> dict:
-    return httpx.get(f"{url}/debug/kv_cache", timeout=30).json()
+    return httpx.get(f"{url}/debug/kv_cache", headers=HEADERS, timeout=30).json()
 
 
 def wait_for(predicate, timeout_s: float, what: str):

@@ -83,7 +83,7 @@ def test_200_streaming_clients_with_disconnects_leave_nothing_behind(soak_server
     assert results.count("completed") == NUM_CLIENTS - NUM_CLIENTS // 5
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        report = httpx.get(f"{url}/debug/kv_cache", timeout=30).json()
+        report = httpx.get(f"{url}/debug/kv_cache", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).json()
         if report["num_running"] == 0 and report["num_waiting"] == 0:
             break
         time.sleep(0.2)

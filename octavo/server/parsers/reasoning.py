@@ -65,6 +65,7 @@ class ReasoningStream:
         self.fmt = fmt
         self.state = "reasoning" if starts_in_reasoning else "before"
         self._buffer = ""
+        self._lead: list[str] = []  # whitespace before anything else, while the tag may still come
         self._trim_answer = False  # the close tag was just seen: drop whitespace until the answer starts
         self.has_reasoning = starts_in_reasoning
 
@@ -81,11 +82,16 @@ class ReasoningStream:
                 stripped = buf.lstrip()
                 if stripped.startswith(self.fmt.start):
                     self.state, self.has_reasoning = "reasoning", True
-                    self._buffer = stripped[len(self.fmt.start):]
+                    self._buffer, self._lead = stripped[len(self.fmt.start):], []
                     continue
-                if not finished and (not stripped or self.fmt.start.startswith(stripped)):
+                if not finished and not stripped:  # whitespace only: set aside, not rescanned
+                    self._lead.append(buf)
+                    self._buffer = ""
+                    break
+                if not finished and self.fmt.start.startswith(stripped):
                     break  # could still be the tag
                 self.state = "answer"
+                self._buffer, self._lead = "".join(self._lead) + buf, []
                 continue
             if self.state == "reasoning":
                 end = buf.find(self.fmt.end)

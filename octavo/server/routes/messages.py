@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from octavo.request import CompletionOutput, RequestOutput
 from octavo.server.chat import PreparedChat, prepare_chat
@@ -71,6 +71,11 @@ class ThinkingConfig(_Body):
 
 
 class MessagesRequest(_Body):
+    """Anthropic's Messages body. A field it does not declare is refused by name (extra="forbid"),
+    as Anthropic refuses it: OpenAI's fields sent here (response_format, n, logit_bias...) were
+    accepted and ignored."""
+
+    model_config = ConfigDict(extra="forbid")
     model: str
     max_tokens: int = Field(ge=1, le=INT32_MAX)
     messages: list[AnthropicMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
@@ -91,6 +96,7 @@ class MessagesRequest(_Body):
     seed: int | None = None
     priority: int = 0
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    service_tier: Literal["auto", "standard_only"] | None = None  # one tier here: either is served the same
 
 
 class CountTokensRequest(MessagesRequest):
@@ -105,8 +111,14 @@ def _text_of(content: str | list[Block] | None, where: str) -> str:
         if block.type != "text":
             raise APIError(400, f"{where}: content blocks of type {block.type!r} are not supported here; only 'text'",
                            "invalid_request_error", where)
-        parts.append(block.text or "")
+        parts.append(_block_text(block, where))
     return "".join(parts)
+
+
+def _block_text(block: Block, where: str) -> str:
+    if block.text is None:
+        raise APIError(400, f"{where}: a text block needs a 'text' string", "invalid_request_error", where)
+    return block.text
 
 
 def _chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
@@ -125,7 +137,7 @@ def _chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
         text, calls, reasoning, results = [], [], [], []
         for block in m.content:
             if block.type == "text":
-                text.append(block.text or "")
+                text.append(_block_text(block, where))
             elif block.type == "tool_use" and m.role == "assistant":
                 if not block.id or not block.name:
                     raise APIError(400, f"{where}: a tool_use block needs an id and a name", "invalid_request_error", where)
@@ -164,6 +176,8 @@ def as_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
             raise APIError(400, "stop_sequences: each must be 1 to 1024 characters", "invalid_request_error", "stop_sequences")
     choice = req.tool_choice
     tool_choice: Any = None
+    if choice is not None and choice.type in ("any", "tool") and not req.tools:
+        raise APIError(400, f"tool_choice: type {choice.type!r} needs tools", "invalid_request_error", "tool_choice")
     if choice is not None:
         if choice.type == "tool":
             if not choice.name:
