@@ -368,14 +368,34 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from octavo.models.loader import held_weight_bytes
 
         weight_bytes, weight_source = held_weight_bytes(read_header(gguf)), f"{Path(gguf).name}'s tensors as the engine holds them"
+    device_memory, kv_memory, memory_source = _serving_memory(args.device_memory)
     plan = make_plan(
-        read_fields(hf), device_memory=args.device_memory, memory_fraction=args.memory_fraction,
+        read_fields(hf), device_memory=device_memory, memory_fraction=args.memory_fraction,
+        kv_memory=kv_memory, memory_source=memory_source,
         kv_dtype=kv_dtype, weight_bytes=weight_bytes, weight_dtype=args.weight_dtype,
         block_size=args.block_size, typical_len=args.typical_len, max_len=args.max_len,
         kv_dtype_source=kv_why, weight_source=weight_source if weight_bytes is not None else "",
     )
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan, name))
     return 0
+
+
+def _serving_memory(device_memory: int | None) -> tuple[int, int | None, str]:
+    """(device memory, the KV cache's memory or None to take device memory x fraction - weights,
+    where it came from) for `octavo plan`: --device-memory when given; else what `octavo serve`
+    gives the KV cache on this machine (a CPU: min(4 GiB, 25% of RAM); a GPU: its memory)."""
+    if device_memory is not None:
+        return device_memory, None, ""
+    from octavo.engine_args import resolve_device
+    from octavo.memory import CPU_DEFAULT_KV_BYTES, CPU_DEFAULT_MAX_SHARE, total_device_memory
+
+    device = resolve_device("auto")
+    total = total_device_memory(device)
+    if device.startswith("cuda"):
+        return total, None, ""
+    budget = min(CPU_DEFAULT_KV_BYTES, int(CPU_DEFAULT_MAX_SHARE * total))
+    return total, budget, (f"what serve gives it on this CPU: min({CPU_DEFAULT_KV_BYTES / 2**30:g} GiB, "
+                           f"{CPU_DEFAULT_MAX_SHARE:.0%} of {total / 2**30:.1f} GiB of RAM); --kv-cache-memory changes it")
 
 
 def _serving_kv_dtype(hf_config: dict, quantized: bool) -> tuple[str, str]:
@@ -728,7 +748,9 @@ def _add_plan(sub) -> None:
     """`octavo plan`."""
     plan = sub.add_parser("plan", help="KV-cache capacity from a model's config.json: bytes per token, sequences that fit")
     plan.add_argument("config", nargs="?", default=None, help="config.json, a model directory, a .gguf file or a packaged model name (default: the embedded model)")
-    plan.add_argument("--device-memory", type=parse_bytes, default=parse_bytes("80GiB"), help="device memory, e.g. 80GiB, 24GB (default 80GiB)")
+    plan.add_argument("--device-memory", type=parse_bytes, default=None,
+                      help="device memory, e.g. 80GiB, 24GB: plan for another machine (default: what `octavo serve` "
+                           "gives the KV cache on this one)")
     plan.add_argument("--memory-fraction", type=float, default=0.9, help="share of device memory for weights + KV cache")
     plan.add_argument("--kv-dtype", default=None,
                       help="KV cache dtype: float32, bfloat16, float16, fp8 (default: what `octavo serve` would use here: "
@@ -901,6 +923,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%Y-%m-%d %H:%M:%S")
+    # httpx logs every request at INFO: a line per request among bench's progress bar and the router's log
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         if _torchrun_worker(args):
             return 0

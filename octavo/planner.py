@@ -192,6 +192,7 @@ class Plan:
     weight_bytes_per_step: dict[int, int] = field(default_factory=dict)
     # short convolutions (LFM2): (conv layers, kernel, state bytes per request, bytes the pool holds for it)
     conv: tuple[int, int, int, int] | None = None
+    memory_source: str = ""  # where kv_memory came from when given (serve's rule on this machine)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -209,8 +210,11 @@ def make_plan(
     max_len: int = 8192,
     kv_dtype_source: str = "",
     weight_source: str = "",
+    kv_memory: int | None = None,
+    memory_source: str = "",
 ) -> Plan:
-    """kv_memory = device_memory x memory_fraction - weight_bytes; blocks = kv_memory // bytes_per_block."""
+    """kv_memory = device_memory x memory_fraction - weight_bytes unless given (a CPU's serve gives
+    the KV cache a fixed budget, not what the weights leave); blocks = kv_memory // bytes_per_block."""
     if kv_dtype not in DTYPE_BYTES:
         raise ValueError(f"kv dtype must be one of {', '.join(DTYPE_BYTES)}, got {kv_dtype!r}")
     if not 0 < typical_len <= max_len:
@@ -223,7 +227,8 @@ def make_plan(
     # (short-convolution layers hold no K/V per token: their state is a fixed amount per request)
     bytes_per_token = 2 * (f.num_layers - f.num_conv_layers) * f.num_kv_heads * f.head_dim * DTYPE_BYTES[kv_dtype]
     bytes_per_block = bytes_per_token * block_size
-    kv_memory = int(device_memory * memory_fraction) - weight_bytes
+    if kv_memory is None:
+        kv_memory = int(device_memory * memory_fraction) - weight_bytes
     num_blocks = max(0, kv_memory // bytes_per_block)
     blocks_max = -(-max_len // block_size)
     blocks_typical = -(-typical_len // block_size)
@@ -261,6 +266,7 @@ def make_plan(
         experts=(f.num_experts, f.experts_per_token) if f.num_experts else None,
         weight_bytes_per_step={n: moe_weight_bytes(f, weight_bytes, n) for n in MOE_STEP_TOKENS} if f.num_experts else {},
         conv=(f.num_conv_layers, f.conv_kernel, state, state_held) if f.num_conv_layers else None,
+        memory_source=memory_source,
     )
 
 
@@ -302,10 +308,11 @@ def format_plan(plan: Plan, model: str) -> str:
         ("KV dtype", plan.kv_dtype + (f" ({plan.kv_dtype_source})" if plan.kv_dtype_source else "")),
         ("KV bytes per token", f"{plan.bytes_per_token:,} ({_human(plan.bytes_per_token)})"),
         ("bytes per block", f"{plan.bytes_per_block:,} ({plan.block_size} tokens)"),
+        ("machine memory", _human(plan.device_memory)) if plan.memory_source else
         ("device memory x fraction", f"{_human(plan.device_memory)} x {plan.memory_fraction}"),
         ("weights", f"{_human(plan.weight_bytes)}" + (" (estimated from the config)" if plan.weight_bytes_estimated
                                                        else f" ({plan.weight_source})" if plan.weight_source else "")),
-        ("memory for the KV cache", _human(plan.kv_memory)),
+        ("memory for the KV cache", _human(plan.kv_memory) + (f" ({plan.memory_source})" if plan.memory_source else "")),
         ("blocks / tokens that fit", f"{plan.num_blocks:,} / {plan.num_tokens:,}"),
         (f"sequences, each reserving {plan.max_len}", f"{plan.seqs_reserving_max:,} (waste {plan.waste_reserving_max:.1%} at {plan.typical_len} tokens)"),
         (f"sequences paged at {plan.typical_len}", f"{plan.seqs_paged:,} (waste {plan.waste_paged:.1%}: last block)"),

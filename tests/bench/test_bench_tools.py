@@ -110,3 +110,16 @@ def test_each_server_goes_first_in_as_many_rounds_as_the_others():
     orders = [round_order(["a", "b", "c"], r) for r in range(6)]
     assert orders[:3] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
     assert sorted(o[0] for o in orders) == ["a", "a", "b", "b", "c", "c"]
+
+
+def test_bench_serve_prints_no_line_per_request(live_server):
+    """`octavo bench serve` as a user runs it: its summary, without httpx's INFO line per request."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "octavo.cli", "bench", "serve", "--base-url", live_server.url,
+                          "--model-name", MODEL, "--api-key", API_KEY, "--num-requests", "3", "--input-len", "8",
+                          "--output-len", "4"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "HTTP Request" not in out.stdout + out.stderr
+    assert "output tok/s" in out.stdout or "tok/s" in out.stdout, out.stdout[-2000:]

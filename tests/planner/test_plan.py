@@ -184,3 +184,25 @@ def test_a_mixture_of_experts_plans_its_weights_total_and_read_per_step():
     assert per_step[1] / plan.weight_bytes == pytest.approx(estimate_num_params(f, experts=8) / estimate_num_params(f))
     dense_plan = make_plan(read_fields(SMOL), device_memory=64 << 30)
     assert dense_plan.experts is None and dense_plan.weight_bytes_per_step == {}
+
+
+def test_plan_sizes_from_what_serve_gives_on_this_machine(smol_dir):
+    """Without --device-memory, `octavo plan` counts the blocks `octavo serve` allocates here (it
+    assumed an 80 GiB GPU on a CPU machine: 2,041 sequences where serve gives 4 GiB)."""
+    import torch
+
+    from octavo.engine_args import EngineArgs
+    from octavo.memory import size_kv_cache
+    from octavo.models.loader import default_gguf_path
+    from octavo.models.registry import load_model_config
+
+    if torch.cuda.is_available():
+        pytest.skip("serve's GPU sizing needs the step's measured activation peak")
+    out = subprocess.run([sys.executable, "-m", "octavo.cli", "plan", str(default_gguf_path()), "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads(out.stdout)
+    config = EngineArgs(dtype="float32").to_config(load_model_config(smol_dir))
+    served = size_kv_cache(config.cache, config.scheduler, config.model_config, data["weight_bytes"], 4, "cpu")
+    assert data["num_blocks"] == served.num_blocks
+    assert "what serve gives it on this CPU" in data["memory_source"]
