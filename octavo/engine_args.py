@@ -165,10 +165,6 @@ class EngineArgs:
                 "or gives one to a model whose file has none; rendered in the same budgeted sandbox"})
 
     def __post_init__(self) -> None:
-        if self.chat_template is not None:
-            from octavo.chat_template.sandbox import chat_template_source
-
-            chat_template_source(self.chat_template)  # a missing file or a syntax error: refused at start
         if self.speculative_config is not None:
             self._apply_speculative_config()
         if self.kv_events_config is not None:
@@ -178,6 +174,10 @@ class EngineArgs:
         object.__setattr__(self, "pinned_prefix", tuple(self.pinned_prefix) if isinstance(self.pinned_prefix, list)
                            else self.pinned_prefix)
         self._check_types_and_ranges()
+        if self.chat_template is not None:
+            from octavo.chat_template.sandbox import chat_template_source
+
+            chat_template_source(self.chat_template)  # a missing file or a syntax error: refused at start
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
         if self.prefix_caching_hash_algo not in PREFIX_HASH_ALGOS:

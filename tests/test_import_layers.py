@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "octavo.quantization", "octavo.sampling", "octavo.sampling.params",
         "octavo.sampling.logprobs", "octavo.lora.request", "octavo.beam_search", "octavo.structured.schema",
         "octavo.kernels.metadata", "octavo.kernels.row_paths", "octavo.tokenizer", "octavo.detokenizer",
-        "octavo.simulator.workload", "octavo.json_limits",
+        "octavo.simulator.workload", "octavo.json_limits", "octavo.chat_template", "octavo.forkserver",
     ]),
     ("sizing the KV cache (arithmetic)", ["octavo.memory"]),
     ("request data (what crosses a step)", ["octavo.request", "octavo.request_queue", "octavo.outputs", "octavo.pooling"]),

@@ -121,11 +121,21 @@ def _check_numbers(meter: _Meter, args: tuple, kwargs: dict, what: str) -> None:
 
 def compile_chat_template(source: str) -> Any:
     """`source` compiled in the sandbox; render it with `render_chat` (which meters it)."""
-    import jinja2
     import jinja2.ext
-    from jinja2 import nodes
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-    from jinja2.utils import _PassArg
+
+    env = _sandbox_class()(trim_blocks=True, lstrip_blocks=True,
+                           extensions=[_generation_extension(), jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.filters = {name: _metered_filter(name, fn) for name, fn in env.filters.items()}
+    env.filters["octavo_steps"] = _steps
+    env.filters["octavo_sized"] = _sized
+    env.globals.update(_template_globals())
+    return env.from_string(source)
+
+
+@functools.cache
+def _generation_extension() -> type:
+    import jinja2.ext
 
     class Generation(jinja2.ext.Extension):
         """`{% generation %}...{% endgeneration %}` marks an assistant's span for training masks;
@@ -140,6 +150,14 @@ def compile_chat_template(source: str) -> Any:
         def _body(self, caller: Any) -> str:
             return caller()
 
+    return Generation
+
+
+@functools.cache
+def _sandbox_class() -> type:
+    from jinja2 import nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
     class MeteredSandbox(ImmutableSandboxedEnvironment):
         """The sandbox with every loop, call, operator and filter metered (see the module's text)."""
 
@@ -147,7 +165,7 @@ def compile_chat_template(source: str) -> Any:
 
         def _parse(self, source: str, name: str | None, filename: str | None) -> Any:
             tree = super()._parse(source, name, filename)
-            for loop in tree.find_all(nodes.For):  # each iteration of every loop is a step
+            for loop in list(tree.find_all(nodes.For)):  # each iteration of every loop is a step
                 loop.iter = nodes.Filter(loop.iter, "octavo_steps", [], [], None, None, lineno=loop.lineno)
             for concat in list(tree.find_all(nodes.Concat)):  # `a ~ b`: its result's size is checked
                 concat.nodes = [nodes.Filter(nodes.Concat(concat.nodes, lineno=concat.lineno), "octavo_sized",
@@ -157,14 +175,7 @@ def compile_chat_template(source: str) -> Any:
         def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
             meter = _meter()
             if meter is not None:
-                if operator == "*":
-                    size = _size_of_product(left, right)
-                    if size is not None and size > meter.budget.max_chars:
-                        raise meter.too_big("a string or list with *")
-                    if _bits(left) + _bits(right) > _BIG_INT_BITS:
-                        raise meter.too_big("a number with *")
-                elif operator == "**" and isinstance(right, int) and _bits(left) * max(right, 0) > _BIG_INT_BITS:
-                    raise meter.too_big("a number with **")
+                _check_operands(meter, operator, left, right)
             result = super().call_binop(context, operator, left, right)
             return result if meter is None else meter.check_size(result, f"a value with {operator}")
 
@@ -177,20 +188,39 @@ def compile_chat_template(source: str) -> Any:
                 _check_numbers(meter, args, kwargs, f"a string with .{getattr(__obj, '__name__', 'method')}()")
             return meter.check_size(super().call(__context, __obj, *args, **kwargs), "a value with a call")
 
+    return MeteredSandbox
+
+
+def _check_operands(meter: _Meter, operator: str, left: Any, right: Any) -> None:
+    """`*` and `**` refused before they allocate past the size bound."""
+    if operator == "*":
+        size = _size_of_product(left, right)
+        if size is not None and size > meter.budget.max_chars:
+            raise meter.too_big("a string or list with *")
+        if _bits(left) + _bits(right) > _BIG_INT_BITS:
+            raise meter.too_big("a number with *")
+    elif operator == "**" and isinstance(right, int) and _bits(left) * max(right, 0) > _BIG_INT_BITS:
+        raise meter.too_big("a number with **")
+
+
+def _template_globals() -> dict[str, Any]:
+    """What transformers gives templates: raise_exception, strftime_now, dict, namespace."""
+    import jinja2
+
+    def check_attribute(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"a chat template may not set {name!r} on a namespace")
+
     class SafeNamespace(jinja2.utils.Namespace):
         def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 (jinja's own signature trick)
             self, attrs = args[0], dict(*args[1:], **kwargs)
             for name in attrs:
-                _check_attribute(name)
+                check_attribute(name)
             jinja2.utils.Namespace.__init__(self, attrs)
 
         def __setitem__(self, name: str, value: Any) -> None:
-            _check_attribute(name)
+            check_attribute(name)
             jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    def _check_attribute(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"a chat template may not set {name!r} on a namespace")
 
     class DictMaker:
         """`dict(...)` and `dict.fromkeys(...)`, and nothing else of the type."""
@@ -204,56 +234,56 @@ def compile_chat_template(source: str) -> Any:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return {"raise_exception": raise_exception, "strftime_now": lambda fmt: datetime.now().strftime(fmt),
+            "dict": DictMaker(), "namespace": SafeNamespace}
 
-    def steps(iterable: Any) -> Any:
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _steps(iterable: Any) -> Any:
+    meter = _meter()
+    if meter is None:
+        yield from iterable
+        return
+    for item in iterable:
+        meter.step()
+        yield item
+
+
+def _sized(value: Any) -> Any:
+    meter = _meter()
+    return value if meter is None else meter.check_size(value, "a string with ~")
+
+
+def _metered_filter(name: str, fn: Any) -> Any:
+    """`fn` metered: a step, its numbers and its result's size checked. Marked as taking the
+    render's context: jinja then never calls it while compiling (it folds constant filter calls
+    into the code, {{ 'x' | center(10**9) }} included, outside any render's meter); the filter
+    gets what it asked for."""
+    import jinja2
+    from jinja2.utils import _PassArg
+
+    wants = _PassArg.from_obj(fn)
+
+    @jinja2.pass_context
+    def run(context: Any, *args: Any, **kwargs: Any) -> Any:
+        if wants is _PassArg.context:
+            args = (context, *args)
+        elif wants is _PassArg.eval_context:
+            args = (context.eval_ctx, *args)
+        elif wants is _PassArg.environment:
+            args = (context.environment, *args)
         meter = _meter()
         if meter is None:
-            yield from iterable
-            return
-        for item in iterable:
-            meter.step()
-            yield item
+            return fn(*args, **kwargs)
+        meter.step()
+        _check_numbers(meter, args[1:] if wants is None else args[2:], kwargs, f"a value with |{name}")
+        return meter.check_size(fn(*args, **kwargs), f"a value with |{name}")
 
-    def sized(value: Any) -> Any:
-        meter = _meter()
-        return value if meter is None else meter.check_size(value, "a string with ~")
-
-    def metered_filter(name: str, fn: Any) -> Any:
-        # marked as taking the render's context: jinja then never calls it while compiling (it
-        # folds constant filter calls into the code, {{ 'x' | center(10**9) }} included, outside
-        # any render's meter); the filter gets what it asked for
-        wants = _PassArg.from_obj(fn)
-
-        @jinja2.pass_context
-        def run(context: Any, *args: Any, **kwargs: Any) -> Any:
-            if wants is _PassArg.context:
-                args = (context, *args)
-            elif wants is _PassArg.eval_context:
-                args = (context.eval_ctx, *args)
-            elif wants is _PassArg.environment:
-                args = (context.environment, *args)
-            meter = _meter()
-            if meter is None:
-                return fn(*args, **kwargs)
-            meter.step()
-            _check_numbers(meter, args[1:] if wants is None else args[2:], kwargs, f"a value with |{name}")
-            return meter.check_size(fn(*args, **kwargs), f"a value with |{name}")
-        return run
-
-    env = MeteredSandbox(trim_blocks=True, lstrip_blocks=True,
-                         extensions=[Generation, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.filters = {name: metered_filter(name, fn) for name, fn in env.filters.items()}
-    env.filters["octavo_steps"] = steps
-    env.filters["octavo_sized"] = sized
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.globals["dict"] = DictMaker()
-    env.globals["namespace"] = SafeNamespace
-    return env.from_string(source)
+    return run
 
 
 def chat_template_source(value: str) -> str:

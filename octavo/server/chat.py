@@ -22,6 +22,24 @@ from octavo.server.parsers.turn import TurnStream
 from octavo.server.tools import forced_call_constraint, parse_forced_calls
 
 
+def forced_calls(text: str, tool_choice: Any, complete: bool) -> list[ParsedCall]:
+    """The calls of a forced answer (`text`: the answer after any reasoning). Cut by max_tokens
+    (`complete` False): the calls written, the last one as far as it went (finish_reason "length"
+    says so). Ended otherwise with no call (the model stopped inside a reasoning it never closed,
+    so the grammar never began; or a stop string cut the call): an APIError saying so, never an
+    empty answer."""
+    calls = parse_forced_calls(text, tool_choice, complete)
+    if calls or not complete:
+        return calls or []
+    named = tool_choice != "required"
+    why = ("its reasoning never closed, so the call never began" if not text.strip()
+           else "a stop string or the end of its output cut the call")
+    raise APIError(500, f"the model ended its answer without the tool call that tool_choice "
+                        f"{'names' if named else 'requires'}: {why}; raise max_tokens, turn its thinking off "
+                        "(chat_template_kwargs enable_thinking false), or drop stop strings", "ModelOutputError",
+                   "tool_choice")
+
+
 def chat_logprobs(server: OpenAIServer, lps: list[TokenLogprob] | None, as_ids: bool = False) -> dict | None:
     if lps is None:
         return None
@@ -52,7 +70,7 @@ class ChatChoices:
         self.calls, self.schemas = (calls if mode == "auto" else None), schemas
         self.reasoning, self.starts_in_reasoning = server.reasoning, starts_in_reasoning
         self.include_reasoning = include_reasoning
-        self._buffers: dict[int, str] = {}  # "required": text so far per choice
+        self._buffers: dict[int, str] = {}  # "required" / "named": the answer's text so far per choice
         self._named_started: set[int] = set()
         self._turns: dict[int, TurnStream] = {}
 
@@ -78,8 +96,9 @@ class ChatChoices:
         content: str | None = piece.content
         calls = turn.calls
         if self.mode in ("required", "named") and c.finish_reason in ("stop", "length"):
-            # the constrained JSON is never the content: a call cut before it is whole is no answer
-            calls = parse_forced_calls(piece.content, self.tool_choice, complete=c.finish_reason == "stop") or []
+            # the constrained JSON is never the content; a call cut by max_tokens comes back as far as it
+            # went (finish_reason "length"), and one that never began is an error (forced_calls)
+            calls = forced_calls(piece.content, self.tool_choice, complete=c.finish_reason == "stop")
             content = None
         elif calls:
             content = content.strip() or None
@@ -101,6 +120,9 @@ class ChatChoices:
             piece = self._turns.setdefault(index, self._turn()).feed(c.text, finished=done)
             text = piece.content
         if self.mode == "named":
+            self._buffers[index] = self._buffers.get(index, "") + text
+            if done:  # a call that never began is an error event, not an empty call (forced_calls)
+                forced_calls(self._buffers.pop(index), self.tool_choice, complete=c.finish_reason == "stop")
             delta: dict[str, Any] = self._reasoning_fields(piece.reasoning) if piece.reasoning else {}
             if index not in self._named_started and (text or done):
                 self._named_started.add(index)
@@ -113,7 +135,7 @@ class ChatChoices:
             self._buffers[index] = self._buffers.get(index, "") + text
             delta = self._reasoning_fields(piece.reasoning) if piece.reasoning else {}
             if done:
-                calls = parse_forced_calls(self._buffers.pop(index), self.tool_choice, complete=c.finish_reason == "stop")
+                calls = forced_calls(self._buffers.pop(index), self.tool_choice, complete=c.finish_reason == "stop")
                 has_calls = bool(calls)
                 if calls:
                     delta["tool_calls"] = [call.as_openai(k) for k, call in enumerate(calls)]

@@ -101,13 +101,14 @@ async def collect_all(server: OpenAIServer, sub: Submitted) -> dict[int, Request
 
 async def guarded_stream(server: OpenAIServer, sub: Submitted, pieces: AsyncIterator[str],
                          on_engine_error: Callable[[Exception], list[str]]) -> AsyncIterator[str]:
-    """A stream's pieces as they come. If the engine dies or the server stops mid-stream, the
-    client gets `on_engine_error`'s pieces (an error event, then the end) rather than a reset
+    """A stream's pieces as they come. If the engine dies or the server stops mid-stream, or the
+    answer cannot be written (an APIError: a forced tool call the model never began), the client
+    gets `on_engine_error`'s pieces (an error event, then the end) rather than a reset
     connection; a client that goes away frees its blocks here."""
     try:
         async for piece in pieces:
             yield piece
-    except (EngineDeadError, EngineStopped) as exc:
+    except (EngineDeadError, EngineStopped, APIError) as exc:
         for piece in on_engine_error(exc):
             yield piece
     finally:
@@ -133,8 +134,16 @@ async def run_request(server: OpenAIServer, request: Request, req: Any, prompts:
     return await server.off_loop(_final_body, server, sub.rid, prompts, items, params, choices)
 
 
+def stream_error(exc: Exception) -> tuple[int, str, str]:
+    """(status, message, type) of an error that ends a stream: an APIError's own, else 503 (the
+    engine died or the server stops)."""
+    if isinstance(exc, APIError):
+        return exc.status, exc.message, exc.type
+    return 503, str(exc), "ServiceUnavailableError"
+
+
 def _sse_error(exc: Exception) -> list[str]:
-    return [sse(error_body(503, str(exc), "ServiceUnavailableError")), "data: [DONE]\n\n"]
+    return [sse(error_body(*stream_error(exc))), "data: [DONE]\n\n"]
 
 
 async def collect(collector: OutputCollector) -> dict[int, RequestOutput]:

@@ -5,6 +5,7 @@ that do not render tools. A model's own calls (tool_choice "auto") are read by p
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from octavo.sampling.params import StructuredOutputsParams
@@ -65,34 +66,55 @@ def _rebase_refs(node: Any, base: str) -> Any:
 
 def parse_forced_calls(text: str, tool_choice: Any, complete: bool = True) -> list[ParsedCall] | None:
     """The calls in a constrained output. `complete` False (the output was cut by max_tokens): the
-    calls of "required"'s array written whole before the cut; a call cut mid-way is no call (its
-    arguments are not JSON), as OpenAI answers: no tool_calls, and no content either. None when
-    there is no call. Never raises on what a model wrote (nesting too deep for the parser included)."""
+    calls written whole, then the cut one as far as it was written (`ParsedCall.complete` False,
+    its arguments a JSON text cut short, as OpenAI answers a call cut by length) when its name was
+    written; a named call always has its name. None when there is no call. Never raises on what a
+    model wrote (nesting too deep for the parser included)."""
     try:
         if tool_choice != "required":
-            return [ParsedCall(tool_choice.function.name, arguments_text(json.loads(text)))] if complete else None
-        items = json.loads(text) if complete else _whole_array_items(text)
+            name = tool_choice.function.name
+            if not complete:
+                return [ParsedCall(name, text.strip(), complete=False)]
+            return [ParsedCall(name, arguments_text(json.loads(text)))]
+        items, rest = (json.loads(text), "") if complete else _whole_array_items(text)
         calls = [ParsedCall(c["name"], arguments_text(c["parameters"])) for c in items
                  if isinstance(c, dict) and isinstance(c.get("name"), str) and "parameters" in c]
     except (ValueError, RecursionError, TypeError):
         return None
-    return calls or None
+    cut = None if complete else _cut_call(rest)
+    return [*calls, *([cut] if cut else [])] or None
 
 
-def _whole_array_items(text: str) -> list[Any]:
-    """The items of a JSON array that was cut off, as far as they were written whole."""
+# a call of "required"'s array cut short: its name written whole, its parameters as far as they go
+_CUT_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*(?:,\s*"parameters"\s*:\s*)?', re.S)
+
+
+def _cut_call(rest: str) -> ParsedCall | None:
+    match = _CUT_CALL.match(rest)
+    if match is None:
+        return None
+    try:
+        name = json.loads(f'"{match.group(1)}"')
+    except ValueError:
+        return None
+    return ParsedCall(name, rest[match.end():].rstrip(), complete=False) if name else None
+
+
+def _whole_array_items(text: str) -> tuple[list[Any], str]:
+    """The items of a JSON array that was cut off, as far as they were written whole, and the
+    text after them (the cut item)."""
     decoder = json.JSONDecoder()
     pos = text.find("[") + 1
     items: list[Any] = []
     if pos == 0:
-        return items
+        return items, ""
     while True:
         while pos < len(text) and text[pos] in " \t\n\r,":
             pos += 1
         try:
             value, pos = decoder.raw_decode(text, pos)
         except ValueError:  # the cut item (or the closing bracket)
-            return items
+            return items, text[pos:]
         items.append(value)
 
 

@@ -66,7 +66,7 @@ def test_full_queue_gets_429_and_clients_that_give_up_while_waiting_are_freed(fa
         r = httpx.post(f"{url}/v1/completions", headers=HEADERS, timeout=30,
                        json={"model": MODEL, "prompt": ["one more"] * 64, "max_tokens": 4})
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
-        assert f"256 requests are already waiting (limit {FAULT_MAX_WAITING})" in r.json()["error"]["message"]
+        assert f"256 requests are already waiting (limit {FAULT_MAX_WAITING}; this request adds 64)" in r.json()["error"]["message"]
         for t in waiters:
             t.join(30)
         assert list(outcomes.values()) == ["timed out"] * 4

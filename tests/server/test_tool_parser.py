@@ -161,10 +161,63 @@ def test_required_tool_calls_cut_by_length_return_the_calls_so_far(repeating_url
     choice = client.chat.completions.create(**asked).choices[0]
     assert choice.finish_reason == "length"
     calls = choice.message.tool_calls
-    assert calls and all(c.function.name == "get_time" and json.loads(c.function.arguments) == {"zone": "CET"}
-                         for c in calls)
+    # the calls written whole, then the one the cut fell in, as far as it went (OpenAI's answer to a
+    # call cut by length): never an empty answer
+    assert calls and all(c.function.name == "get_time" for c in calls)
+    assert all(json.loads(c.function.arguments) == {"zone": "CET"} for c in calls[:-1])
+    assert '{"zone": "CET"}'.startswith(calls[-1].function.arguments)
     streamed = [tc for ch in client.chat.completions.create(**asked, stream=True) for tc in (ch.choices[0].delta.tool_calls or [])]
     assert [tc.function.name for tc in streamed] == [c.function.name for c in calls]
+
+
+def test_parse_forced_calls_keeps_the_cut_call():
+    cut = parse_forced_calls('[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {"b": ', "required",
+                             complete=False)
+    assert [(c.name, c.arguments, c.complete) for c in cut] == [("f", '{"a": 1}', True), ("g", '{"b":', False)]
+
+    class Named:
+        class function:  # noqa: N801 (the shape of a NamedToolChoice)
+            name = "get_time"
+    (named,) = parse_forced_calls('{"zone": "C', Named, complete=False)
+    assert (named.name, named.arguments, named.complete) == ("get_time", '{"zone": "C', False)
+
+
+@pytest.fixture(scope="module")
+def thinking_url(smol_dir, smol_tokenizer):
+    """A model that opens its reasoning and ends without closing it (so a forced call never begins)."""
+    with serve_in_thread(scripted_engine(smol_dir, smol_tokenizer, "<think>I wonder what time it is"),
+                         reasoning_parser="qwen3") as url:
+        yield url
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_that_never_began_is_an_error_not_an_empty_answer(thinking_url, stream):
+    body = {"model": "scripted", "messages": [{"role": "user", "content": "Time?"}], "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "get_time"}}, "max_tokens": 60, "stream": stream,
+            "chat_template_kwargs": {"enable_thinking": True}}
+    r = httpx.post(f"{thinking_url}/v1/chat/completions", json=body, timeout=120)
+    if not stream:
+        assert r.status_code == 500, r.text
+        assert "without the tool call" in r.json()["error"]["message"]
+        return
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])
+    assert "without the tool call" in error["error"]["message"], events[-3:]
+
+
+@pytest.mark.parametrize("route", ["/v1/messages", "/v1/responses"])
+def test_the_never_begun_call_is_an_error_on_messages_and_responses(thinking_url, route):
+    if route == "/v1/messages":
+        body = {"model": "scripted", "max_tokens": 60, "messages": [{"role": "user", "content": "Time?"}],
+                "tools": [{"name": "get_time", "input_schema": TOOLS[1]["function"]["parameters"]}],
+                "tool_choice": {"type": "tool", "name": "get_time"}, "thinking": {"type": "enabled", "budget_tokens": 50}}
+    else:
+        body = {"model": "scripted", "input": "Time?", "max_output_tokens": 60, "reasoning": {"effort": "low"},
+                "tools": [{"type": "function", "name": "get_time", "parameters": TOOLS[1]["function"]["parameters"]}],
+                "tool_choice": {"type": "function", "name": "get_time"}}
+    r = httpx.post(f"{thinking_url}{route}", json=body, timeout=120)
+    assert r.status_code == 500 and "without the tool call" in r.text, r.text
 
 
 @pytest.fixture(scope="module")

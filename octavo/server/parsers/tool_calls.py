@@ -33,8 +33,9 @@ MAX_SECTION_CHARS = 1 << 20  # a section longer than this is shown as text, neve
 @dataclass(slots=True)
 class ParsedCall:
     name: str
-    arguments: str  # JSON text
+    arguments: str  # JSON text (as far as it was written, when `complete` is False)
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    complete: bool = True  # False: a forced call cut by max_tokens (finish_reason "length")
 
     def as_openai(self, index: int | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}

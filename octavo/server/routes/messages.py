@@ -19,15 +19,14 @@ from fastapi.responses import StreamingResponse
 from pydantic import ConfigDict, Field
 
 from octavo.request import CompletionOutput, RequestOutput
-from octavo.server.chat import PreparedChat, prepare_chat
+from octavo.server.chat import PreparedChat, forced_calls, prepare_chat
 from octavo.server.core import APIError, OpenAIServer
-from octavo.server.generation import collect_all, guarded_stream, submitted
+from octavo.server.generation import collect_all, guarded_stream, stream_error, submitted
 from octavo.server.guard import anthropic_error_body
 from octavo.server.parsers.tool_calls import ParsedCall
 from octavo.server.parsers.turn import TurnStream
 from octavo.server.protocol import INT32_MAX, MAX_MESSAGES, MAX_TOOLS, MAX_USER_CHARS, _Body, \
     ChatCompletionRequest
-from octavo.server.tools import parse_forced_calls
 
 MAX_STOP_SEQUENCES = 16
 
@@ -291,17 +290,18 @@ class BlockWriter:
 
     def feed(self, text: str, finished: bool, complete: bool) -> list[tuple[str, dict]]:
         events: list[tuple[str, dict]] = []
-        if self.chat.mode in ("required", "named"):
-            self._forced += text
-            if finished:
-                for call in parse_forced_calls(self._forced, self.chat.tool_choice, complete) or []:
-                    self._call(call, events)
-            return events
-        piece = self.turn.feed(text, finished)
+        piece = self.turn.feed(text, finished)  # a forced call is the answer after any reasoning
         if piece.reasoning:
             if self._open != "thinking":
                 self._start({"type": "thinking", "thinking": "", "signature": ""}, events)
             self._delta("thinking_delta", "thinking", piece.reasoning, events)
+        if self.chat.mode in ("required", "named"):
+            self._forced += piece.content
+            if finished:
+                for call in forced_calls(self._forced, self.chat.tool_choice, complete):
+                    self._call(call, events)
+                self._close(events)
+            return events
         if piece.content and (self._open == "text" or piece.content.strip()):
             if self._open != "text":
                 self._start({"type": "text", "text": ""}, events)
@@ -364,7 +364,8 @@ def build_router(server: OpenAIServer) -> APIRouter:
 
 
 def _stream_error(exc: Exception) -> list[str]:
-    return [_sse("error", anthropic_error_body(503, str(exc)))]
+    status, message, _ = stream_error(exc)
+    return [_sse("error", anthropic_error_body(status, message))]
 
 
 async def _stream_events(server: OpenAIServer, chat: PreparedChat, msg_id: str, collector: Any) -> AsyncIterator[str]:

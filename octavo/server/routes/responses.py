@@ -23,15 +23,14 @@ from pydantic import Field, field_validator
 from octavo.request import CompletionOutput, RequestOutput
 from octavo.sampling.logprobs import TokenLogprob
 from octavo.server.async_engine import EngineDeadError, EngineOverloadedError, EngineStopped
-from octavo.server.chat import PreparedChat, prepare_chat
+from octavo.server.chat import PreparedChat, forced_calls, prepare_chat
 from octavo.server.core import APIError, OpenAIServer, engine_error
-from octavo.server.generation import collect, collect_all, guarded_stream, submitted
+from octavo.server.generation import collect, collect_all, guarded_stream, stream_error, submitted
 from octavo.server.guard import error_body
 from octavo.server.parsers.tool_calls import ParsedCall
 from octavo.server.parsers.turn import TurnStream
 from octavo.server.protocol import (INT32_MAX, MAX_LOGPROBS, MAX_MESSAGES, MAX_TOOLS, MAX_USER_CHARS,
                                     ChatCompletionRequest, _Body, new_id, now)
-from octavo.server.tools import parse_forced_calls
 
 # OpenAI's limits on metadata: 16 pairs, keys of at most 64 characters, values of at most 512
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
@@ -312,7 +311,8 @@ class ItemWriter:
 
     def _call(self, call: ParsedCall, events: list) -> None:
         self.calls.append(call)
-        item = {"id": new_id("fc"), "type": "function_call", "status": "completed", "call_id": call.id,
+        item = {"id": new_id("fc"), "type": "function_call", "status": "completed" if call.complete else "incomplete",
+                "call_id": call.id,
                 "name": call.name, "arguments": call.arguments}
         self._start(item, events)
         index = len(self.items) - 1
@@ -332,19 +332,19 @@ class ItemWriter:
     def feed(self, c: CompletionOutput, lps: list[dict]) -> list:
         events: list = []
         finished = c.finish_reason is not None
-        if self.chat.mode in ("required", "named"):
-            self._forced += c.text
-            if finished:
-                for call in parse_forced_calls(self._forced, self.chat.tool_choice, c.finish_reason == "stop") or []:
-                    self._call(call, events)
-            return events
-        piece = self.turn.feed(c.text, finished)
+        piece = self.turn.feed(c.text, finished)  # a forced call is the answer after any reasoning
         if piece.reasoning:
             if self._open is None or self._open["type"] != "reasoning":
                 self._start({"id": new_id("rs"), "type": "reasoning", "summary": [], "status": "completed",
                              "content": [{"type": "reasoning_text", "text": ""}]}, events)
             self.items[-1]["content"][0]["text"] += piece.reasoning
             events.append(("response.reasoning_text.delta", {**self._part(), "delta": piece.reasoning}))
+        if self.chat.mode in ("required", "named"):
+            self._forced += piece.content
+            if finished:
+                for call in forced_calls(self._forced, self.chat.tool_choice, c.finish_reason == "stop"):
+                    self._call(call, events)
+            return events
         if piece.content and (piece.content.strip() or (self._open is not None and self._open["type"] == "message")):
             self._text(piece.content, lps, events)
         elif lps and self._open is not None and self._open["type"] == "message":
@@ -550,7 +550,7 @@ def _event(kind: str, seq: int, **fields: Any) -> str:
 
 
 def _error_event(exc: Exception, seq: int) -> list[str]:
-    return [_event("error", seq, **error_body(503, str(exc), "ServiceUnavailableError")["error"])]
+    return [_event("error", seq, **error_body(*stream_error(exc))["error"])]
 
 
 async def _events(collector, answer: Answer, numbered: list[int]) -> AsyncIterator[str]:
