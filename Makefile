@@ -34,7 +34,7 @@ generate: $(STAMP)
 	$(VENV)/bin/octavo generate
 
 test: $(STAMP)
-	OMP_NUM_THREADS=2 $(PY) -m pytest -q -p no:cacheprovider tests
+	OMP_NUM_THREADS=2 $(PY) -m pytest -q -p no:cacheprovider -rs --durations=25 tests
 
 clean:
 	rm -rf $(VENV)
