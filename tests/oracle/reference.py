@@ -153,6 +153,16 @@ def compare(got: list[int], ref: Reference) -> tuple[bool, str]:
 _SOURCE_DIGEST = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 
+def reference_threads() -> int:
+    """The torch threads references are computed with: the suite's OMP_NUM_THREADS, fixed for the
+    process. (torch's current count moves: an engine's thread governor lowers it while other
+    processes keep the cores busy, and a reference keyed by it was computed again on a busy run.)"""
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "")))
+    except ValueError:
+        return os.cpu_count() or 1
+
+
 def environment() -> dict[str, Any]:
     """What else a reference depends on: the libraries that compute it, the threads and the CPU
     (float32 sums are ordered by the kernels each ISA and thread count picks), this file."""
@@ -164,7 +174,7 @@ def environment() -> dict[str, Any]:
     from octavo.cpu_features import cpu_flags_line
 
     return {"transformers": transformers.__version__, "torch": torch.__version__, "gguf": metadata.version("gguf"),
-            "numpy": numpy.__version__, "threads": torch.get_num_threads(),
+            "numpy": numpy.__version__, "threads": reference_threads(),
             "cpu": hashlib.sha256(cpu_flags_line().encode()).hexdigest()[:16], "reference_py": _SOURCE_DIGEST}
 
 
@@ -185,7 +195,12 @@ def cached(kind: str, key: dict[str, Any], compute: Callable[[], Any]) -> Any:
     path = cache_dir() / "test-references" / f"{kind}-{digest[:32]}.json"
     if path.is_file() and os.environ.get("OCTAVO_RECOMPUTE_REFERENCES") != "1":
         return json.loads(path.read_text())
-    value = compute()
+    before = torch.get_num_threads()
+    torch.set_num_threads(reference_threads())
+    try:
+        value = compute()
+    finally:
+        torch.set_num_threads(before)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     with os.fdopen(fd, "w") as fh:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
@@ -155,35 +156,43 @@ class ResponsesRequest(_Body):
 
 class ResponseStore:
     """The last stored responses (their body and the conversation they end), at most `capacity` of
-    them and `max_bytes` of their JSON together: oldest dropped first. A conversation is counted
-    whole in each response that ends it (shared turns counted again: an overestimate, never an
-    under-). A response larger than `max_bytes` alone is not stored."""
+    them and `max_bytes` of memory together: oldest dropped first. Each is kept as compact JSON
+    bytes and parsed again when read, so what it costs is what is counted: kept as Python dicts, a
+    logprob-heavy response took ~5x its JSON's length (96 under a 16 MiB bound grew the server by
+    85 MiB). A conversation is counted whole in each response that ends it. A response larger than
+    `max_bytes` alone is not stored."""
 
     def __init__(self, capacity: int, max_bytes: int) -> None:
         self.capacity, self.max_bytes = capacity, max_bytes
         self.num_bytes = 0
-        self._items: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[bytes, bytes, int]] = OrderedDict()
 
     def put(self, body: dict, conversation: list[dict]) -> bool:
         """Store it (True), dropping the oldest to make room; False if it alone is too large."""
-        size = len(json.dumps(body)) + len(json.dumps(conversation))
+        encoded = (_compact(body), _compact(conversation))
+        size = sum(sys.getsizeof(b) for b in encoded)  # the memory the two bytes objects hold
         if size > self.max_bytes:
             return False
         old = self._items.pop(body["id"], None)  # a background response, stored again as it progresses
         if old is not None:
             self.num_bytes -= old[2]
-        self._items[body["id"]] = (body, conversation, size)
+        self._items[body["id"]] = (*encoded, size)
         self.num_bytes += size
         while len(self._items) > self.capacity or self.num_bytes > self.max_bytes:
             self.num_bytes -= self._items.popitem(last=False)[1][2]
         return True
 
     def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
+        """(body, conversation), parsed afresh: the caller's to change."""
         found = self._items.get(response_id)
-        return None if found is None else (found[0], found[1])
+        return None if found is None else (json.loads(found[0]), json.loads(found[1]))
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+def _compact(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def as_chat_messages(req: ResponsesRequest, history: list[dict]) -> tuple[list[dict], list[dict]]:
