@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import queue
 import resource
 import threading
@@ -67,6 +68,8 @@ def _worker_main(conn: Any, memory_bytes: int) -> None:
     """In a worker: answer each RenderJob with ("ok", text), ("budget", bound, message) or
     ("error", message); None or a closed pipe ends it."""
     _limit_memory(memory_bytes)
+    with contextlib.suppress(OSError):
+        os.nice(10)  # below the engine: a template spinning to its deadline takes only spare CPU
     compiled: OrderedDict[str, Any] = OrderedDict()
     while True:
         try:
