@@ -666,7 +666,9 @@ def _add_serve(sub) -> None:
     serve.add_argument("--keep-alive-on-engine-death", action="store_true", help="if the engine fails, keep serving /health (503) instead of exiting with status 1")
     serve.add_argument("--enable-debug-endpoints", action="store_true", help="serve GET /debug/kv_cache (pool counts and an invariant check)")
     serve.add_argument("--allow-runtime-lora-updating", action="store_true",
-                       help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora)")
+                       default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+                       help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora; "
+                            "default: vLLM's $VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
     serve.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                        help="how tool_choice \"auto\" reads the model's own tool calls: hermes (<tool_call>{...}</tool_call>: "
                             "Qwen, Hermes), qwen3_coder (<function=...>), llama3_json, mistral ([TOOL_CALLS]), pythonic "

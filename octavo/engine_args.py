@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 from octavo.config import (
@@ -31,6 +32,20 @@ from octavo.memory import GPU_DEFAULT_UTILIZATION
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "reference")
+
+
+def lora_module_text(entry: object) -> object:
+    """A --lora-modules entry as name=path: vLLM's JSON form ({"name", "path", "base_model_name"})
+    becomes its name=path (the base is the served model either way); anything else is kept as it
+    is, for the check that names it."""
+    if isinstance(entry, str) and entry.lstrip().startswith("{"):
+        try:
+            value = json.loads(entry)
+        except ValueError:
+            return entry
+        if isinstance(value, dict) and isinstance(value.get("name"), str) and isinstance(value.get("path"), str):
+            return f"{value['name']}={value['path']}"
+    return entry
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +167,8 @@ class EngineArgs:
     enable_lora: bool = field(default=False, metadata={
         "help": "serve LoRA adapters (PEFT directories) beside the base model, many in one step"})
     lora_modules: tuple[str, ...] = field(default=(), metadata={
-        "help": "adapters loaded at start, as name=path (ids 1, 2, ... in order); needs --enable-lora",
+        "help": "adapters loaded at start, as name=path or vLLM's JSON {\"name\": ..., \"path\": ...} (ids 1, 2, ... in "
+                "order); needs --enable-lora",
         "nargs": True})
     max_loras: int = field(default=1, metadata={"help": "most distinct LoRA adapters in one step (their slots)"})
     max_lora_rank: int = field(default=16, metadata={"help": "highest LoRA rank an adapter may have"})
@@ -169,8 +185,8 @@ class EngineArgs:
             self._apply_speculative_config()
         if self.kv_events_config is not None:
             KVEventsConfig.from_json(self.kv_events_config)  # refused at start, not at the first step
-        object.__setattr__(self, "lora_modules", tuple(self.lora_modules) if isinstance(self.lora_modules, list)
-                           else self.lora_modules)
+        object.__setattr__(self, "lora_modules", tuple(lora_module_text(m) for m in self.lora_modules)
+                           if isinstance(self.lora_modules, (list, tuple)) else self.lora_modules)
         object.__setattr__(self, "pinned_prefix", tuple(self.pinned_prefix) if isinstance(self.pinned_prefix, list)
                            else self.pinned_prefix)
         self._check_types_and_ranges()

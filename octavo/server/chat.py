@@ -32,12 +32,11 @@ def forced_calls(text: str, tool_choice: Any, complete: bool) -> list[ParsedCall
     if calls or not complete:
         return calls or []
     named = tool_choice != "required"
-    why = ("its reasoning never closed, so the call never began" if not text.strip()
-           else "a stop string or the end of its output cut the call")
     raise APIError(500, f"the model ended its answer without the tool call that tool_choice "
-                        f"{'names' if named else 'requires'}: {why}; raise max_tokens, turn its thinking off "
-                        "(chat_template_kwargs enable_thinking false), or drop stop strings", "ModelOutputError",
-                   "tool_choice")
+                        f"{'names' if named else 'requires'}: a constraint that waits for the reasoning's end never "
+                        "began when the model wrote no closing tag, and a stop string can cut a call; raise "
+                        "max_tokens, turn its thinking off (chat_template_kwargs enable_thinking false), or drop "
+                        "stop strings", "ModelOutputError", "tool_choice")
 
 
 def chat_logprobs(server: OpenAIServer, lps: list[TokenLogprob] | None, as_ids: bool = False) -> dict | None:

@@ -265,7 +265,8 @@ class OpenAIServer:
         return "tool" in (getattr(self.tokenizer, "chat_template", None) or "")
 
     async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                          tools: list[Any] | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                          tools: list[Any] | None = None, template_kwargs: dict[str, Any] | None = None,
+                          add_special_tokens: bool = False) -> list[int]:
         """Token ids of the conversation through the model's chat template. `tools` (and tool calls
         in assistant messages) go to a template that renders them; for one that does not, they are
         written as Hermes' system prompt and <tool_call> blocks. `template_kwargs`: the template's
@@ -298,7 +299,7 @@ class OpenAIServer:
         except Exception as exc:  # TemplateBudgetError names the bound; otherwise the template's own error
             raise APIError(400, f"could not apply the chat template: {exc}", "BadRequestError", param) from exc
         self.check_text_len(text)
-        return await self.off_loop(encode_prompt, self.tokenizer, text, False)
+        return await self.off_loop(encode_prompt, self.tokenizer, text, add_special_tokens)
 
     def auto_tool_format(self) -> CallFormat | None:
         """How tool_choice "auto" reads the model's calls: --tool-call-parser's format; else Hermes'

@@ -81,10 +81,11 @@ class _Body(BaseModel):
     # refused, as OpenAI and Anthropic refuse them); a JSON integer still fills a float field
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
-    def refused_extra(self) -> tuple[str, str] | None:
-        """(field, message) of the first set field this server knows of but does not implement."""
+    def refused_extra(self, honoured: tuple[str, ...] = ()) -> tuple[str, str] | None:
+        """(field, message) of the first set field this server knows of but does not implement on
+        this route (`honoured`: extras this route reads, refused elsewhere)."""
         for name, value in (self.model_extra or {}).items():
-            if value in (None, False, [], {}, "") or value in _NEUTRAL.get(name, ()):
+            if name in honoured or value in (None, False, [], {}, "") or value in _NEUTRAL.get(name, ()):
                 continue
             if name in REFUSED_FIELDS:
                 return name, f"{name}: {REFUSED_FIELDS[name]} is not supported by this server"
@@ -495,6 +496,7 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool = True
     return_token_strs: bool = False  # vLLM's: each token's vocabulary entry too
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=64)
+    continue_final_message: bool = False  # vLLM's: the last (assistant) message left open
 
     @model_validator(mode="after")
     def _one_of(self) -> TokenizeRequest:

@@ -18,6 +18,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -62,7 +63,7 @@ def build_workspace(sdist: Path, work: Path) -> list[Path]:
     if work.exists():
         shutil.rmtree(work)
     tests = work / "tests"
-    for part in ("entrypoints/openai", "entrypoints/anthropic"):
+    for part in ("entrypoints/openai", "entrypoints/anthropic", "entrypoints/serve"):
         shutil.copytree(sdist / "tests" / part, tests / part)
     for init in (tests, tests / "entrypoints"):
         (init / "__init__.py").touch()
@@ -71,7 +72,24 @@ def build_workspace(sdist: Path, work: Path) -> list[Path]:
     shutil.copy(HERE / "vllm_stub.py", work / "vllm_stub.py")
     (work / "conftest.py").write_text(CONFTEST.format(here=str(work)))
     (work / "pytest.ini").write_text("[pytest]\nasyncio_mode = strict\nasyncio_default_fixture_loop_scope = function\n")
-    return sorted(p for p in tests.rglob("test_*.py") if "RemoteOpenAIServer" in p.read_text())
+    return end_to_end(tests)
+
+
+def end_to_end(tests: Path) -> list[Path]:
+    """The test files that talk to a server: they start RemoteOpenAIServer themselves, or use a
+    fixture of their folder's conftest.py that does (the Responses API's files: server_with_store)."""
+    server_fixtures: dict[Path, set[str]] = {}
+    for conftest in tests.rglob("conftest.py"):
+        text = conftest.read_text()
+        if "RemoteOpenAIServer" in text:
+            server_fixtures[conftest.parent] = set(re.findall(r"^(?:async )?def (\w+)\(", text, re.M))
+    files = []
+    for path in tests.rglob("test_*.py"):
+        text = path.read_text()
+        fixtures = set().union(*(names for folder, names in server_fixtures.items() if folder in path.parents))
+        if "RemoteOpenAIServer" in text or any(re.search(rf"\b{name}\b", text) for name in fixtures):
+            files.append(path)
+    return sorted(files)
 
 
 def main() -> int:

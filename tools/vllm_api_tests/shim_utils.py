@@ -20,6 +20,7 @@ import pytest
 
 VLLM_PATH = Path(os.environ.get("VLLM_SDIST", "."))
 ROCM_EXTRA_ARGS: list[str] = []
+EMBEDDED_MAX_MODEL_LEN = 8192  # SmolLM2-135M-Instruct's max_position_embeddings
 DROPPED_FLAGS_LOG = Path(os.environ.get("OCTAVO_SHIM_LOG", "/tmp/vllm-shim-flags.log"))
 
 
@@ -62,6 +63,11 @@ def translate(args: list[str]) -> tuple[list[str], list[str]]:
             if not takes and values:
                 dropped.append(" ".join(values))
         i = j
+    for k in [k + 1 for k, flag in enumerate(kept) if flag == "--max-model-len"]:
+        # the embedded model's context is 8192: a longer one is capped, and logged
+        if k < len(kept) and kept[k].isdigit() and int(kept[k]) > EMBEDDED_MAX_MODEL_LEN:
+            dropped.append(f"--max-model-len {kept[k]} (capped at {EMBEDDED_MAX_MODEL_LEN})")
+            kept[k] = str(EMBEDDED_MAX_MODEL_LEN)
     return kept, dropped
 
 

@@ -139,7 +139,8 @@ class ResponsesRequest(_Body):
             if item != LOGPROBS_INCLUDE:
                 return "include", f"include: only {LOGPROBS_INCLUDE!r} is supported by this server, not {item!r}"
         if self.background and not self.store:
-            return "background", "background: needs store true (the response is fetched by its id)"
+            return "background", ("background: background can only be used when `store` is true (the response is "
+                                  "fetched by its id)")
         if self.background and self.stream:
             return "background", "background: not combined with stream here; poll GET /v1/responses/{id}"
         for name in ("conversation", "prompt"):
@@ -147,7 +148,7 @@ class ResponsesRequest(_Body):
                 return name, f"{name}: not supported on /v1/responses by this server"
         if (self.model_extra or {}).get("service_tier") not in (None, "auto", "default"):
             return "service_tier", "service_tier: only auto/default"
-        return self.refused_extra()
+        return self.refused_extra(PASSED_SAMPLING_FIELDS)  # chat_template_kwargs among them: read here
 
     @property
     def wants_logprobs(self) -> bool:
@@ -457,20 +458,23 @@ def build_router(server: OpenAIServer) -> APIRouter:
     async def get_response(response_id: str) -> dict:
         found = store.get(response_id)
         if found is None:
-            raise APIError(404, f"no stored response with id {response_id!r}", "NotFoundError", "response_id")
+            raise APIError(404, f"Response with id {response_id!r} not found (responses are kept in memory: the "
+                                f"last {store.capacity} at most)", "NotFoundError", "response_id")
         return found[0]
 
     @router.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str) -> dict:
         found = store.get(response_id)
         if found is None:
-            raise APIError(404, f"no stored response with id {response_id!r}", "NotFoundError", "response_id")
+            raise APIError(404, f"Response with id {response_id!r} not found (responses are kept in memory: the "
+                                f"last {store.capacity} at most)", "NotFoundError", "response_id")
         running = background.get(response_id)
         if running is None:
             if found[0].get("background") and found[0]["status"] == "cancelled":
                 return found[0]
-            raise APIError(400, f"only a background response in progress can be cancelled; this one is "
-                                f"{found[0]['status']}", "BadRequestError", "response_id")
+            raise APIError(400, ("Cannot cancel a synchronous response." if not found[0].get("background") else
+                                 f"Only a background response in progress can be cancelled; this one is "
+                                 f"{found[0]['status']}."), "BadRequestError", "response_id")
         task, request_ids = running
         server.engine.abort(request_ids)
         task.cancel()

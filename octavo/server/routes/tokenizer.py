@@ -38,11 +38,21 @@ def build_router(server: OpenAIServer) -> APIRouter:
             if any(k in RESERVED_TEMPLATE_KEYS or k.startswith("_") for k in kwargs):
                 raise APIError(400, "chat_template_kwargs: names the server sets cannot be given", "BadRequestError",
                                "chat_template_kwargs")
-            ids = await server.render_chat([m.as_template_dict() for m in body.messages], body.add_generation_prompt,
-                                           template_kwargs=kwargs)
+            if body.continue_final_message:
+                if body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
+                    raise APIError(400, "continue_final_message needs add_generation_prompt: false", "BadRequestError",
+                                   "continue_final_message")
+                kwargs["continue_final_message"] = True
+            # a conversation's special tokens come from its template; add_special_tokens adds the
+            # tokenizer's on top only when asked (vLLM's default for messages is false)
+            add_special = body.add_special_tokens and "add_special_tokens" in body.model_fields_set
+            ids = await server.render_chat([m.as_template_dict() for m in body.messages],
+                                           body.add_generation_prompt and not body.continue_final_message,
+                                           template_kwargs=kwargs, add_special_tokens=add_special)
         else:
             ids = (await server.encode([body.prompt or ""], body.add_special_tokens))[0]
-        out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": server.max_model_len}
+        out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": server.max_model_len,
+                               "token_strs": None}  # null unless asked, as vLLM answers
         if body.return_token_strs:
             out["token_strs"] = list(server.tokenizer.convert_ids_to_tokens(ids))
         return out
