@@ -689,9 +689,6 @@ def _add_serve(sub) -> None:
     serve.add_argument("--matryoshka", action="store_true",
                        help="the model was trained for Matryoshka embeddings: /v1/embeddings takes `dimensions` below "
                             "the hidden size (the first d values, renormalised)")
-    serve.add_argument("--trust-request-chat-template", action="store_true",
-                       help="let a chat request send its own chat_template (vLLM's flag; rendered in the sandbox, in its own "
-                            "worker process, under --chat-template-timeout and the render's step, size and memory bounds)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="vLLM's flag, accepted for its scripts: auto tool choice is on whenever --tool-call-parser is given")
     serve.add_argument("--max-stored-responses", type=int, default=1024,
@@ -704,12 +701,20 @@ def _add_serve(sub) -> None:
     serve.add_argument("--grammar-compile-timeout", type=float, default=10.0,
                        help="seconds a structured-output constraint may take to compile (in a child process); "
                             "past it the request gets 400 and the compile is stopped")
+    add_chat_template_flags(serve)
+    add_connection_flags(serve)
+    serve.set_defaults(func=cmd_serve)
+
+
+def add_chat_template_flags(serve: argparse.ArgumentParser) -> None:
+    """How chat templates are trusted and bounded (the template itself: --chat-template)."""
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let a chat request send its own chat_template (vLLM's flag; rendered in the sandbox, in its own "
+                            "worker process, under --chat-template-timeout and the render's step, size and memory bounds)")
     serve.add_argument("--chat-template-timeout", type=float, default=10.0,
                        help="seconds a chat template may take to render (in a worker process, with bounds on its loop "
                             "steps and the text it writes); past any bound the request gets 400 naming it and the "
                             "worker is replaced")
-    add_connection_flags(serve)
-    serve.set_defaults(func=cmd_serve)
 
 
 def _add_router(sub) -> None:

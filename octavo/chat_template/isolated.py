@@ -133,22 +133,15 @@ class _Worker:
     def _ensure_process(self) -> None:
         if self.process is None or not self.process.is_alive():
             self._stop_process()
-            from octavo.forkserver import forkserver_context
+            from octavo.forkserver import WorkerProcess
 
-            ctx = forkserver_context()
-            mine, theirs = ctx.Pipe(duplex=True)
-            self.process = ctx.Process(target=_worker_main, args=(theirs, self.lane.memory_bytes), daemon=True,
-                                       name=f"octavo-template-{self.lane.name}-{self.index}")
-            self.process.start()
-            theirs.close()
-            self.conn = mine
+            self.process = WorkerProcess(_worker_main, (self.lane.memory_bytes,),
+                                         f"octavo-template-{self.lane.name}-{self.index}")
+            self.conn = self.process.conn
 
     def _stop_process(self) -> None:
         if self.process is not None:
-            if self.process.is_alive():
-                self.process.kill()
-            self.process.join()
-            self.conn.close()
+            self.process.stop()
             self.process = self.conn = None
 
     def _run(self, job: RenderJob) -> str:

@@ -34,7 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from octavo.forkserver import forkserver_context
+from octavo.forkserver import WorkerProcess
 from octavo.sampling.params import StructuredOutputsParams
 from octavo.structured.manager import GrammarError, StructuredOutputManager, _xgr, compile_spec
 
@@ -169,20 +169,12 @@ class _Worker:
                 job.future.set_result(result)
 
     def _start_process(self) -> None:
-        ctx = forkserver_context()
-        mine, theirs = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=_worker_main, args=(theirs, self.pool._info()), daemon=True,
-                                   name=f"octavo-grammar-compile-{self.index}")
-        self.process.start()
-        theirs.close()
-        self.conn = mine
+        self.process = WorkerProcess(_worker_main, (self.pool._info(),), f"octavo-grammar-compile-{self.index}")
+        self.conn = self.process.conn
 
     def _stop_process(self) -> None:
         if self.process is not None:
-            if self.process.is_alive():
-                self.process.kill()
-            self.process.join()
-            self.conn.close()
+            self.process.stop()
             self.process = self.conn = None
 
     def _run(self, job: _Job) -> Any:
