@@ -11,6 +11,7 @@ server is started here (the embedded model, --api-key) and stopped at the end.""
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import socket
 import statistics
@@ -19,6 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -65,12 +67,25 @@ def flood(url: str, stop: threading.Event, kind: str, index: int, counts: dict) 
             counts[r.status_code] = counts.get(r.status_code, 0) + 1
 
 
-def measure(url: str, pid: int, kind: str, clients: int, seconds: float, idle_chat: float) -> dict:
-    before = rss_mib(pid)
+def flood_process(url: str, kind: str, clients: int, seconds: float, results: Any) -> None:
+    """In a process of its own (its GIL is not the measuring client's): `clients` threads flooding
+    for `seconds`, then the count of each answer's status into `results`."""
     stop, counts = threading.Event(), {}
     threads = [threading.Thread(target=flood, args=(url, stop, kind, i, counts), daemon=True) for i in range(clients)]
     for t in threads:
         t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    results.put(counts)
+
+
+def measure(url: str, pid: int, kind: str, clients: int, seconds: float, idle_chat: float) -> dict:
+    before = rss_mib(pid)
+    results: Any = multiprocessing.Queue()
+    flooder = multiprocessing.Process(target=flood_process, args=(url, kind, clients, seconds + 2.0, results))
+    flooder.start()
     time.sleep(1.0)
     health, chats = [], []
     start_cpu, start = cpu_s(pid), time.monotonic()
@@ -79,9 +94,8 @@ def measure(url: str, pid: int, kind: str, clients: int, seconds: float, idle_ch
         health.append(timed(lambda: httpx.get(f"{url}/health", timeout=60).raise_for_status()))
         chats.append(timed(lambda: keyed_chat(url)))
     server_cores = (cpu_s(pid) - start_cpu) / (time.monotonic() - start)
-    stop.set()
-    for t in threads:
-        t.join(60)
+    counts = results.get(timeout=120)
+    flooder.join(60)
     time.sleep(2.0)
     return {"flood": kind, "clients": clients, "answers": dict(sorted(counts.items())),
             "health max s": max(health), "chat median s": statistics.median(chats),
