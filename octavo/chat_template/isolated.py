@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from octavo.chat_template.sandbox import RenderBudget, TemplateBudgetError, compile_chat_template, render_chat
+from octavo.forkserver import WorkerProcess
 
 logger = logging.getLogger("octavo.chat_template")
 
@@ -114,7 +115,6 @@ class _Worker:
     def __init__(self, lane: _Lane, index: int) -> None:
         self.lane, self.index = lane, index
         self.process: Any = None
-        self.conn: Any = None
         self.thread = threading.Thread(target=self._loop, name=f"octavo-template-{lane.name}-{index}", daemon=True)
         self.thread.start()
 
@@ -133,32 +133,29 @@ class _Worker:
     def _ensure_process(self) -> None:
         if self.process is None or not self.process.is_alive():
             self._stop_process()
-            from octavo.forkserver import WorkerProcess
-
             self.process = WorkerProcess(_worker_main, (self.lane.memory_bytes,),
                                          f"octavo-template-{self.lane.name}-{self.index}")
-            self.conn = self.process.conn
 
     def _stop_process(self) -> None:
         if self.process is not None:
             self.process.stop()
-            self.process = self.conn = None
+            self.process = None
 
     def _run(self, job: RenderJob) -> str:
         self._ensure_process()
-        budget = job.budget
+        budget, conn = job.budget, self.process.conn
         try:
-            self.conn.send(job)
+            conn.send(job)
             deadline = time.monotonic() + budget.deadline_s + GRACE_S
-            while not self.conn.poll(0.05):
-                if not self.process.is_alive() and not self.conn.poll(0):
+            while not conn.poll(0.05):
+                if not self.process.is_alive() and not conn.poll(0):
                     raise self._memory_error()  # killed by the address-space limit, as far as can be told
                 if time.monotonic() > deadline:
                     self.lane.num_replaced += 1
                     self._stop_process()
                     raise TemplateBudgetError("deadline", f"the chat template did not render within "
                                                           f"{budget.deadline_s:g} s (--chat-template-timeout)")
-            answer = self.conn.recv()
+            answer = conn.recv()
         except (EOFError, OSError):
             raise self._memory_error() from None
         if answer[0] == "ok":

@@ -146,7 +146,6 @@ class _Worker:
     def __init__(self, pool: IsolatedCompiler, index: int) -> None:
         self.pool, self.index = pool, index
         self.process: Any = None
-        self.conn: Any = None
         self.busy = False
         self.thread = threading.Thread(target=self._loop, name=f"octavo-grammar-worker-{index}", daemon=True)
         self.thread.start()
@@ -170,12 +169,11 @@ class _Worker:
 
     def _start_process(self) -> None:
         self.process = WorkerProcess(_worker_main, (self.pool._info(),), f"octavo-grammar-compile-{self.index}")
-        self.conn = self.process.conn
 
     def _stop_process(self) -> None:
         if self.process is not None:
             self.process.stop()
-            self.process = self.conn = None
+            self.process = None
 
     def _run(self, job: _Job) -> Any:
         """The job's compiled grammar (deserialised here), or GrammarError; the process is killed
@@ -185,21 +183,21 @@ class _Worker:
         if self.process is None or not self.process.is_alive():
             self._stop_process()
             self._start_process()
-        kind = job.params.kind
+        kind, conn = job.params.kind, self.process.conn
         try:
-            self.conn.send(job.params)
+            conn.send(job.params)
             deadline = time.monotonic() + self.pool.timeout_s
-            while not self.conn.poll(0.02):
+            while not conn.poll(0.02):
                 if job.cancelled.is_set():
                     raise _Stopped
-                if not self.process.is_alive() and not self.conn.poll(0):
+                if not self.process.is_alive() and not conn.poll(0):
                     raise GrammarError(f"structured_outputs.{kind}: the grammar compiler failed "
                                        f"(exit status {self.process.exitcode})")
                 if time.monotonic() > deadline:
                     self.pool.num_timeouts += 1
                     raise GrammarError(f"structured_outputs.{kind}: not compiled within {self.pool.timeout_s:g} s "
                                        "(--grammar-compile-timeout); use a simpler constraint")
-            status, payload = self.conn.recv()
+            status, payload = conn.recv()
         except (EOFError, OSError, BrokenPipeError):
             self._stop_process()
             raise GrammarError(f"structured_outputs.{kind}: the grammar compiler failed") from None
