@@ -909,15 +909,16 @@ def _torchrun_worker(args: argparse.Namespace) -> bool:
     if launched is None or launched[0] == 0 or not hasattr(args, "tensor_parallel_size"):
         return False
     from octavo.distributed.executor import run_worker_from_env
-    from octavo.models.loader import resolve_model
+    from octavo.models.loader import resolve_activation_dtype, resolve_model
 
     from octavo.engine_args import resolve_device
 
     device = resolve_device(args.device)
     dtype = ("bfloat16" if device.startswith("cuda") else "float32") if args.dtype == "auto" else args.dtype
     quantization = "none" if device.startswith("cuda") and args.quantization == "auto" else args.quantization
-    run_worker_from_env(str(resolve_model(args.model)), dtype, args.tensor_parallel_size, device, quantization,
-                        getattr(args, "activation_dtype", "float32"))
+    model_dir = resolve_model(args.model)
+    activation_dtype, _ = resolve_activation_dtype(getattr(args, "activation_dtype", "auto"), model_dir, quantization, device)
+    run_worker_from_env(str(model_dir), dtype, args.tensor_parallel_size, device, quantization, activation_dtype)
     # The worker left the group cleanly. Skip the interpreter's teardown: gloo's C++ threads can
     # abort the process in static destructors, and under torchrun a worker that exits non-zero makes
     # its node's agent skip the exit barrier, leaving the other nodes waiting for it (300 s).

@@ -287,6 +287,9 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "cache-aware")
 # met by float32 activations) or int8 (activations quantized per 32 values, integer dot products:
 # kernels/cpu/quant_linear_i8.cpp; not exact, `octavo eval` measures the cost).
 ACTIVATION_DTYPES = ("float32", "int8")
+# What the flag accepts: auto (the default) picks one of them per model and CPU by a stated rule
+# (kernels/activation_rule.py); an engine's config holds the one chosen.
+ACTIVATION_CHOICES = ("auto", *ACTIVATION_DTYPES)
 
 # What --quantization accepts: auto (a GGUF's own formats, else float), none (dense), and the
 # schemes quantization.HF_SCHEMES quantizes float weights into (a test keeps the two in step)

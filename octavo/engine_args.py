@@ -14,7 +14,7 @@ from octavo.config import (
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_MAX_WAIT_STEPS,
     DEFAULT_SPEC_MAX_BATCH,
-    ACTIVATION_DTYPES,
+    ACTIVATION_CHOICES,
     PREEMPTION_VICTIMS,
     PREFIX_HASH_ALGOS,
     QUANTIZATION_CHOICES,
@@ -146,13 +146,15 @@ class EngineArgs:
                 "none: dequantize everything to the dtype; int8 / int4: quantize every linear layer at load "
                 "(Q8_0 symmetric / Q4_1 with a zero point, groups of 32; the embedding to Q8_0)",
         "choices": QUANTIZATION_CHOICES})
-    activation_dtype: str = field(default="float32", metadata={
-        "help": "quantized layers on the CPU: float32 (exact: every weight rebuilt as the file defines it, "
-                "float32 products; greedy output equals transformers') or int8 (activations quantized per 32 "
-                "values, integer dot products on VNNI where the CPU has it: 2-3x faster layers, not exact; "
-                "prompts of 64+ tokens through AMX-BF16 tiles where the CPU runs them; `octavo eval` "
-                "measures the accuracy cost)",
-        "choices": ACTIVATION_DTYPES})
+    activation_dtype: str = field(default="auto", metadata={
+        "help": "quantized layers on the CPU: auto (int8 where it measured faster for this CPU kind and "
+                "model size: every size without AVX-512, 512 MB of quantized weights and up with it; the "
+                "start-up line says which and why), float32 (exact: every weight rebuilt as the file "
+                "defines it, float32 products; greedy output equals transformers') or int8 (activations "
+                "quantized per 32 values, integer dot products: 1.5-3x faster layers, not exact; prompts "
+                "of 64+ tokens through AMX-BF16 tiles where the CPU runs them; `octavo eval` measures the "
+                "accuracy cost)",
+        "choices": ACTIVATION_CHOICES})
     device: str = field(default="auto", metadata={
         "help": "auto (CUDA when torch sees a GPU, else the CPU), cpu or cuda", "choices": DEVICES})
     attention_backend: str = field(default="auto", metadata={
@@ -201,8 +203,8 @@ class EngineArgs:
                              f"got {self.prefix_caching_hash_algo!r}")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
-        if self.activation_dtype not in ACTIVATION_DTYPES:
-            raise ValueError(f"activation_dtype must be one of {', '.join(ACTIVATION_DTYPES)}, got {self.activation_dtype!r}")
+        if self.activation_dtype not in ACTIVATION_CHOICES:
+            raise ValueError(f"activation_dtype must be one of {', '.join(ACTIVATION_CHOICES)}, got {self.activation_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if self.device not in DEVICES:

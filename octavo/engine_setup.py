@@ -22,7 +22,9 @@ from octavo.kv_cache.manager import KVCacheManager
 from octavo.kv_tier.setup import OpenedTier, open_tier
 from octavo.memory import CUDA_GRAPH_RESERVE_BYTES, KVSizing, size_kv_cache
 from octavo.model_runner import ModelRunner
-from octavo.models.loader import auto_dtype, describe_weights, load_model, resolve_model, stored_dtype, weight_bytes
+from octavo.models.loader import (
+    auto_dtype, describe_weights, load_model, resolve_activation_dtype, resolve_model, stored_dtype, weight_bytes,
+)
 from octavo.models.registry import load_model_config
 from octavo.chat_template.sandbox import chat_template_source
 from octavo.tokenizer import load_tokenizer, set_chat_template
@@ -61,17 +63,20 @@ def load(args: EngineArgs) -> LoadedModel:
     dtype = ("bfloat16" if device.startswith("cuda") else "float32") if args.dtype == "auto" else args.dtype
     group = None
     args.check_model(load_model_config(model_dir))  # before any rank starts or weight loads
+    activation_dtype, why = resolve_activation_dtype(args.activation_dtype, model_dir, quantization, device)
+    if args.activation_dtype == "auto":
+        logger.info("activation dtype auto: %s (%s)", activation_dtype, why)
     if args.tensor_parallel_size > 1:
         model, model_config, group = start_tensor_parallel(args.tensor_parallel_size, model_dir, WorkerSpec(
-            str(model_dir), dtype, device=device, quantization=quantization, activation_dtype=args.activation_dtype))
+            str(model_dir), dtype, device=device, quantization=quantization, activation_dtype=activation_dtype))
     else:
         model, model_config = load_model(model_dir, dtype=DTYPES[dtype], device=device, quantization=quantization,
-                                         activation_dtype=args.activation_dtype, write_in_background=True)
+                                         activation_dtype=activation_dtype, write_in_background=True)
         if args.dtype == "auto":
             dtype, why = auto_dtype(model, device, stored_dtype(model_dir))
             logger.info("dtype auto: %s (%s)", dtype, why)
             model = model.to(DTYPES[dtype])
-    config = dataclasses.replace(args, dtype=dtype, device=device).to_config(model_config)
+    config = dataclasses.replace(args, dtype=dtype, device=device, activation_dtype=activation_dtype).to_config(model_config)
     config = dataclasses.replace(config, model_path=str(model_dir), quantization=quantization)
     logger.info(describe_weights(model))
     try:

@@ -76,7 +76,10 @@ def stop_server(server: LiveServer) -> None:
 @pytest.fixture(scope="session")
 def live_server(tmp_path_factory, smol_dir):  # smol_dir: the embedded model is converted before start
     log = tmp_path_factory.mktemp("server") / "server.log"
-    server = start_server(log, ["--api-key", API_KEY, "--kv-cache-memory", str(256 << 20),
+    # the exact path pinned (the default, auto, picks int8 on some CPUs): server tests compare its
+    # greedy text with offline engines of the exact path (tests/cli/test_activation_default.py
+    # serves the default)
+    server = start_server(log, ["--api-key", API_KEY, "--activation-dtype", "float32", "--kv-cache-memory", str(256 << 20),
                                 "--max-model-len", str(MAX_MODEL_LEN), "--log-interval", "1", "--shutdown-timeout", "5"])
     yield server
     stop_server(server)

@@ -17,8 +17,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", default=None, help="a .gguf path or a packaged model name (default: the embedded one)")
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--activation-dtype", default=None, help="as octavo serve takes it (default: serve's default)")
     args = parser.parse_args()
-    llm = LLM(args.model)
+    llm = LLM(args.model, **({"activation_dtype": args.activation_dtype} if args.activation_dtype else {}))
     prompt = "The history of the city begins " * 8
 
     def run(n: int) -> float:

@@ -473,7 +473,7 @@ def dtype_rule(quantized: bool, device: str, stored: str | None) -> tuple[str, s
     if device.startswith("cuda"):
         return "bfloat16", "CUDA"
     if quantized:
-        return "float32", "quantized weights: the CPU kernels take float32 activations"
+        return "float32", "quantized weights: the CPU kernels take float32 inputs (--activation-dtype decides what meets the blocks)"
     if stored != "bfloat16":
         return "float32", f"dense weights stored as {stored or 'float32 (config says nothing)'}"
     if "amx_bf16" not in cpu_flags():
@@ -481,9 +481,59 @@ def dtype_rule(quantized: bool, device: str, stored: str | None) -> tuple[str, s
     return "bfloat16", "weights stored as bfloat16 on a CPU with AMX-BF16 tiles"
 
 
+def quantized_file_bytes(model_dir: Path, quantization: str) -> int:
+    """The bytes the weights of `model_dir` will hold in quantized blocks, read from the files
+    before anything loads (0: none will be quantized): a GGUF's size under --quantization auto; for
+    int8 / int4 at load, the safetensors' parameters at that scheme's bytes per weight."""
+    if quantization == "auto":
+        source = gguf_source(model_dir)
+        return source.stat().st_size if source is not None else 0
+    if quantization not in HF_SCHEMES:
+        return 0
+    fmt = HF_SCHEMES[quantization]
+    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(stored_dtype(model_dir) or "float32", 4)
+    stored = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+    return stored // itemsize * fmt.block_bytes // fmt.block_size
+
+
+def resolve_activation_dtype(requested: str, model_dir: Path, quantization: str, device: str) -> tuple[str, str]:
+    """--activation-dtype as given, or for auto what kernels.activation_rule picks for this model's
+    quantized bytes on this CPU: (dtype, why). On CUDA float32 (no quantized layer runs there); int8
+    only where the C++ kernels are built (the reference's int8 path is no faster than its float32)."""
+    from octavo.cpu_features import cpu_flags
+    from octavo.kernels import cpu
+    from octavo.kernels.activation_rule import activation_rule
+
+    if requested != "auto":
+        return requested, "as asked"
+    if device.startswith("cuda"):
+        return "float32", "CUDA: quantized weights are dequantized there"
+    dtype, why = activation_rule(quantized_file_bytes(model_dir, quantization), cpu_flags())
+    if dtype == "int8" and cpu.load() is None:
+        return "float32", "the C++ kernels are not built here (the torch reference's int8 path is no faster)"
+    return dtype, why
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the model's weights as held (quantized blocks at their size; no rotary tables)."""
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def decode_read_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads, from the tensors held (each storage once): every
+    weight, less an untied token embedding (a step gathers a row of it; a tied one is read whole as
+    the head). A mixture of experts' layers count whole (a step reads the experts its tokens pick)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in model.state_dict().values():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+    if getattr(model, "lm_head", None) is not None:
+        embed = getattr(model, "embed_tokens", None)
+        if embed is not None:
+            total -= sum(t.numel() * t.element_size() for t in embed.state_dict().values())
+    return total
 
 
 def describe_weights(model: torch.nn.Module) -> str:
@@ -509,7 +559,9 @@ def describe_weights(model: torch.nn.Module) -> str:
         int8 = any(getattr(m, "layout", "").endswith("_i8") for m in model.modules() if isinstance(m, QuantLinear))
         kernel = quant_kernel_name(act, next(model.buffers()).device, "int8" if int8 else "float32")
         line += f"; quantized linear kernel: {kernel}"
-    return line
+    from octavo.memory_bandwidth import cached, describe_floor
+
+    return f"{line}; {describe_floor(decode_read_bytes(model), cached(torch.get_num_threads()))}"
 
 
 def quantize_model(model: CausalLM, fmt: QuantFormat) -> None:
