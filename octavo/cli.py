@@ -534,6 +534,18 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_bandwidth(args: argparse.Namespace) -> int:
+    """`octavo bench bandwidth`: this machine's read bandwidth (kept per machine; --again measures anew)."""
+    import os
+
+    from octavo.memory_bandwidth import measured
+
+    bw = measured(args.threads or os.cpu_count() or 1, again=args.again)
+    print(f"read bandwidth {bw.bytes_per_s / 1e9:.1f} GB/s: best of {bw.reps} sums of {bw.buffer_bytes / 2**30:.1f} GiB "
+          f"with {bw.threads} threads ({bw.machine}; measured {bw.measured})")
+    return 0
+
+
 def _bench_multi_turn(args: argparse.Namespace) -> int:
     """`octavo bench serve multi-turn`: conversations on one server, or on each of --compare in turn."""
     import asyncio
@@ -857,7 +869,7 @@ def _add_eval(sub) -> None:
 
 
 def _add_bench(sub) -> None:
-    """`octavo bench throughput` and `octavo bench serve`."""
+    """`octavo bench throughput`, `octavo bench bandwidth` and `octavo bench serve`."""
     bench = sub.add_parser("bench", help="benchmarks: offline throughput, online serving latency")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     tp = bench_sub.add_parser("throughput", help="offline tokens/s of Octavo, transformers generate (hf) and its continuous batching (hf-cb)")
@@ -868,6 +880,11 @@ def _add_bench(sub) -> None:
     tp.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf backend")
     tp.add_argument("--json", default=None, help="write the results to this JSON file")
     tp.set_defaults(func=cmd_bench_throughput)
+    bw = bench_sub.add_parser("bandwidth", help="this machine's memory read bandwidth: the floor of a decode step "
+                              "(measured once, ~1 s, then kept; bench serve and the start-up line quote it)")
+    bw.add_argument("--threads", type=int, default=None, help="threads reading (default: one per core)")
+    bw.add_argument("--again", action="store_true", help="measure again (the kept figure is replaced)")
+    bw.set_defaults(func=cmd_bench_bandwidth)
     sv = bench_sub.add_parser("serve", help="send a workload to an OpenAI-compatible server and measure TTFT, TPOT, ITL, E2E")
     add_workload_flags(sv, multi_turn=True)
     sv.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")

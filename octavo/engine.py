@@ -15,6 +15,7 @@ import torch
 from octavo.beam_search import BeamGroup
 from octavo.config import EngineConfig
 from octavo.models import weight_files
+from octavo.models.loader import decode_read_bytes
 from octavo.models.registry import for_context
 from octavo.distributed.executor import TensorParallelExecutor, TensorParallelGroup
 from octavo.engine_args import EngineArgs
@@ -82,6 +83,8 @@ class LLMEngine:
             scheduler=dataclasses.replace(config.scheduler, max_model_len=sizing.max_model_len))
         config = self.config
         self.kv_sizing: KVSizing = sizing
+        # what a decode step reads, from what is held (bench serve reports it against the read floor)
+        self.decode_weight_bytes = decode_read_bytes(model)
         logger.info(sizing.describe())
         if tensor_parallel is not None:
             logger.info("tensor parallel %d: each rank holds %d of the model's KV heads in a cache of this size, "

@@ -81,6 +81,10 @@ class EngineMetrics:
             "and layer group where sliding-window layers give back blocks the window has passed).")
         self.max_concurrency = gauge(
             "kv_cache_max_concurrency", "Sequences of max_model_len tokens the KV cache holds at once (as at start-up).")
+        self.decode_weight_bytes = gauge(
+            "decode_weight_bytes", "Bytes of weights one decode step reads, as held (an untied embedding's table excluded).")
+        self.kv_bytes_per_token = gauge(
+            "kv_bytes_per_token", "Bytes of KV cache a token of context holds (all layers): a decode step reads it per token.")
         self._success = Counter(f"{prefix}:request_success", "Finished requests by finish reason.", [*labels, "finished_reason"], registry=r)
         self._cache_info = Gauge(
             f"{prefix}:cache_config_info", "The KV cache's configuration, in labels (value 1).",
@@ -195,6 +199,12 @@ class EngineMetrics:
                 str(sizing.block_size), str(sizing.num_blocks), str(num_tier_blocks), kv_dtype,
                 str(cache.enable_prefix_caching), cache.prefix_caching_hash_algo, str(sizing.num_bytes),
                 str(sizing.num_tokens), str(sizing.max_concurrency), *self._base_values[1:]).set(1)
+
+    def observe_read_bytes(self, weight_bytes: int, kv_bytes_per_token: float) -> None:
+        """What a decode step reads, once: the weights as held, and the KV cache's bytes per token
+        of context (all layers); `octavo bench serve` divides them by a TPOT for the bandwidth reached."""
+        self.decode_weight_bytes.set(weight_bytes)
+        self.kv_bytes_per_token.set(kv_bytes_per_token)
 
     def observe_token_gap(self, seconds: float) -> None:
         self.itl.observe(seconds)

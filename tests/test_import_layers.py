@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1] / "octavo"
 # Lowest first. A module belongs to the longest prefix listed; packages' __init__ go with their prefix.
 LAYERS: list[tuple[str, list[str]]] = [
     ("data and leaves", [
-        "octavo.config", "octavo.cache", "octavo.cpu_features", "octavo.threads", "octavo.hf_fields",
+        "octavo.config", "octavo.cache", "octavo.cpu_features", "octavo.memory_bandwidth", "octavo.threads", "octavo.hf_fields",
         "octavo.quantization", "octavo.sampling", "octavo.sampling.params",
         "octavo.sampling.logprobs", "octavo.lora.request", "octavo.beam_search", "octavo.structured.schema",
         "octavo.kernels.metadata", "octavo.kernels.row_paths", "octavo.tokenizer", "octavo.detokenizer",

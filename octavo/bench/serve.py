@@ -159,6 +159,43 @@ async def scrape_counters(client: httpx.AsyncClient, base_url: str, headers: dic
     return found
 
 
+_READ_GAUGES = {"weight_bytes": "octavo:decode_weight_bytes", "kv_bytes_per_token": "octavo:kv_bytes_per_token"}
+
+
+async def scrape_read_bytes(client: httpx.AsyncClient, base_url: str, headers: dict) -> dict[str, float]:
+    """What one of the server's decode steps reads (an Octavo server's gauges): weight_bytes and
+    kv_bytes_per_token; empty for a server without them."""
+    try:
+        resp = await client.get(base_url.rstrip("/") + "/metrics", headers=headers)
+    except httpx.HTTPError:
+        return {}
+    found: dict[str, float] = {}
+    for line in resp.text.splitlines() if resp.status_code == 200 else ():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        for key, metric in _READ_GAUGES.items():
+            if name == metric and " " in line:
+                found[key] = float(line.rsplit(" ", 1)[1])
+    return found if len(found) == len(_READ_GAUGES) else {}
+
+
+def one_user_step_bytes(read: dict[str, float], workload: list[SimRequest]) -> float:
+    """Bytes one user's decode step reads on average over `workload`: the weights, and the KV of
+    the context at the middle of each answer (prompt + half the output)."""
+    contexts = [len(w.prompt_token_ids) + w.output_len / 2 for w in workload]
+    return read["weight_bytes"] + read["kv_bytes_per_token"] * sum(contexts) / max(len(contexts), 1)
+
+
+def add_read_rates(summary: dict[str, Any], step_bytes: float, floor_bytes_per_s: float | None) -> None:
+    """One user's decode bandwidth into `summary`: the step's bytes over its TPOT median (GB/s), and
+    that as a share of the machine's measured read bandwidth."""
+    tpot = summary["tpot_ms"].get("p50", math.nan) / 1e3
+    summary["step_read_bytes"] = step_bytes
+    summary["read_gbps"] = step_bytes / tpot / 1e9 if tpot and not math.isnan(tpot) else math.nan
+    if floor_bytes_per_s:
+        summary["floor_gbps"] = floor_bytes_per_s / 1e9
+        summary["floor_share"] = 100 * summary["read_gbps"] * 1e9 / floor_bytes_per_s
+
+
 def counters_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {k: after[k] - before.get(k, 0.0) for k in after}
 
@@ -244,6 +281,8 @@ COMPARED = (
     ("TTFT p99", "ttft_ms", "p99", " ms", False),
     ("TPOT median", "tpot_ms", "p50", " ms", False),
     ("ITL p90", "itl_ms", "p90", " ms", False),
+    ("decode read at TPOT median (one user)", "read_gbps", None, " GB/s", True),
+    ("share of the measured read floor", "floor_share", None, "%", True),
     ("E2E median", "e2e_ms", "p50", " ms", False),
     ("cold TTFT median", "cold_ttft_ms", "p50", " ms", False),
     ("cold TTFT p99", "cold_ttft_ms", "p99", " ms", False),
@@ -279,6 +318,11 @@ async def compare_servers(
     results: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in targets}
     headers = {"Authorization": f"Bearer {kwargs['api_key']}"} if kwargs.get("api_key") else {}
     async with httpx.AsyncClient(timeout=httpx.Timeout(60.0)) as client:
+        # one user's step reads the same bytes on every server of the same file: Octavo's gauges say how many
+        read: dict[str, float] = {}
+        for _, url in targets:
+            read = read or await scrape_read_bytes(client, url, headers)
+        floor = read_floor() if read and kwargs.get("max_concurrency") == 1 else None
         for r, workload in enumerate(rounds):
             for label, url in round_order(targets, r):
                 if warmup:
@@ -287,7 +331,19 @@ async def compare_servers(
                 records, duration = await run_serve_benchmark(url, workload, **kwargs)
                 server = counters_delta(before, await scrape_counters(client, url, headers))
                 results[label].append(summarise(records, duration, server))
+                if floor is not None:
+                    add_read_rates(results[label][-1], one_user_step_bytes(read, workload), floor)
     return results
+
+
+def read_floor() -> float:
+    """This machine's read bandwidth with as many threads as it has cores (memory_bandwidth: measured
+    once per machine, ~1 s, then kept): the servers run on the same machine as this client."""
+    import os
+
+    from octavo.memory_bandwidth import measured
+
+    return measured(os.cpu_count() or 1).bytes_per_s
 
 
 def median(values: list[float]) -> float:
@@ -316,6 +372,12 @@ def format_comparison(results: dict[str, list[dict[str, Any]]]) -> str:
             ratio = (a / b if higher_better else b / a) if a and b else math.nan
             row.append("n/a" if math.isnan(ratio) else f"{ratio:.2f}x")
         lines.append("| " + " | ".join(row) + " |")
+    with_floor = [s for s in results[first] if "floor_gbps" in s]
+    if with_floor:
+        lines.append("")
+        lines.append(f"one user's decode step reads {with_floor[0]['step_read_bytes'] / 1e6:,.1f} MB (weights as held + KV "
+                     f"at mid-answer); this machine's measured read floor {with_floor[0]['floor_gbps']:.1f} GB/s, "
+                     f"so a step takes >= {with_floor[0]['step_read_bytes'] / with_floor[0]['floor_gbps'] / 1e6:.1f} ms")
     failed = [f"{label}: {sum(s['failed'] for s in results[label])} of {sum(s['failed'] + s['completed'] for s in results[label])}" for label in labels]
     lines.append("")
     lines.append("failed requests: " + ", ".join(failed))

@@ -360,6 +360,8 @@ class AsyncEngine:
                 tier = engine.get_stats().scheduler.tier
                 self.metrics.observe_kv_sizing(engine.kv_sizing, engine.config.cache, engine.config.dtype,
                                                0 if tier is None else tier.num_blocks)
+                sizing = engine.kv_sizing
+                self.metrics.observe_read_bytes(engine.decode_weight_bytes, sizing.num_bytes / max(sizing.num_tokens, 1))
             except BaseException as exc:
                 self._factory_error = exc
                 return

@@ -123,3 +123,36 @@ def test_bench_serve_prints_no_line_per_request(live_server):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "HTTP Request" not in out.stdout + out.stderr
     assert "output tok/s" in out.stdout or "tok/s" in out.stdout, out.stdout[-2000:]
+
+
+def test_one_users_comparison_reports_the_bandwidth_its_steps_reach(live_server, smol, monkeypatch):
+    """With one request at a time, each round's summary has the bytes a decode step reads (the
+    server's gauges: its weights as held + KV at mid-answer), that over the TPOT median, and the
+    share of the machine's read floor (here a fixed 10 GB/s: the arithmetic, not this machine)."""
+    from octavo.bench import serve
+    from octavo.models.loader import decode_read_bytes
+
+    monkeypatch.setattr(serve, "read_floor", lambda: 10e9)
+    rounds = [[SimRequest(0.0, tuple(range(600 + 30 * r, 620 + 30 * r)), 6)] for r in range(2)]
+    results = asyncio.run(serve.compare_servers([("a", live_server.url), ("b", live_server.url + "/")], rounds, [],
+                                                model=MODEL, api_key=API_KEY, progress=False, max_concurrency=1))
+    model, _, _ = smol
+    kv_per_token = 2 * 30 * 3 * 64 * 4  # SmolLM2: K and V, 30 layers, 3 KV heads of 64, float32
+    want = decode_read_bytes(model) + kv_per_token * (20 + 3)
+    for runs in results.values():
+        for s in runs:
+            assert s["step_read_bytes"] == pytest.approx(want, rel=1e-6)
+            assert s["read_gbps"] == pytest.approx(want / (s["tpot_ms"]["p50"] / 1e3) / 1e9)
+            assert s["floor_share"] == pytest.approx(s["read_gbps"] * 10)
+    table = serve.format_comparison(results)
+    assert "| decode read at TPOT median (one user) |" in table and "| share of the measured read floor |" in table
+    assert f"one user's decode step reads {want / 1e6:,.1f} MB" in table and "floor 10.0 GB/s" in table
+
+
+def test_a_server_without_the_gauges_gets_no_bandwidth_rows():
+    from octavo.bench.serve import format_comparison
+
+    p = {"p50": 10.0, "p90": 10.0, "p99": 10.0, "mean": 10.0}
+    table = format_comparison({"x": [{"output_throughput": 1.0, "ttft_ms": p, "tpot_ms": p, "itl_ms": p, "e2e_ms": p,
+                                      "failed": 0, "completed": 1}]})
+    assert "decode read" not in table and "read floor" not in table
