@@ -111,6 +111,11 @@ struct Isa {
   static I lut_bytes(I idx, const uint8_t* table) {
     return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table))), idx);
   }
+  // without VNNI (quant_linear_i8.cpp's chunk_dots_i16): vpmaddubsw's int16 pair sums, added in
+  // int16 over a run of vectors, widened to int32 pairs once a run
+  static I madd_u8s8(I u, I s) { return _mm512_maddubs_epi16(u, s); }
+  static I add_i16(I a, I b) { return _mm512_add_epi16(a, b); }
+  static I widen_i16(I v) { return _mm512_madd_epi16(v, _mm512_set1_epi16(1)); }
 #if defined(__AVX512VNNI__)
   static constexpr bool vnni = true;
   static I dot4(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
@@ -175,6 +180,9 @@ struct Isa {
   static I lut_bytes(I idx, const uint8_t* table) {
     return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table))), idx);
   }
+  static I madd_u8s8(I u, I s) { return _mm256_maddubs_epi16(u, s); }
+  static I add_i16(I a, I b) { return _mm256_add_epi16(a, b); }
+  static I widen_i16(I v) { return _mm256_madd_epi16(v, _mm256_set1_epi16(1)); }
 #if defined(__AVXVNNI__)
   static constexpr bool vnni = true;
   static I dot4(I acc, I u, I s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
@@ -236,6 +244,10 @@ struct Isa {  // plain C++ over G-float arrays (the compiler vectorises what it 
     return idx;
   }
   static constexpr bool vnni = false;
+  // (no int16 lanes here: each 32-bit lane's 4 products summed exactly, widening a no-op)
+  static I madd_u8s8(I u, I s) { return dot4(zero_i(), u, s); }
+  static I add_i16(I a, I b) { return add_i(a, b); }
+  static I widen_i16(I v) { return v; }
   static I dot4(I acc, I u, I s) {  // exact, no int16 step: the vector fallbacks' saturation cannot happen here
     for (int i = 0; i < G; ++i) {
       uint8_t ub[4];

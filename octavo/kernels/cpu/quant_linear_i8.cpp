@@ -319,6 +319,46 @@ inline void chunk_dots(const uint8_t* q, const int8_t* xq, int64_t K, I* s0, I* 
   }
 }
 
+// Without VNNI: a chunk's vectors' vpmaddubsw results summed in int16 over a run, widened to int32
+// (vpmaddwd) once a run instead of once a vector: 9 multiply-port instructions a chunk and row where
+// dot4 took 16 (4-bit). A run is as long as keeps every int16 sum exact: a vpmaddubsw lane is at
+// most 2 x 127 x u_max, so 8 vectors of 4-bit quants (3,810 each), 4 of 5-bit (7,874) or of MXFP4's
+// 0..24 (6,096), 2 of 6-bit (16,002); 8-bit quants go in as nibbles (8 vectors each). The integers
+// are those of dot4, so every result keeps its bits.
+template <int BITS, bool MX>
+constexpr int i16_run() { return BITS == 6 ? 2 : (BITS == 5 || MX) ? 4 : 8; }
+
+template <int BITS, bool SPLIT, int R, int VV = 0, bool MX = false>
+inline void chunk_dots_i16(const uint8_t* q, const int8_t* xq, int64_t K, I* s0, I* s1, I* t, I* h) {
+  if constexpr (VV < 8) {
+    const I u = quants<BITS, VV, MX>(q);
+    if constexpr (BITS == 8) {  // u = lo + 16 hi, each run of 8 in int16
+      const I lo = Isa::and_(u, 0x0f0f0f0f), hi = Isa::and_(Isa::shr<4>(u), 0x0f0f0f0f);
+      for (int r = 0; r < R; ++r) {
+        const I xb = Isa::bcast4(xq + r * K + 4 * VV);
+        const I pl = Isa::madd_u8s8(lo, xb), ph = Isa::madd_u8s8(hi, xb);
+        t[r] = VV == 0 ? pl : Isa::add_i16(t[r], pl);
+        h[r] = VV == 0 ? ph : Isa::add_i16(h[r], ph);
+      }
+      if constexpr (VV == 7)
+        for (int r = 0; r < R; ++r)
+          s0[r] = Isa::add_i(s0[r], Isa::add_i(Isa::widen_i16(t[r]), Isa::shl<4>(Isa::widen_i16(h[r]))));
+    } else {
+      constexpr int RUN = i16_run<BITS, MX>();
+      for (int r = 0; r < R; ++r) {
+        const I p = Isa::madd_u8s8(u, Isa::bcast4(xq + r * K + 4 * VV));
+        t[r] = VV % RUN == 0 ? p : Isa::add_i16(t[r], p);
+      }
+      if constexpr (VV % RUN == RUN - 1)
+        for (int r = 0; r < R; ++r) {
+          I& s = SPLIT && VV >= 4 ? s1[r] : s0[r];
+          s = Isa::add_i(s, Isa::widen_i16(t[r]));
+        }
+    }
+    chunk_dots_i16<BITS, SPLIT, R, VV + 1, MX>(q, xq, K, s0, s1, t, h);
+  }
+}
+
 std::atomic<bool> amx_on{false};
 constexpr int64_t AMX_MIN_ROWS = 16;
 
@@ -521,7 +561,12 @@ void group_i8(const Act& a, int64_t row0, const uint8_t* tiles, float* out, int6
 #endif
       {
         for (int r = 0; r < R; ++r) s0[r] = s1[r] = Isa::zero_i();
-        chunk_dots<S.bits, S.kind == kK6, R, 0, S.kind == kMx>(q, xq, K, s0, s1);
+        if constexpr (Isa::vnni) {
+          chunk_dots<S.bits, S.kind == kK6, R, 0, S.kind == kMx>(q, xq, K, s0, s1);
+        } else {
+          I t[R], h[R];
+          chunk_dots_i16<S.bits, S.kind == kK6, R, 0, S.kind == kMx>(q, xq, K, s0, s1, t, h);
+        }
       }
       const int64_t at = row0 * nc + kc;
       if constexpr (S.kind == kOffset || S.kind == kMx) {
