@@ -51,9 +51,15 @@ def wait_healthy(url: str, proc: subprocess.Popen, read_log, timeout_s: float = 
     raise RuntimeError(f"server did not become healthy:\n{read_log()}")
 
 
-def start_server(log: Path, flags: list[str], entry: list[str] | None = None, threads: int = 2) -> LiveServer:
+def start_server(log: Path, flags: list[str], entry: list[str] | None = None, threads: int = 2,
+                 exact: bool = True) -> LiveServer:
     """`octavo serve` (or `entry`, a script taking the same flags) on a free port; healthy on return.
-    `threads`: its torch threads (one each when several servers share the two cores)."""
+    `threads`: its torch threads (one each when several servers share the two cores). `exact`: the
+    exact path pinned (--activation-dtype float32) unless the flags name one: the default, auto, picks
+    int8 activations on some CPUs, and server tests compare greedy text with offline engines of the
+    exact path; a test of what a user gets by default passes exact=False."""
+    if exact and "--activation-dtype" not in flags:
+        flags = ["--activation-dtype", "float32", *flags]
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     cmd = (entry or [sys.executable, "-m", "octavo.cli", "serve"]) + ["--port", str(port), *flags]
@@ -76,10 +82,7 @@ def stop_server(server: LiveServer) -> None:
 @pytest.fixture(scope="session")
 def live_server(tmp_path_factory, smol_dir):  # smol_dir: the embedded model is converted before start
     log = tmp_path_factory.mktemp("server") / "server.log"
-    # the exact path pinned (the default, auto, picks int8 on some CPUs): server tests compare its
-    # greedy text with offline engines of the exact path (tests/cli/test_activation_default.py
-    # serves the default)
-    server = start_server(log, ["--api-key", API_KEY, "--activation-dtype", "float32", "--kv-cache-memory", str(256 << 20),
+    server = start_server(log, ["--api-key", API_KEY, "--kv-cache-memory", str(256 << 20),
                                 "--max-model-len", str(MAX_MODEL_LEN), "--log-interval", "1", "--shutdown-timeout", "5"])
     yield server
     stop_server(server)

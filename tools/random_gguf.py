@@ -6,6 +6,7 @@ for half the down projections and the head, as llama.cpp picks them).
     .venv/bin/python tools/random_gguf.py qwen3-30b-a3b --layers 12 --out /tmp/q3moe-12l.gguf
     .venv/bin/python tools/random_gguf.py llama-3.2-1b --out /tmp/llama1b.gguf
     .venv/bin/python tools/random_gguf.py lfm2-1.2b --out /tmp/lfm2-1.2b.gguf
+    .venv/bin/python tools/random_gguf.py llama-3.1-8b --out /tmp/llama8b.gguf
 
 The vocabulary is byte-level (the 256 byte symbols, one merge, fillers up to the model's size):
 the benchmark workloads send token ids. Needs tools/build_llama_server.sh's llama-quantize (found
@@ -31,6 +32,9 @@ SHAPES = {
                          vocab=128256, tied=True, theta=500000.0, rope_freqs=True),
     "llama-3.2-3b": dict(arch="llama", layers=28, hidden=3072, heads=24, kv_heads=8, head_dim=128, ff=8192,
                          vocab=128256, tied=True, theta=500000.0, rope_freqs=True),
+    # Llama-3.1-8B: its own head (not tied), RoPE scaled by 8 (Llama 3.2's by 32)
+    "llama-3.1-8b": dict(arch="llama", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, ff=14336,
+                         vocab=128256, tied=False, theta=500000.0, rope_freqs=True, rope_factor=8.0),
     # LFM2-1.2B: 10 short-convolution layers (kernel 3) and 6 attention layers (q/k norm)
     "lfm2-1.2b": dict(arch="lfm2", layers=16, hidden=2048, heads=32, kv_heads=8, head_dim=64, ff=8192,
                       vocab=65536, tied=True, theta=1e6, qk_norm=True, attention_layers=(2, 5, 8, 10, 12, 14),
@@ -51,15 +55,15 @@ def byte_symbols() -> list[str]:
     return chars
 
 
-def llama3_rope_freqs(head_dim: int, theta: float) -> np.ndarray:
-    """What llama.cpp's converter writes as `rope_freqs` for Llama 3.2's scaling (factor 32, low 1,
-    high 4, original context 8192): the tests' converter formula (tests/models/gguf_writer.py)."""
+def llama3_rope_freqs(head_dim: int, theta: float, factor: float = 32.0) -> np.ndarray:
+    """What llama.cpp's converter writes as `rope_freqs` for Llama 3's scaling (factor 32 for 3.2, 8
+    for 3.1; low 1, high 4, original context 8192): the tests' converter formula (tests/models/gguf_writer.py)."""
     from types import SimpleNamespace
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.models.gguf_writer import llama3_rope_freqs as converter_factors
 
-    rope = {"rope_type": "llama3", "rope_theta": theta, "factor": 32.0, "low_freq_factor": 1.0,
+    rope = {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     return converter_factors(SimpleNamespace(rope_parameters=rope), head_dim)
 
@@ -143,7 +147,7 @@ def write_f16(name: str, s: dict, path: Path) -> None:
     start = time.time()
     for n, (tname, shape, dtype) in enumerate(specs):
         if tname == "rope_freqs.weight":
-            data = llama3_rope_freqs(s["head_dim"], s["theta"])
+            data = llama3_rope_freqs(s["head_dim"], s["theta"], s.get("rope_factor", 32.0))
         elif tname.endswith("norm.weight"):
             data = np.ones(shape, dtype=np.float32)
         elif len(shape) == 3:  # experts: one at a time, so memory holds one expert's matrix

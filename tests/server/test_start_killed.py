@@ -35,7 +35,8 @@ class Start:
         with open(log, "w") as fh:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "octavo.cli", "serve", "--port", str(self.port), "--api-key", API_KEY,
-                 "--kv-cache-memory", str(64 << 20), "--max-model-len", "512"],
+                 "--kv-cache-memory", str(64 << 20), "--max-model-len", "512",
+                 "--activation-dtype", "float32"],  # the answer is compared with the exact path's
                 stdout=fh, stderr=subprocess.STDOUT, env=env)
         self.url = f"http://127.0.0.1:{self.port}"
 
