@@ -7,7 +7,8 @@
 #   MODEL=gemma3-270m tools/compare_llama_cpp.sh  # the same on Gemma 3 270M's Q4_K_M file
 # Env: OUT (results dir, default bench-results), ROUNDS (default 3), OCTAVO_FLAGS (extra serve flags),
 #      WORKLOAD (default ../shared/workloads/random_n64.json), MODEL (a packaged model name or a
-#      .gguf path; default the embedded SmolLM2), LOADS (default one_user,concurrency16: either or both),
+#      .gguf path; default the embedded SmolLM2), LOADS (default one_user,concurrency16; also usersN:
+#      N users at once on random requests of ONE_USER_LEN in / ONE_USER_OUT out, 2N of them, e.g. users4),
 #      ONE_USER_REQUESTS, ONE_USER_LEN (default 8 and 128: the one-user load's requests and lengths),
 #      ONE_USER_OUT (its output length, default ONE_USER_LEN: e.g. ONE_USER_LEN=512 ONE_USER_OUT=16 for TTFT),
 #      PERPLEXITY=1 (after the loads: `octavo eval` of int8 against float32 and llama-perplexity on the
@@ -57,6 +58,14 @@ if [[ ",$LOADS," == *",one_user,"* ]]; then
     --max-concurrency 1 --json "$OUT/one_user.json" || status=1
   echo
 fi
+for load in ${LOADS//,/ }; do
+  [[ $load =~ ^users([0-9]+)$ ]] || continue
+  users=${BASH_REMATCH[1]}
+  echo "## $users users at once: $((2 * users)) requests, $ONE_USER_LEN in / $ONE_USER_OUT out, concurrency $users"
+  "${BENCH[@]}" random --num-requests $((2 * users)) --input-len "$ONE_USER_LEN" --output-len "$ONE_USER_OUT" \
+    --max-concurrency "$users" --json "$OUT/$load.json" || status=1
+  echo
+done
 if [[ ",$LOADS," == *",concurrency16,"* ]]; then
   echo "## concurrency 16: $WORKLOAD"
   "${BENCH[@]}" replay "$WORKLOAD" --max-concurrency 16 --json "$OUT/concurrency16.json" || status=1

@@ -328,6 +328,14 @@ inline void chunk_dots(const uint8_t* q, const int8_t* xq, int64_t K, I* s0, I* 
 template <int BITS, bool MX>
 constexpr int i16_run() { return BITS == 6 ? 2 : (BITS == 5 || MX) ? 4 : 8; }
 
+// The R running sums held in registers at this point: without it GCC computed all 8 x R products of
+// a chunk first and summed them after (reassociating the int16 adds), spilling ~45 vectors a chunk
+// to the stack with 16 ymm registers (seen in the disassembly of the Q4_K kernel at 4 rows).
+template <int R>
+inline void pin_sums(I* t) {
+  for (int r = 0; r < R; ++r) asm volatile("" : "+v"(t[r]));
+}
+
 template <int BITS, bool SPLIT, int R, int VV = 0, bool MX = false>
 inline void chunk_dots_i16(const uint8_t* q, const int8_t* xq, int64_t K, I* s0, I* s1, I* t, I* h) {
   if constexpr (VV < 8) {
@@ -340,6 +348,8 @@ inline void chunk_dots_i16(const uint8_t* q, const int8_t* xq, int64_t K, I* s0,
         t[r] = VV == 0 ? pl : Isa::add_i16(t[r], pl);
         h[r] = VV == 0 ? ph : Isa::add_i16(h[r], ph);
       }
+      pin_sums<R>(t);
+      pin_sums<R>(h);
       if constexpr (VV == 7)
         for (int r = 0; r < R; ++r)
           s0[r] = Isa::add_i(s0[r], Isa::add_i(Isa::widen_i16(t[r]), Isa::shl<4>(Isa::widen_i16(h[r]))));
@@ -349,6 +359,7 @@ inline void chunk_dots_i16(const uint8_t* q, const int8_t* xq, int64_t K, I* s0,
         const I p = Isa::madd_u8s8(u, Isa::bcast4(xq + r * K + 4 * VV));
         t[r] = VV % RUN == 0 ? p : Isa::add_i16(t[r], p);
       }
+      pin_sums<R>(t);
       if constexpr (VV % RUN == RUN - 1)
         for (int r = 0; r < R; ++r) {
           I& s = SPLIT && VV >= 4 ? s1[r] : s0[r];
