@@ -333,7 +333,11 @@ constexpr int i16_run() { return BITS == 6 ? 2 : (BITS == 5 || MX) ? 4 : 8; }
 // to the stack with 16 ymm registers (seen in the disassembly of the Q4_K kernel at 4 rows).
 template <int R>
 inline void pin_sums(I* t) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)  // I is a vector register (the plain C++ I is not)
   for (int r = 0; r < R; ++r) asm volatile("" : "+v"(t[r]));
+#else
+  (void)t;
+#endif
 }
 
 template <int BITS, bool SPLIT, int R, int VV = 0, bool MX = false>
