@@ -11,6 +11,7 @@
 #      N users at once on random requests of ONE_USER_LEN in / ONE_USER_OUT out, 2N of them, e.g. users4),
 #      ONE_USER_REQUESTS, ONE_USER_LEN (default 8 and 128: the one-user load's requests and lengths),
 #      ONE_USER_OUT (its output length, default ONE_USER_LEN: e.g. ONE_USER_LEN=512 ONE_USER_OUT=16 for TTFT),
+#      SLOT_CTX (llama-server's context per slot, default 1024; 4096 for ONE_USER_LEN=2048),
 #      PERPLEXITY=1 (after the loads: `octavo eval` of int8 against float32 and llama-perplexity on the
 #      same text, windows of 512, the servers stopped first; then llama.cpp's KL divergence from
 #      Octavo's exact log-probabilities, `octavo eval --kl-base`). LOADS=none runs only that.
@@ -37,8 +38,10 @@ m = sys.argv[1]
 print(default_gguf_path() if not m else packaged_gguf(m) if m in PACKAGED_MODELS else Path(m).resolve())" "$MODEL")
 THREADS=$(nproc)
 
-# 16 slots of 1,024 tokens: the longest request of random_n64 is 744 (prompt + output).
-"$LLAMA" -m "$GGUF" -t "$THREADS" -tb "$THREADS" -np 16 -c 16384 --host 127.0.0.1 --port 8091 >"$OUT/llama-server.log" 2>&1 &
+# 16 slots of SLOT_CTX tokens (default 1,024: the longest request of random_n64 is 744, prompt + output;
+# SLOT_CTX=4096 for ONE_USER_LEN=2048).
+SLOT_CTX=${SLOT_CTX:-1024}
+"$LLAMA" -m "$GGUF" -t "$THREADS" -tb "$THREADS" -np 16 -c $((16 * SLOT_CTX)) --host 127.0.0.1 --port 8091 >"$OUT/llama-server.log" 2>&1 &
 LLAMA_PID=$!
 OCTAVO_ADAPTIVE_THREADS=${OCTAVO_ADAPTIVE_THREADS:-0} OMP_NUM_THREADS=$THREADS .venv/bin/octavo serve ${MODEL:+"$GGUF"} --port 8090 ${OCTAVO_FLAGS:-} >"$OUT/octavo-serve.log" 2>&1 &
 OCTAVO_PID=$!
