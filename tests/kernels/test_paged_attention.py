@@ -151,3 +151,17 @@ def test_copy_blocks_copies_every_layer():
     copy_blocks(caches, [(1, 3)])
     for k, v in caches:
         assert torch.equal(k[3], k[1]) and torch.equal(v[3], v[1])
+
+
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("heads, kv_heads, d", [(8, 2, 64), (9, 3, 32), (4, 4, 16)])
+def test_items_split_by_kv_head_change_no_bit(window, heads, kv_heads, d):
+    """Work items split by KV head (one user's decode spread over the threads): the same output bit
+    for bit as a tile's heads in one item, and the dense attention's within tolerance."""
+    cpu_kernel_or_skip()
+    q, k_cache, v_cache, meta, expected = build_step(16, heads, kv_heads, d, [(100, 1), (3, 40), (0, 70), (50, 9)],
+                                                     window=window)
+    split = cpu.paged_attention(q, k_cache, v_cache, meta, d**-0.5, window=window, split_kv_heads=True)
+    whole = cpu.paged_attention(q, k_cache, v_cache, meta, d**-0.5, window=window, split_kv_heads=False)
+    assert torch.equal(split, whole)
+    torch.testing.assert_close(split, expected, atol=ATOL, rtol=RTOL)

@@ -302,8 +302,11 @@ def q_tile(num_tokens: int, num_threads: int) -> int:
 
 
 def paged_attention(q, k_cache, v_cache, meta, scale: float, window: int | None = None, softcap: float | None = None,
-                    sinks=None):
-    """Same contract as `octavo.kernels.reference.paged_attention`; float32 CPU tensors only."""
+                    sinks=None, split_kv_heads: bool | None = None):
+    """Same contract as `octavo.kernels.reference.paged_attention`; float32 CPU tensors only.
+    `split_kv_heads`: a work item per (query tile, KV head) rather than per query tile; None: where
+    the step has fewer tiles than twice the threads (one user's decode then keeps every thread
+    busy). The output's bits do not depend on it."""
     import torch
 
     module = load()
@@ -313,5 +316,5 @@ def paged_attention(q, k_cache, v_cache, meta, scale: float, window: int | None 
         q.contiguous(), k_cache, v_cache, meta.block_tables, meta.query_starts, meta.query_lens, meta.context_lens,
         scale, q_tile(q.shape[0], torch.get_num_threads()),
         0 if window is None else window, 0.0 if softcap is None else softcap,
-        None if sinks is None else sinks.float().contiguous(),
+        None if sinks is None else sinks.float().contiguous(), -1 if split_kv_heads is None else int(split_kv_heads),
     )

@@ -6,7 +6,7 @@
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                      torch::Tensor block_tables, torch::Tensor q_starts, torch::Tensor q_lens,
                      torch::Tensor context_lens, double scale, int64_t q_tile, int64_t window, double softcap,
-                     torch::Tensor sinks);
+                     torch::Tensor sinks, int64_t split_kv_heads);
 torch::Tensor pack(const std::vector<torch::Tensor>& parts, int64_t fmt);
 void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t fmt);
 void dequantize_rows(torch::Tensor out, torch::Tensor packed, int64_t fmt, torch::Tensor rows, int64_t N);
@@ -40,10 +40,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // call on these machines, ~300 calls a decode step of a 30-layer model (docs/BENCHMARKS.md).
   m.def("paged_attention", [](at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                               at::Tensor q_starts, at::Tensor q_lens, at::Tensor context_lens, double scale,
-                              int64_t q_tile, int64_t window, double softcap, std::optional<at::Tensor> sinks) {
+                              int64_t q_tile, int64_t window, double softcap, std::optional<at::Tensor> sinks,
+                              int64_t split_kv_heads) {
     at::Tensor out = at::empty_like(q);
     paged_attention(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, context_lens, scale, q_tile, window,
-                    softcap, sinks.has_value() ? *sinks : at::Tensor(at::empty({0}, q.options())));
+                    softcap, sinks.has_value() ? *sinks : at::Tensor(at::empty({0}, q.options())), split_kv_heads);
     return out;
   }, "paged attention over the block pool (CPU, float32): a new [tokens, heads, head_dim] output", nogil);
   m.def("pack", &pack, "GGUF blocks (any format; a fused layer's parts, stacked by rows) -> the float32 kernels' layout", nogil);

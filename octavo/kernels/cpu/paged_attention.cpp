@@ -11,6 +11,13 @@
 //   3. out_r = sum_j p[r][j] * v_j.
 // Keys and values of one block stay in L1 while all rows of the tile use them. Items are handed
 // out dynamically, because their cost grows with the context length.
+// A step with fewer tiles than twice the threads is split by KV head (`split_kv_heads` -1; 1 and 0
+// force either way): an item per (tile, KV head) holds only the query heads that share it and reads
+// only that head's keys and values. One user's decode step is then 8 items (Llama's 8 KV heads)
+// where it was one, so both threads of a 2-core machine work (1.4-1.8x faster at 128-4,000 keys);
+// with enough tiles to go round, splitting was 4-10% slower (each item walks every block for an
+// eighth of it; docs/BENCHMARKS.md). Each score, softmax and sum is computed by the same
+// instructions in the same order whichever item a row falls in, so a split changes no bit.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/zeros.h>
 
@@ -36,6 +43,7 @@ struct Item {
   int32_t seq;
   int32_t tile_start;  // first query token of the tile, relative to the request's span
   int32_t tile_len;
+  int32_t kv_lo, kv_hi;  // the KV heads whose query heads are the item's rows
 };
 
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
@@ -141,9 +149,11 @@ inline float exp_shifted_sum(float* __restrict x, int64_t n, float m) {
 }
 
 // Ask for the next block while this one is used: blocks sit at random places in the pool, which
-// the hardware prefetcher cannot guess.
-inline void prefetch_block(const float* block, int64_t num_floats) {
-  for (int64_t f = 0; f < num_floats; f += 16) __builtin_prefetch(block + f, 0, 3);
+// the hardware prefetcher cannot guess. Each of its `tokens` keys: `num_floats` from `offset` on.
+inline void prefetch_block(const float* block, int64_t tokens, int64_t token_stride, int64_t offset,
+                           int64_t num_floats) {
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t f = 0; f < num_floats; f += 16) __builtin_prefetch(block + t * token_stride + offset + f, 0, 3);
 }
 
 }  // namespace
@@ -161,7 +171,7 @@ inline void prefetch_block(const float* block, int64_t num_floats) {
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                      at::Tensor block_tables, at::Tensor q_starts, at::Tensor q_lens,
                      at::Tensor context_lens, double scale, int64_t q_tile, int64_t window, double softcap,
-                     at::Tensor sinks) {
+                     at::Tensor sinks, int64_t split_kv_heads) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "the CPU paged-attention kernel takes float32 tensors");
@@ -198,6 +208,9 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   const float fcap = static_cast<float>(softcap);
   const float* sinkp = sinks.numel() ? sinks.data_ptr<float>() : nullptr;
 
+  int64_t tiles = 0;
+  for (int32_t s = 0; s < num_seqs; ++s) tiles += (std::max<int32_t>(lens[s], 0) + q_tile - 1) / q_tile;
+  const bool split = num_kv_heads > 1 && (split_kv_heads < 0 ? tiles < 2 * at::get_num_threads() : split_kv_heads > 0);
   std::vector<Item> items;
   for (int32_t s = 0; s < num_seqs; ++s) {
     TORCH_CHECK(lens[s] >= 1 && lens[s] <= ctxs[s], "each request needs 1 <= q_len <= context_len");
@@ -209,13 +222,16 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
       const int32_t block = tables[s * max_blocks + b];
       TORCH_CHECK(block >= 0 && block < k_cache.size(0), "block id ", block, " outside the pool");
     }
-    for (int32_t t = 0; t < lens[s]; t += static_cast<int32_t>(q_tile))
-      items.push_back({s, t, std::min<int32_t>(static_cast<int32_t>(q_tile), lens[s] - t)});
+    for (int32_t t = 0; t < lens[s]; t += static_cast<int32_t>(q_tile)) {
+      const int32_t len = std::min<int32_t>(static_cast<int32_t>(q_tile), lens[s] - t);
+      for (int32_t h = 0; h < num_kv_heads; h += split ? 1 : static_cast<int32_t>(num_kv_heads))
+        items.push_back({s, t, len, h, split ? h + 1 : static_cast<int32_t>(num_kv_heads)});
+    }
   }
   // Most keys first, so the last items handed out are the cheap ones.
   auto cost = [&](const Item& it) {
     const int64_t keys = ctxs[it.seq] - lens[it.seq] + it.tile_start + it.tile_len;
-    return (window > 0 ? std::min<int64_t>(keys, window + it.tile_len) : keys) * it.tile_len;
+    return (window > 0 ? std::min<int64_t>(keys, window + it.tile_len) : keys) * it.tile_len * (it.kv_hi - it.kv_lo);
   };
   std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return cost(a) > cost(b); });
 
@@ -230,15 +246,17 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
     for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
       const Item& it = items[i];
       const int64_t past = ctxs[it.seq] - lens[it.seq];  // keys before the span's first query
-      // Rows are (token of the tile, head), in q's own order: row r is token r / num_heads.
-      const int64_t rows = it.tile_len * num_heads;
+      // Rows are (token of the tile, head of the item's KV heads), in q's own order: row r is token
+      // r / heads, query head head_lo + r % heads.
+      const int64_t heads = (it.kv_hi - it.kv_lo) * group, head_lo = it.kv_lo * group;
+      const int64_t rows = it.tile_len * heads;
       const int64_t num_keys = past + it.tile_start + it.tile_len;  // the tile's last row sees these
       const int32_t* table = tables + it.seq * max_blocks;
       const float* q_tile_ptr = qp + (starts[it.seq] + it.tile_start) * num_heads * head_dim;
       limit.resize(rows);
       first.resize(rows);
       for (int64_t r = 0; r < rows; ++r) {
-        limit[r] = past + it.tile_start + r / num_heads + 1;  // keys [first[r], limit[r]) are visible
+        limit[r] = past + it.tile_start + r / heads + 1;  // keys [first[r], limit[r]) are visible
         first[r] = window > 0 ? std::max<int64_t>(0, limit[r] - window) : 0;
       }
       // Row r's scores live at scores[r * span + (j - key_lo)]: only keys some row sees are kept.
@@ -246,16 +264,21 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
       const int64_t block_lo = key_lo / block_size * block_size;
       scores.resize(rows * span);
       acc.assign(rows * head_dim, 0.f);
-      auto kv_offset = [&](int64_t r) { return ((r % num_heads) / group) * head_dim; };
+      auto kv_offset = [&](int64_t r) { return ((head_lo + r % heads) / group) * head_dim; };
+      auto q_row = [&](int64_t r) { return (r / heads) * num_heads * head_dim + (head_lo + r % heads) * head_dim; };
+      // What the next block's prefetch asks for: the item's KV heads of each of its keys.
+      const int64_t kv_floats = (it.kv_hi - it.kv_lo) * head_dim, kv_first = it.kv_lo * head_dim;
 
       // Pass 1: scores. A block's keys for every head are contiguous, so it streams in whole.
       for (int64_t j0 = block_lo; j0 < num_keys; j0 += block_size) {
         const float* kb = kp + static_cast<int64_t>(table[j0 / block_size]) * block_stride;
-        if (j0 + block_size < num_keys) prefetch_block(kp + static_cast<int64_t>(table[j0 / block_size + 1]) * block_stride, block_stride);
+        if (j0 + block_size < num_keys)
+          prefetch_block(kp + static_cast<int64_t>(table[j0 / block_size + 1]) * block_stride, block_size, token_stride,
+                         kv_first, kv_floats);
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t jbeg = std::max(j0, first[r]), jend = std::min(j0 + block_size, limit[r]);
           if (jend > jbeg)
-            dot_keys(q_tile_ptr + r * head_dim, kb + (jbeg - j0) * token_stride + kv_offset(r), token_stride,
+            dot_keys(q_tile_ptr + q_row(r), kb + (jbeg - j0) * token_stride + kv_offset(r), token_stride,
                      jend - jbeg, head_dim, fscale, scores.data() + r * span + (jbeg - key_lo));
         }
       }
@@ -268,7 +291,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
           for (int64_t j = 0; j < n; ++j) sr[j] = fcap * std::tanh(sr[j] / fcap);
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < n; ++j) m = std::max(m, sr[j]);
-        const float sink = sinkp ? sinkp[r % num_heads] : -std::numeric_limits<float>::infinity();
+        const float sink = sinkp ? sinkp[head_lo + r % heads] : -std::numeric_limits<float>::infinity();
         m = std::max(m, sink);
         const float sum = exp_shifted_sum(sr, n, m) + (sinkp ? std::exp(sink - m) : 0.f);
         const float inv = 1.f / sum;
@@ -277,7 +300,9 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
       // Pass 3: probabilities x values.
       for (int64_t j0 = block_lo; j0 < num_keys; j0 += block_size) {
         const float* vb = vp + static_cast<int64_t>(table[j0 / block_size]) * block_stride;
-        if (j0 + block_size < num_keys) prefetch_block(vp + static_cast<int64_t>(table[j0 / block_size + 1]) * block_stride, block_stride);
+        if (j0 + block_size < num_keys)
+          prefetch_block(vp + static_cast<int64_t>(table[j0 / block_size + 1]) * block_stride, block_size, token_stride,
+                         kv_first, kv_floats);
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t jbeg = std::max(j0, first[r]), jend = std::min(j0 + block_size, limit[r]);
           if (jend > jbeg)
@@ -285,7 +310,9 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
                               token_stride, jend - jbeg, head_dim, acc.data() + r * head_dim);
         }
       }
-      std::copy(acc.begin(), acc.end(), op + (starts[it.seq] + it.tile_start) * num_heads * head_dim);
+      float* out_tile = op + (starts[it.seq] + it.tile_start) * num_heads * head_dim;
+      for (int64_t r = 0; r < rows; r += heads)  // a token's rows are contiguous in out, as in acc
+        std::copy(acc.begin() + r * head_dim, acc.begin() + (r + heads) * head_dim, out_tile + q_row(r));
     }
   });
 }
