@@ -74,7 +74,7 @@ def load(args: EngineArgs) -> LoadedModel:
                                          activation_dtype=activation_dtype, write_in_background=True)
         if args.dtype == "auto":
             dtype, why = auto_dtype(model, device, stored_dtype(model_dir))
-            logger.info("dtype auto: %s (%s)", dtype, why)
+            logger.info("dtype auto (dense tensors, the activations between layers, the KV cache): %s (%s)", dtype, why)
             model = model.to(DTYPES[dtype])
     config = dataclasses.replace(args, dtype=dtype, device=device, activation_dtype=activation_dtype).to_config(model_config)
     config = dataclasses.replace(config, model_path=str(model_dir), quantization=quantization)
