@@ -12,7 +12,11 @@ def run(*args):
 
 
 def test_generate_answers_chat_prompts_as_json():
-    out = run("generate", "--prompt", "What is the capital of France?", "--max-tokens", "12", "--json",
+    # The default path (int8 activations on an AVX2 CPU) asked the demo's own question: the embedded
+    # Q4_1 model's greedy answer leads its runner-up by >= 1.4 nats at each of its first six tokens
+    # on both paths. The bare "What is the capital of France?" is a 0.08-nat tie at the first token
+    # ('The' vs 'L'), which int8's rounding tips to "L'Etoile, ..." on an AVX-512 machine.
+    out = run("generate", "--prompt", "What is the capital of France? Answer in one sentence.", "--max-tokens", "12", "--json",
               "--kv-cache-memory", str(64 << 20))
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
