@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+from octavo.cli import DEFAULT_CHATS
+
 
 def run(*args):
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
@@ -16,7 +18,7 @@ def test_generate_answers_chat_prompts_as_json():
     # Q4_1 model's greedy answer leads its runner-up by >= 1.4 nats at each of its first six tokens
     # on both paths. The bare "What is the capital of France?" is a 0.08-nat tie at the first token
     # ('The' vs 'L'), which int8's rounding tips to "L'Etoile, ..." on an AVX-512 machine.
-    out = run("generate", "--prompt", "What is the capital of France? Answer in one sentence.", "--max-tokens", "12", "--json",
+    out = run("generate", "--prompt", DEFAULT_CHATS[0], "--max-tokens", "12", "--json",
               "--kv-cache-memory", str(64 << 20))
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
