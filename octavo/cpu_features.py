@@ -4,6 +4,7 @@ leaf: the kernel build, the loader and the tools read it. `--dtype auto` reads t
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
 
@@ -23,6 +24,44 @@ def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags as the kernel reports them (/proc/cpuinfo; empty where unreadable)."""
     line = cpu_flags_line()
     return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
+
+
+def cpu_identity(cpuinfo: str | None = None) -> tuple[str, int]:
+    """(vendor_id, cpu family) of /proc/cpuinfo's first processor, ("", 0) where unreadable."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return "", 0
+    vendor, family = "", 0
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key, value = key.strip(), value.strip()
+        if key == "vendor_id" and not vendor:
+            vendor = value
+        elif key == "cpu family" and not family and value.isdigit():
+            family = int(value)
+        if vendor and family:
+            break
+    return vendor, family
+
+
+# AMD families whose quantized kernels measured faster without software prefetch of the weights:
+# 26 = Zen 5 (the 1B shape's decode forward 11.72 -> 10.99 ms side by side, docs/BENCHMARKS.md).
+# Not measured elsewhere: kept on (a 2-core Xeon streamed 15% faster with it).
+NO_PREFETCH_AMD_FAMILIES = frozenset({26})
+
+
+def weight_prefetch(cpuinfo: str | None = None, env: str | None = None) -> bool:
+    """Whether the quantized kernels prefetch weights ahead in software on this CPU: by the measured
+    rule above; OCTAVO_WEIGHT_PREFETCH=1 / 0 forces it (to measure a CPU kind not yet measured)."""
+    env = os.environ.get("OCTAVO_WEIGHT_PREFETCH") if env is None else env
+    if env:
+        if env not in ("0", "1"):
+            raise ValueError(f"OCTAVO_WEIGHT_PREFETCH must be 0 or 1, got {env!r}")
+        return env == "1"
+    vendor, family = cpu_identity(cpuinfo)
+    return not (vendor == "AuthenticAMD" and family in NO_PREFETCH_AMD_FAMILIES)
 
 
 def cpu_has_bf16() -> bool:

@@ -8,7 +8,7 @@ import logging
 import os
 from types import ModuleType
 
-from octavo.cpu_features import bf16_matmul_speedups, cpu_flags, cpu_has_bf16  # noqa: F401
+from octavo.cpu_features import bf16_matmul_speedups, cpu_flags, cpu_has_bf16, weight_prefetch  # noqa: F401
 from octavo.kernels.cpu.build import MODULE_NAME, build_dir, cflags, ensure_built  # noqa: F401
 
 logger = logging.getLogger(__name__)
@@ -24,6 +24,7 @@ def load() -> ModuleType | None:
     """
     if os.environ.get("OCTAVO_CPU_KERNELS", "1") == "0":
         return None
+    prefetch = weight_prefetch()  # before the try: a bad OCTAVO_WEIGHT_PREFETCH is an error, not "no kernels"
     try:
         import torch  # noqa: F401  (the library links against the torch already loaded)
 
@@ -31,6 +32,7 @@ def load() -> ModuleType | None:
         spec = importlib.util.spec_from_file_location(MODULE_NAME, library)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
+        module.set_weight_prefetch(prefetch)
         return module
     except Exception as exc:  # no compiler, no headers, a build that outlasted the wait...: the reference kernels still work
         logger.warning("Octavo's CPU kernels are unavailable (%s); using the slower torch reference", exc)

@@ -17,6 +17,8 @@ void quant_linear_i8(torch::Tensor out, torch::Tensor x, torch::Tensor packed, i
 void quantize_activations_i8(torch::Tensor xq, torch::Tensor dx, torch::Tensor x);
 void dequantize_rows_i8(torch::Tensor out, torch::Tensor packed, int64_t fmt, torch::Tensor rows, int64_t N);
 bool quant_vnni();
+void set_weight_prefetch(bool on);
+bool weight_prefetch();
 bool amx_built();
 bool amx_selftest();
 bool amx_enable(bool on);
@@ -63,6 +65,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "x @ W^T, W from pack_i8, x quantized to int8 per 32: a new [rows, n] output", nogil);
   m.def("quantize_activations_i8", &quantize_activations_i8, "x -> (int8 xq, float dx per 32) as quant_linear_i8 does", nogil);
   m.def("dequantize_rows_i8", &dequantize_rows_i8, "rows of a pack_i8 W -> float32, as gguf-py rebuilds them", nogil);
+  m.def("set_weight_prefetch", &set_weight_prefetch, "the quantized kernels' software prefetch of the weights ahead, on or off");
+  m.def("weight_prefetch", &weight_prefetch, "whether the quantized kernels prefetch the weights ahead");
   m.def("quant_vnni", &quant_vnni, "whether the int8 kernels were built with VNNI dot products");
   m.def("amx_built", &amx_built, "whether the int8 kernels were built with AMX-INT8 tiles");
   m.def("amx_selftest", &amx_selftest, "ask for the tile state, run one tile product, check it (run in a child first)");

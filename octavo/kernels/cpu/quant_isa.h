@@ -266,10 +266,16 @@ struct Isa {  // plain C++ over G-float arrays (the compiler vectorises what it 
 // be in the next group), into L2. A decode step streams each layer once from DRAM, and the
 // hardware prefetcher alone left the kernels short of a plain read's bandwidth: on a 2-core Xeon
 // (a plain 2-thread sum: 24 GB/s), int8 Q8_0 layers at one row streamed 22.6 -> 26.0 GB/s with
-// 8 KB ahead into L2 against one or two tiles ahead into L1 (docs/BENCHMARKS.md).
+// 8 KB ahead into L2 against one or two tiles ahead into L1 (docs/BENCHMARKS.md). On an AMD Zen 5
+// (53-97 GB/s) the prefetches were the cost, not the help: one instruction per 64 bytes, 12% of
+// the Q4_K kernel's samples, 20% of its in-cache rate, and the 1B shape's decode forward 6% faster
+// without them side by side; so `weight_prefetch` (set at load: octavo.cpu_features.weight_prefetch)
+// turns them off where that was measured.
 constexpr int64_t PREFETCH_BYTES = 8192;
+inline bool weight_prefetch = true;
 template <int64_t TB>
 inline void prefetch_ahead(const uint8_t* tile) {
+  if (!weight_prefetch) return;
   for (int64_t l = 0; l < TB; l += 64) __builtin_prefetch(tile + PREFETCH_BYTES + l, 0, 2);
 }
 

@@ -793,6 +793,9 @@ void dequantize_rows_i8(at::Tensor out, at::Tensor packed, int64_t fmt, at::Tens
 
 bool quant_vnni() { return Isa::vnni; }
 
+void set_weight_prefetch(bool on) { octavo_quant::weight_prefetch = on; }
+bool weight_prefetch() { return octavo_quant::weight_prefetch; }
+
 // ---- AMX-INT8: built in, the tile state granted, the instructions really running ----------------
 
 bool amx_built() { return OCTAVO_AMX; }
