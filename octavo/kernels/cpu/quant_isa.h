@@ -76,6 +76,7 @@ struct Isa {
   static I sub(I v, int c) { return _mm512_sub_epi32(v, _mm512_set1_epi32(c)); }
   template <int N> static I shl(I v) { return _mm512_slli_epi32(v, N); }
   template <int N> static I shr(I v) { return _mm512_srli_epi32(v, N); }
+  template <int N> static I sra_i(I v) { return _mm512_srai_epi32(v, N); }
   static V to_float(I v) { return _mm512_cvtepi32_ps(v); }
   static V halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   // MXFP4: a table of 16 floats, looked up per lane by a 4-bit code; G E8M0 bytes as the scale
@@ -149,6 +150,7 @@ struct Isa {
   static I sub(I v, int c) { return _mm256_sub_epi32(v, _mm256_set1_epi32(c)); }
   template <int N> static I shl(I v) { return _mm256_slli_epi32(v, N); }
   template <int N> static I shr(I v) { return _mm256_srli_epi32(v, N); }
+  template <int N> static I sra_i(I v) { return _mm256_srai_epi32(v, N); }
   static V to_float(I v) { return _mm256_cvtepi32_ps(v); }
   static V halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   struct L { __m256 lo, hi; };  // a table's entries 0-7 and 8-15 (one permute reaches 8)
@@ -216,6 +218,7 @@ struct Isa {  // plain C++ over G-float arrays (the compiler vectorises what it 
   static I sub(I a, int c) { for (auto& e : a.v) e -= c; return a; }
   template <int N> static I shl(I a) { for (auto& e : a.v) e = static_cast<int32_t>(static_cast<uint32_t>(e) << N); return a; }
   template <int N> static I shr(I a) { for (auto& e : a.v) e = static_cast<int32_t>(static_cast<uint32_t>(e) >> N); return a; }
+  template <int N> static I sra_i(I a) { for (auto& e : a.v) e >>= N; return a; }
   static V to_float(I a) { V r; for (int i = 0; i < G; ++i) r.v[i] = static_cast<float>(a.v[i]); return r; }
   static V halves(const uint8_t* p) { V r; for (int i = 0; i < G; ++i) r.v[i] = fp16_to_float(load_u16(p + 2 * i)); return r; }
   struct L { float v[16]; };

@@ -355,6 +355,20 @@ inline I quants(const uint8_t* q) {
 
 // For rows r < R: s0[r] (and s1[r]: the chunk's second 16 weights, Q6_K) += the chunk's integer
 // dot products, xq pointing at row 0's chunk.
+// One row (a decode step), 4-bit quants (not MXFP4's looked-up codes): a chunk's high nibbles meet x
+// in place, as 16 u (0xf0 masked, no shift: a byte 16 u <= 240 is still vpdpbusd's unsigned
+// operand), in their own sum, exactly 16 times the sum of u x, taken back by one arithmetic shift a
+// chunk. 8 integer operations a chunk where the shifted nibbles took 12.
+inline void chunk_dots_4bit_one_row(const uint8_t* q, const int8_t* xq, I* s0) {
+  I lo = Isa::zero_i(), hi = Isa::zero_i();
+  for (int p = 0; p < 4; ++p) {
+    const I n = Isa::load_i(q + p * 4 * G);
+    lo = Isa::dot4(lo, Isa::and_(n, 0x0f0f0f0f), Isa::bcast4(xq + 8 * p));
+    hi = Isa::dot4(hi, Isa::and_(n, static_cast<int>(0xf0f0f0f0u)), Isa::bcast4(xq + 8 * p + 4));
+  }
+  s0[0] = Isa::add_i(lo, Isa::sra_i<4>(hi));
+}
+
 template <int BITS, bool SPLIT, int R, int VV = 0, bool MX = false>
 inline void chunk_dots(const uint8_t* q, const int8_t* xq, int64_t K, I* s0, I* s1) {
   if constexpr (VV < 8) {
@@ -625,7 +639,9 @@ void group_i8(const Act& a, int64_t row0, const uint8_t* tiles, float* out, int6
 #endif
       {
         for (int r = 0; r < R; ++r) s0[r] = s1[r] = Isa::zero_i();
-        if constexpr (Isa::vnni) {
+        if constexpr (Isa::vnni && R == 1 && S.bits == 4 && S.kind != kMx) {
+          chunk_dots_4bit_one_row(q, xq, s0);
+        } else if constexpr (Isa::vnni) {
           chunk_dots<S.bits, S.kind == kK6, R, 0, S.kind == kMx>(q, xq, K, s0, s1);
         } else {
           I t[R], h[R];
