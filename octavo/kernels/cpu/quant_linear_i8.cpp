@@ -353,8 +353,6 @@ inline I quants(const uint8_t* q) {
   }
 }
 
-// For rows r < R: s0[r] (and s1[r]: the chunk's second 16 weights, Q6_K) += the chunk's integer
-// dot products, xq pointing at row 0's chunk.
 // One row (a decode step), 4-bit quants (not MXFP4's looked-up codes): a chunk's high nibbles meet x
 // in place, as 16 u (0xf0 masked, no shift: a byte 16 u <= 240 is still vpdpbusd's unsigned
 // operand), in their own sum, exactly 16 times the sum of u x, taken back by one arithmetic shift a
@@ -369,6 +367,8 @@ inline void chunk_dots_4bit_one_row(const uint8_t* q, const int8_t* xq, I* s0) {
   s0[0] = Isa::add_i(lo, Isa::sra_i<4>(hi));
 }
 
+// For rows r < R: s0[r] (and s1[r]: the chunk's second 16 weights, Q6_K) += the chunk's integer
+// dot products, xq pointing at row 0's chunk.
 template <int BITS, bool SPLIT, int R, int VV = 0, bool MX = false>
 inline void chunk_dots(const uint8_t* q, const int8_t* xq, int64_t K, I* s0, I* s1) {
   if constexpr (VV < 8) {
