@@ -20,12 +20,15 @@
 // `pack` lays each format's blocks out again at the file's size: rows in groups of G (the vector
 // width in floats), per group and block (32 weights, or 256 for the K-quants) one tile:
 //   header   d[G] fp16 (MXFP4: e[G] bytes) | m or dmin[G] fp16 (min, K min) | sc[8][G], mn[8][G] (K min) | sc[16][G] (Q6_K)
-//   chunks   per 32 weights: nib[4][G][4] | hi5[G][4] (5-bit) | hi6[2][G][4] (6-bit); 8-bit: u[8][G][4]
+//   chunks   per 32 weights: nib[4][G][4] | hi5[G][4] (5-bit); 8-bit: u[8][G][4]; 6-bit: p[2][3][G][4]
 // 32-bit lane c of a vector holds 4 consecutive weights of row c, the unit vpdpbusd multiplies by
 // one broadcast of 4 activations: vector v (k = 4v .. 4v + 3) is nib[v / 2]'s low nibbles (v even)
-// or high ones (v odd); a 5-bit weight's fifth bit is bit v of its lane byte in hi5, a 6-bit
-// weight's two top bits are bits 2 (v % 4), + 1 of hi6[v / 4]. Bytes per tile: 18, 20, 34, 22, 24,
-// 148, 180, 210, 17 x G: the file's bytes (the K-quants' 6-bit scales take a byte each).
+// or high ones (v odd); a 5-bit weight's fifth bit is bit v of its lane byte in hi5. 6-bit (Q6_K):
+// per half h of the chunk (v = 4h .. 4h + 3), vector v = 4h + j < 4h + 3 is p[h][j]'s low 6 bits
+// (one mask), and vector 4h + 3 is gathered from the three's top 2 bits (bits 2j, 2j + 1 from
+// p[h][j]): 9 integer operations a half where nibbles and separate top bits took 14. Bytes per tile:
+// 18, 20, 34, 22, 24, 148, 180, 210, 17 x G: the file's bytes (the K-quants' 6-bit scales take a
+// byte each).
 //
 // AMX-INT8 (AVX-512 builds on CPUs that list it): a chunk's 8 unpacked vectors are exactly the
 // rows of an AMX B tile (16 columns x 4 bytes a row), so for steps of 16+ rows one tdpbsud gives
@@ -180,22 +183,23 @@ void write_lane(int64_t fmt, const Block& f, uint8_t* t, int64_t c) {
         for (int b = 0; b < 4; ++b) q[v * 4 * G + 4 * c + b] = u[4 * v + b];
       continue;
     }
+    if (s.bits == 6) {  // (each byte assigned whole: the tiles are not zero-filled)
+      for (int h = 0; h < 2; ++h)
+        for (int j = 0; j < 3; ++j)
+          for (int b = 0; b < 4; ++b)
+            q[(3 * h + j) * 4 * G + 4 * c + b] =
+                static_cast<uint8_t>((u[4 * (4 * h + j) + b] & 63) | (((u[4 * (4 * h + 3) + b] >> (2 * j)) & 3) << 6));
+      continue;
+    }
     for (int j = 0; j < 4; ++j)
       for (int b = 0; b < 4; ++b)
         q[j * 4 * G + 4 * c + b] = static_cast<uint8_t>((u[8 * j + b] & 15) | ((u[8 * j + 4 + b] & 15) << 4));
-    for (int b = 0; b < 4; ++b) {  // (each byte assigned whole: the tiles are not zero-filled)
-      if (s.bits == 5) {
+    if (s.bits == 5)
+      for (int b = 0; b < 4; ++b) {
         int h = 0;
         for (int v = 0; v < 8; ++v) h |= ((u[4 * v + b] >> 4) & 1) << v;
         q[16 * G + 4 * c + b] = static_cast<uint8_t>(h);
       }
-      if (s.bits == 6)
-        for (int half = 0; half < 2; ++half) {
-          int h = 0;
-          for (int v = 4 * half; v < 4 * half + 4; ++v) h |= ((u[4 * v + b] >> 4) & 3) << (2 * (v % 4));
-          q[16 * G + half * 4 * G + 4 * c + b] = static_cast<uint8_t>(h);
-        }
-    }
   }
 }
 
@@ -207,11 +211,18 @@ float weight_at(int64_t fmt, const uint8_t* t, int64_t c, int64_t k) {
   int u;
   if (s.bits == 8) {
     u = q[v * 4 * G + 4 * c + b];
+  } else if (s.bits == 6) {
+    const uint8_t* p = q + (v / 4) * 3 * 4 * G + 4 * c + b;  // p[v / 4][j] at p + j * 4 * G
+    if (v % 4 < 3) {
+      u = p[(v % 4) * 4 * G] & 63;
+    } else {
+      u = 0;
+      for (int j = 0; j < 3; ++j) u |= (p[j * 4 * G] >> 6) << (2 * j);
+    }
   } else {
     const uint8_t byte = q[(v / 2) * 4 * G + 4 * c + b];
     u = v % 2 ? byte >> 4 : byte & 15;
     if (s.bits == 5) u |= ((q[16 * G + 4 * c + b] >> v) & 1) << 4;
-    if (s.bits == 6) u |= ((q[16 * G + (v / 4) * 4 * G + 4 * c + b] >> (2 * (v % 4))) & 3) << 4;
   }
   if (s.kind == kMx) return octavo_quant::e8m0_to_float_half(t[c]) * static_cast<float>(MX_U[u] - s.offset);
   const float d = fp16_to_float(load_u16(t + 2 * c));
@@ -332,6 +343,16 @@ template <int BITS, int VV, bool MX = false>
 inline I quants(const uint8_t* q) {
   if constexpr (BITS == 8) {
     return Isa::load_i(q + VV * 4 * G);
+  } else if constexpr (BITS == 6) {  // p[VV / 4][j] (see the layout at the top)
+    const uint8_t* p = q + (VV / 4) * 3 * 4 * G;
+    if constexpr (VV % 4 < 3) {
+      return Isa::and_(Isa::load_i(p + (VV % 4) * 4 * G), 0x3f3f3f3f);
+    } else {
+      const I a = Isa::and_(Isa::shr<6>(Isa::load_i(p)), 0x03030303);
+      const I b = Isa::and_(Isa::shr<4>(Isa::load_i(p + 4 * G)), 0x0c0c0c0c);
+      const I c = Isa::and_(Isa::shr<2>(Isa::load_i(p + 8 * G)), 0x30303030);
+      return Isa::or_(Isa::or_(a, b), c);
+    }
   } else {
     const I n = Isa::load_i(q + (VV / 2) * 4 * G);
     I u = VV % 2 == 0 ? Isa::and_(n, 0x0f0f0f0f) : Isa::and_(Isa::shr<4>(n), 0x0f0f0f0f);
@@ -341,13 +362,6 @@ inline I quants(const uint8_t* q) {
       if constexpr (VV < 4) u = Isa::or_(u, Isa::and_(Isa::shl<4 - VV>(h), 0x10101010));
       else if constexpr (VV == 4) u = Isa::or_(u, Isa::and_(h, 0x10101010));
       else u = Isa::or_(u, Isa::and_(Isa::shr<VV - 4>(h), 0x10101010));
-    }
-    if constexpr (BITS == 6) {  // bits 2m, 2m + 1 of each byte -> bits 4, 5
-      constexpr int S = 2 * (VV % 4);
-      const I h = Isa::load_i(q + 16 * G + (VV / 4) * 4 * G);
-      if constexpr (S < 4) u = Isa::or_(u, Isa::and_(Isa::shl<4 - S>(h), 0x30303030));
-      else if constexpr (S == 4) u = Isa::or_(u, Isa::and_(h, 0x30303030));
-      else u = Isa::or_(u, Isa::and_(Isa::shr<S - 4>(h), 0x30303030));
     }
     return u;
   }
