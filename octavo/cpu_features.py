@@ -9,14 +9,19 @@ import platform
 from pathlib import Path
 
 
+def cpuinfo_text() -> str:
+    """/proc/cpuinfo as text ("" where unreadable): the one reader of it."""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 def cpu_flags_line() -> str:
     """The 'flags' line of /proc/cpuinfo (the processor name where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
+    for line in cpuinfo_text().splitlines():
+        if line.startswith("flags"):
+            return line
     return platform.processor()
 
 
@@ -28,11 +33,7 @@ def cpu_flags() -> frozenset[str]:
 
 def cpu_identity(cpuinfo: str | None = None) -> tuple[str, int]:
     """(vendor_id, cpu family) of /proc/cpuinfo's first processor, ("", 0) where unreadable."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return "", 0
+    cpuinfo = cpuinfo_text() if cpuinfo is None else cpuinfo
     vendor, family = "", 0
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")

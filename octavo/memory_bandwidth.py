@@ -43,14 +43,13 @@ class Bandwidth:
 
 def machine_name() -> str:
     """The CPU's model name, its core count and memory: what the cached figure is kept for."""
+    from octavo.cpu_features import cpuinfo_text
+
     model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    for line in cpuinfo_text().splitlines():
+        if line.startswith("model name"):
+            model = line.split(":", 1)[1].strip()
+            break
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
