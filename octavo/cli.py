@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any
 
-from octavo.config import ACTIVATION_DTYPES, DEFAULT_MAX_WAIT_STEPS
+from octavo.config import DEFAULT_MAX_WAIT_STEPS
 from octavo.sampling.params import MAX_LOGPROBS
 from octavo.server.parsers.reasoning import REASONING_PARSERS
 from octavo.server.parsers.tool_calls import TOOL_CALL_PARSERS
@@ -361,7 +361,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not path.is_file():
         raise FileNotFoundError(f"no config.json at {path}")
     hf = json.loads(path.read_text())
-    kv_dtype, kv_why = (args.kv_dtype, "--kv-dtype") if args.kv_dtype else _serving_kv_dtype(hf, quantized=gguf is not None)
+    kv_dtype, kv_why = (args.kv_dtype, "--kv-cache-dtype") if args.kv_dtype else _serving_kv_dtype(hf, quantized=gguf is not None)
     weight_bytes, weight_source = args.weight_bytes, "--weight-bytes"
     if weight_bytes is None and gguf is not None and args.weight_dtype is None:
         from octavo.models.gguf_file import read_header
@@ -402,10 +402,13 @@ def _serving_kv_dtype(hf_config: dict, quantized: bool) -> tuple[str, str]:
     """(the KV dtype `octavo serve` would use for this model on this machine, why): its --dtype
     auto rule without loading the weights."""
     from octavo.engine_args import resolve_device
+    from octavo.kernels.kv_dtype_rule import auto_kv_cache_dtype
     from octavo.models.loader import dtype_rule
 
-    dtype, why = dtype_rule(quantized, resolve_device("auto"), hf_config.get("torch_dtype") or hf_config.get("dtype"))
-    return dtype, f"what serve uses here: {why}"
+    device = resolve_device("auto")
+    dtype, why = dtype_rule(quantized, device, hf_config.get("torch_dtype") or hf_config.get("dtype"))
+    kv_dtype, kv_why = auto_kv_cache_dtype(dtype, device)
+    return kv_dtype, f"what serve uses here: --kv-cache-dtype {kv_why}; the dtype {dtype}: {why}"
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -771,9 +774,9 @@ def _add_plan(sub) -> None:
                       help="device memory, e.g. 80GiB, 24GB: plan for another machine (default: what `octavo serve` "
                            "gives the KV cache on this one)")
     plan.add_argument("--memory-fraction", type=float, default=0.9, help="share of device memory for weights + KV cache")
-    plan.add_argument("--kv-dtype", default=None,
-                      help="KV cache dtype: float32, bfloat16, float16, fp8 (default: what `octavo serve` would use here: "
-                           "float32 on a CPU, bfloat16 on CUDA)")
+    plan.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", default=None,
+                      help="KV cache dtype: float32, bfloat16, float16, int8 (a float16 scale per 32 values), fp8 (default: "
+                           "what `octavo serve` would use here: the model's dtype, float32 on a CPU, bfloat16 on CUDA)")
     plan.add_argument("--weight-bytes", type=parse_bytes, default=None,
                       help="weight memory (default: a GGUF's tensors as the engine holds them; else estimated from the config)")
     plan.add_argument("--weight-dtype", default=None, help="dtype for the weight estimate (default: the KV dtype)")
@@ -826,7 +829,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from pathlib import Path
 
-    from octavo.bench.accuracy import DEFAULT_TEXT, Scorer, evaluate, format_table, text_tokens, windows, write_kl_base
+    from octavo.bench.accuracy import (DEFAULT_TEXT, Scorer, evaluate, format_table, parse_mode, text_tokens, windows,
+                                       write_kl_base)
+    from octavo.kernels.kv_format import storage_dtype
     from octavo.models.loader import load_model, resolve_model
     from octavo.tokenizer import load_tokenizer
 
@@ -835,12 +840,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     token_ids, bos = text_tokens(load_tokenizer(model_dir), text)
     num_windows = len(windows(token_ids, args.ctx, args.max_windows))  # refuses a text too short first
     modes = ["float32", *[m for m in args.modes.split(",") if m and m != "float32"]]
-    scorers = {}
-    for mode in modes:
-        if mode not in ACTIVATION_DTYPES:
-            raise ValueError(f"unknown mode {mode!r}: choose from {', '.join(ACTIVATION_DTYPES)}")
-        model, cfg = load_model(model_dir, dtype=torch.float32, activation_dtype=mode, quantization="auto")
-        scorers[mode] = Scorer(model, cfg, args.ctx)
+    parsed = {mode: parse_mode(mode) for mode in modes}  # an unknown mode is refused before any load
+    scorers, models = {}, {}
+    for mode, (activation, kv) in parsed.items():
+        if activation not in models:  # one copy of the weights per activation dtype
+            models[activation] = load_model(model_dir, dtype=torch.float32, activation_dtype=activation,
+                                            quantization="auto")
+        model, cfg = models[activation]
+        scorers[mode] = Scorer(model, cfg, args.ctx, kv_dtype=storage_dtype(kv))
     with tqdm(total=num_windows, desc="Scoring windows", unit="window") as bar:
         result = evaluate(scorers, token_ids, args.ctx, max_windows=args.max_windows, progress=bar, bos=bos)
     print(f"{model_dir.name}: {format_table(result)}")
@@ -855,10 +862,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _add_eval(sub) -> None:
-    ev = sub.add_parser("eval", help="accuracy of int8 activations against the exact float32 path: KL divergence, "
-                                      "same top token, perplexity over a fixed text")
+    ev = sub.add_parser("eval", help="accuracy of int8 activations or a smaller KV cache against the exact float32 "
+                                      "path: KL divergence, same top token, perplexity over a fixed text")
     ev.add_argument("model", nargs="?", default=None, help="HF directory, .gguf file or packaged name (default: the embedded model)")
-    ev.add_argument("--modes", default="int8", help="comma-separated modes to score against float32 (default int8)")
+    ev.add_argument("--modes", default="int8", help="comma-separated modes to score against float32 (default int8): "
+                    "int8 (activations), kv-bfloat16, kv-float16, kv-int8 (the KV cache's dtype), or both as int8+kv-int8")
     ev.add_argument("--text", default=None, help="a UTF-8 text file (default: octavo/bench/data/eval_text.txt, ~2k tokens)")
     ev.add_argument("--ctx", type=int, default=512, help="window length; its second half is scored (llama-perplexity's -c)")
     ev.add_argument("--max-windows", type=int, default=None, help="score at most this many windows")

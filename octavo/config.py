@@ -166,9 +166,13 @@ class ModelConfig:
             return self.conv_kernel
         return None
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """Bytes of K and V for one token over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_row_bytes(self, kv_dtype: str) -> int:
+        """Bytes one token's K (or V) of one KV head holds in the cache in `kv_dtype`, its scale included."""
+        return kv_row_bytes(self.head_dim, kv_dtype)
+
+    def kv_bytes_per_token(self, kv_dtype: str) -> int:
+        """Bytes of K and V for one token over all layers, in `kv_dtype` (KV_CACHE_DTYPES)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.kv_row_bytes(kv_dtype)
 
     def kv_groups(self) -> tuple[KVGroup, ...]:
         """The layers grouped by attention kind for the paged KV cache, global groups first.
@@ -198,9 +202,9 @@ class ModelConfig:
             for i in range(0, len(layers), per_group)
         )
 
-    def kv_bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
-        """Bytes of one pool block: block_size tokens of K and V for one KV group's layers."""
-        return 2 * self.kv_slots_per_block() * block_size * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_block(self, block_size: int, kv_dtype: str) -> int:
+        """Bytes of one pool block: block_size tokens of K and V for one KV group's layers, in `kv_dtype`."""
+        return 2 * self.kv_slots_per_block() * block_size * self.num_kv_heads * self.kv_row_bytes(kv_dtype)
 
     def kv_slots_per_block(self) -> int:
         """K/V tensor pairs one pool block spans (a group's layers; a conv layer takes conv_slots)."""
@@ -259,8 +263,11 @@ class CacheConfig:
     # how full blocks are hashed (kv_cache/prefix_cache.py): sha256 of pickle, or sha256 of
     # canonical CBOR (vLLM's sha256_cbor: reproducible outside Python, what KV events publish)
     prefix_caching_hash_algo: str = "sha256"
+    cache_dtype: str = "float32"  # what a K or V value is held in (KV_CACHE_DTYPES; "auto" is resolved before)
 
     def __post_init__(self) -> None:
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.cache_dtype!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
@@ -283,6 +290,19 @@ class CacheConfig:
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "cache-aware")
+# What the KV cache can hold a value in (--kv-cache-dtype): (bytes a value, bytes a scale, values a
+# scale covers; 0: unscaled). int8 is symmetric with a float16 scale per 32 values of a token's
+# head (llama.cpp's q8_0 granularity), the scales stored after the row's head_dim values
+# (kernels/kv_format.py), so a block carries its scales wherever it goes.
+KV_CACHE_DTYPES = {"float32": (4, 0, 0), "bfloat16": (2, 0, 0), "float16": (2, 0, 0), "int8": (1, 2, 32)}
+# What the flag accepts: auto picks one per model and device by a stated rule (kernels/kv_dtype_rule.py).
+KV_CACHE_DTYPE_CHOICES = ("auto", *KV_CACHE_DTYPES)
+
+
+def kv_row_bytes(head_dim: int, kv_dtype: str) -> int:
+    """Bytes one token's K (or V) of one KV head takes in the cache in `kv_dtype`, its scales included."""
+    value_bytes, scale_bytes, group = KV_CACHE_DTYPES[kv_dtype]
+    return head_dim * value_bytes + (-(-head_dim // group) * scale_bytes if group else 0)
 # What --activation-dtype accepts: float32 (the exact path: each quantized weight rebuilt exactly and
 # met by float32 activations) or int8 (activations quantized per 32 values, integer dot products:
 # kernels/cpu/quant_linear_i8.cpp; not exact, `octavo eval` measures the cost).

@@ -70,7 +70,7 @@ class LLMEngine:
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
         options = RunnerOptions(
             block_size=config.cache.block_size, eos_token_ids=self.eos_token_ids, device=config.device,
-            kv_dtype=config.dtype, attention_backend=config.attention_backend, enforce_eager=config.enforce_eager,
+            kv_dtype=config.cache.cache_dtype, dtype=config.dtype, attention_backend=config.attention_backend, enforce_eager=config.enforce_eager,
             max_num_seqs=config.scheduler.max_num_seqs, max_model_len=config.scheduler.max_model_len,
             max_loras=config.scheduler.max_loras, max_lora_rank=config.max_lora_rank,
         )

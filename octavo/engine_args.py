@@ -15,6 +15,7 @@ from octavo.config import (
     DEFAULT_MAX_WAIT_STEPS,
     DEFAULT_SPEC_MAX_BATCH,
     ACTIVATION_CHOICES,
+    KV_CACHE_DTYPE_CHOICES,
     PREEMPTION_VICTIMS,
     PREFIX_HASH_ALGOS,
     QUANTIZATION_CHOICES,
@@ -27,6 +28,7 @@ from octavo.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from octavo.kernels.kv_dtype_rule import resolve_kv_cache_dtype
 from octavo.memory import GPU_DEFAULT_UTILIZATION
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -141,6 +143,12 @@ class EngineArgs:
                 "kernels' input); for dense weights stored as bfloat16, bfloat16 where the CPU has AMX-BF16 "
                 "tiles; else float32 (decided from the file and the CPU's flags, never from a timing)",
         "choices": SUPPORTED_DTYPES})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "what the KV cache holds each value in (vLLM's flag): auto (the model's dtype), float32, "
+                "bfloat16, float16 (half the bytes), or int8 (a quarter and a scale: 1.06 bytes a value, symmetric, "
+                "one float32 scale per token and KV head; read in place by the CPU kernels; not exact). The "
+                "start-up line says what the cache holds and its bytes a token",
+        "choices": KV_CACHE_DTYPE_CHOICES})
     quantization: str = field(default="auto", metadata={
         "help": "auto: a GGUF's Q4_0/Q4_1/Q8_0 tensors stay quantized (others, and HF weights, dense); "
                 "none: dequantize everything to the dtype; int8 / int4: quantize every linear layer at load "
@@ -203,6 +211,9 @@ class EngineArgs:
                              f"got {self.prefix_caching_hash_algo!r}")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.activation_dtype not in ACTIVATION_CHOICES:
             raise ValueError(f"activation_dtype must be one of {', '.join(ACTIVATION_CHOICES)}, got {self.activation_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -322,6 +333,8 @@ class EngineArgs:
                 kv_offload_medium=self.kv_offload_medium,
                 kv_offload_required=self.kv_offload_required,
                 pinned_prefix_share=self.pinned_prefix_share,
+                cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype, resolve_device(self.device),
+                                                   model_config)[0],
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=self.max_num_batched_tokens,

@@ -19,6 +19,7 @@ from octavo.config import EngineConfig
 from octavo.distributed.executor import TensorParallelGroup, WorkerSpec, start_tensor_parallel
 from octavo.engine_args import EngineArgs, resolve_device
 from octavo.kv_cache.manager import KVCacheManager
+from octavo.kernels.kv_dtype_rule import auto_kv_cache_dtype
 from octavo.kv_tier.setup import OpenedTier, open_tier
 from octavo.memory import CUDA_GRAPH_RESERVE_BYTES, KVSizing, size_kv_cache
 from octavo.model_runner import ModelRunner
@@ -74,10 +75,13 @@ def load(args: EngineArgs) -> LoadedModel:
                                          activation_dtype=activation_dtype, write_in_background=True)
         if args.dtype == "auto":
             dtype, why = auto_dtype(model, device, stored_dtype(model_dir))
-            logger.info("dtype auto (dense tensors, the activations between layers, the KV cache): %s (%s)", dtype, why)
+            logger.info("dtype auto (dense tensors, the activations between layers): %s (%s)", dtype, why)
             model = model.to(DTYPES[dtype])
     config = dataclasses.replace(args, dtype=dtype, device=device, activation_dtype=activation_dtype).to_config(model_config)
     config = dataclasses.replace(config, model_path=str(model_dir), quantization=quantization)
+    if args.kv_cache_dtype == "auto":
+        logger.info("KV cache dtype %s (%s; --kv-cache-dtype int8 holds a quarter of float32's bytes)",
+                    config.cache.cache_dtype, auto_kv_cache_dtype(dtype, device)[1])
     logger.info(describe_weights(model))
     try:
         tokenizer = load_tokenizer(model_dir)
@@ -100,10 +104,10 @@ def kv_cache_size(executor: ModelRunner | TensorParallelExecutor, config: Engine
         logger.info("profiling step (%d tokens): activation peak %.2f GiB",
                     config.scheduler.max_num_batched_tokens, peak / 2**30)
     return size_kv_cache(
-        config.cache, config.scheduler, config.model_config, weight_bytes, DTYPES[config.dtype].itemsize,
+        config.cache, config.scheduler, config.model_config, weight_bytes, config.cache.cache_dtype,
         config.device, activation_peak=peak,
         graph_bytes=CUDA_GRAPH_RESERVE_BYTES if on_cuda and not config.enforce_eager else 0,
-        max_model_len_explicit=config.max_model_len_explicit,
+        max_model_len_explicit=config.max_model_len_explicit, dtype_bytes=DTYPES[config.dtype].itemsize,
     )
 
 

@@ -27,6 +27,8 @@ class KVSizing:
     window_blind_blocks_per_seq: int
     groups: str = ""  # the KV groups, in words (empty: one group of every layer)
     capped_from: int | None = None  # the model's max_model_len, when it did not fit and was capped
+    kv_dtype: str = "float32"  # what a K or V value is held in (KV_CACHE_DTYPES)
+    bytes_per_token: int = 0  # of KV over all layers, scales included
 
     @property
     def num_tokens(self) -> int:
@@ -44,8 +46,8 @@ class KVSizing:
     def describe(self) -> str:
         line = (
             f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
-            f"{self.num_bytes / GiB:.2f} GiB; max concurrency at max_model_len {self.max_model_len}: "
-            f"{self.max_concurrency:.2f} requests"
+            f"{self.num_bytes / GiB:.2f} GiB ({self.kv_dtype}, {self.bytes_per_token:,} bytes a token); "
+            f"max concurrency at max_model_len {self.max_model_len}: {self.max_concurrency:.2f} requests"
         )
         if self.capped_from is not None:
             line += (f"; max_model_len capped to {self.max_model_len} from the model's {self.capped_from}, which "
@@ -121,22 +123,24 @@ def size_kv_cache(
     sched: SchedulerConfig,
     model: ModelConfig,
     weight_bytes: int,
-    kv_dtype_bytes: int,
+    kv_dtype: str,
     device: str,
     activation_peak: int | None = None,
     graph_bytes: int = 0,
     max_model_len_explicit: bool = True,
+    dtype_bytes: int = 4,
 ) -> KVSizing:
     """Blocks from, in order of precedence: an explicit block count, kv_cache_memory bytes, a share
     of the device (gpu_memory_utilization; on CUDA 0.9 by default) minus the weights, the step's
     activation peak (`activation_peak` as measured by a profiling step, else an estimate) and
-    `graph_bytes`, or the CPU's fixed default.
+    `graph_bytes`, or the CPU's fixed default. `kv_dtype`: what the cache holds (KV_CACHE_DTYPES);
+    `dtype_bytes`: the activations' bytes a value (the estimate of their peak).
 
     When not even one sequence of max_model_len tokens fits: a max_model_len the user set is an
     error naming both numbers and the flags to change (vLLM refuses to start so too); the model's
     own (`max_model_len_explicit` False) is capped to the longest that fits, as llama.cpp's default
     context is (`KVSizing.capped_from` says so)."""
-    bytes_per_block = model.kv_bytes_per_block(cache.block_size, kv_dtype_bytes)
+    bytes_per_block = model.kv_bytes_per_block(cache.block_size, kv_dtype)
     windows = tuple(g.window for g in model.kv_groups())
     # a decoding sequence's blocks (a window group: its window's); while a chunk of a prompt is
     # computed its window groups briefly hold the chunk's blocks too (the scheduler admits by that)
@@ -151,7 +155,7 @@ def size_kv_cache(
     else:
         utilization = GPU_DEFAULT_UTILIZATION if cache.gpu_memory_utilization is None else cache.gpu_memory_utilization
         total = total_device_memory(device)
-        peak = activation_bytes(model, sched, kv_dtype_bytes) if activation_peak is None else activation_peak
+        peak = activation_bytes(model, sched, dtype_bytes) if activation_peak is None else activation_peak
         budget = int(utilization * total) - weight_bytes - peak - graph_bytes
         num_blocks = max(0, budget) // bytes_per_block
         if num_blocks < blocks_per_seq and max_model_len_explicit:
@@ -180,7 +184,7 @@ def size_kv_cache(
         blocks_per_seq = blocks_to_hold(windows, max_len, cache.block_size, max_chunk=1)
     blind = len(windows) * -(-max_len // cache.block_size)
     return KVSizing(num_blocks, cache.block_size, bytes_per_block, max_len, blocks_per_seq, blind,
-                    describe_groups(model), capped_from)
+                    describe_groups(model), capped_from, kv_dtype, model.kv_bytes_per_token(kv_dtype))
 
 
 def longest_fitting_len(windows: tuple[int | None, ...], num_blocks: int, block_size: int, upper: int) -> int:

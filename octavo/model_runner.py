@@ -17,7 +17,7 @@ import torch
 
 from octavo.config import CacheConfig, ModelConfig
 from octavo.cuda_graphs import CudaGraphRunner, graph_batch_sizes
-from octavo.kernels import dispatch, row_paths
+from octavo.kernels import dispatch, kv_format, row_paths
 from octavo.kernels.metadata import AttentionMetadata, LoRAMapping, PromptRows, gather_contexts
 from octavo.kv_tier import TierStore
 from octavo.lora.layers import apply_lora
@@ -40,7 +40,8 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 def allocate_kv_caches(model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device) -> KVCaches:
-    """Per layer (K, V), each [num_blocks, block_size, num_kv_heads, head_dim], zero.
+    """Per layer (K, V), each [num_blocks, block_size, num_kv_heads, row], zero: a row is a token's
+    head_dim values in `dtype` (int8: then their float32 scale, kernels/kv_format.py).
 
     KV groups (ModelConfig.kv_groups) share storage: the i-th layer of every group reads and
     writes the same pair of tensors, each group through its own block table, so a block of the
@@ -53,8 +54,12 @@ def allocate_kv_caches(model_config: ModelConfig, num_blocks: int, block_size: i
     """
     groups = model_config.kv_groups()
     per_block = model_config.kv_slots_per_block()  # K/V pairs one block holds
-    shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
-    numel = num_blocks * block_size * model_config.num_kv_heads * model_config.head_dim
+    if dtype == torch.int8 and any(group.kind == "conv" for group in groups):
+        raise ValueError("an int8 KV cache is not built for models with short-convolution layers (LFM2): "
+                         "use --kv-cache-dtype float32, bfloat16 or float16")
+    row = kv_format.row_elements(dtype, model_config.head_dim)
+    shape = (num_blocks, block_size, model_config.num_kv_heads, row)
+    numel = num_blocks * block_size * model_config.num_kv_heads * row
     num_tensors = 2 * per_block
     if device.type != "cpu":
         views = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_tensors)]
@@ -77,7 +82,8 @@ class RunnerOptions:
     block_size: int
     eos_token_ids: tuple[int, ...]
     device: str = "cpu"
-    kv_dtype: str = "float32"
+    kv_dtype: str = "float32"  # the cache's (KV_CACHE_DTYPES)
+    dtype: str = "float32"  # the activations'
     attention_backend: str = "auto"
     enforce_eager: bool = True
     max_num_seqs: int = 1
@@ -89,6 +95,7 @@ class RunnerOptions:
         """This rank's runner over its model (shard); `device`: the rank's own (cuda:r), if not the options'."""
         return ModelRunner(model, model_config, CacheConfig(block_size=self.block_size), self.eos_token_ids,
                            device or self.device, getattr(torch, self.kv_dtype), self.attention_backend,
+                           dtype=getattr(torch, self.dtype),
                            enforce_eager=self.enforce_eager, max_num_seqs=self.max_num_seqs,
                            max_model_len=self.max_model_len, max_loras=self.max_loras,
                            max_lora_rank=self.max_lora_rank, rank=rank)
@@ -110,10 +117,13 @@ class ModelRunner:
         max_loras: int | None = None,
         max_lora_rank: int = 16,
         rank: int = 0,
+        dtype: torch.dtype | None = None,
     ) -> None:
         """The KV cache comes with `init_kv_cache` (at once if `cache_config.num_blocks` is set).
         `rank` > 0: a tensor-parallel rank's runner; it runs every step as rank 0's does (the
-        collectives inside the sharded layers keep them together) but does not sample."""
+        collectives inside the sharded layers keep them together) but does not sample. `kv_dtype`:
+        what the cache holds (kernels/kv_format.py); `dtype`: the model's activations (None: kv_dtype
+        where that is a floating dtype, else float32)."""
         self.model = model
         self.model_config = model_config
         self.block_size = cache_config.block_size
@@ -125,7 +135,9 @@ class ModelRunner:
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self._kv_dtype = kv_dtype
         self._max_num_seqs, self._max_model_len = max_num_seqs, max_model_len
-        self.attention_backend = dispatch.select_attention_backend(attention_backend, self.device, kv_dtype)
+        if dtype is None:
+            dtype = kv_dtype if kv_dtype.is_floating_point else torch.float32
+        self.attention_backend = dispatch.select_attention_backend(attention_backend, self.device, kv_dtype, dtype)
         # int8 layers: long prompts' rows through AMX-BF16 tiles where the CPU runs them
         self.prompt_tiles = self.device.type == "cpu" and dispatch.prompt_tiles_enabled(model)
         if self.device.type == "cpu":
@@ -337,7 +349,7 @@ class ModelRunner:
         return [t for layer in self.model_config.kv_groups()[0].layers for t in self.kv_caches[layer]]
 
     def tier_block_bytes(self) -> int:
-        return self.model_config.kv_bytes_per_block(self.block_size, torch.empty(0, dtype=self._kv_dtype).element_size())
+        return self.model_config.kv_bytes_per_block(self.block_size, kv_format.kv_dtype_name(self._kv_dtype))
 
     def _host_blocks(self, num_blocks: int) -> tuple[torch.Tensor, list[memoryview]]:
         """A host buffer [num_blocks, tensors, block_size, kv_heads, head_dim] and a writable

@@ -10,7 +10,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from octavo.config import blocks_to_hold
+from octavo.config import KV_CACHE_DTYPES, blocks_to_hold
+from octavo.config import kv_row_bytes as config_kv_row_bytes
 from octavo.hf_fields import window_layer_types
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "fp8": 1, "int8": 1}
@@ -103,6 +104,13 @@ def read_fields(hf: dict[str, Any]) -> PlanFields:
         conv["conv_kernel"], used["conv_kernel"] = int(cfg.get("conv_L_cache", 3)), "conv_L_cache"
     return PlanFields(int(num_layers), int(hidden), int(num_heads), int(num_kv), int(head_dim), int(vocab),
                       int(inter), gated, tie, used, window, num_window_layers, **experts, **conv)
+
+
+def kv_row_bytes(head_dim: int, kv_dtype: str) -> int:
+    """Bytes one token's K (or V) of one KV head takes in `kv_dtype` (int8: with its scales, as
+    the engine holds it: config.KV_CACHE_DTYPES)."""
+    name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(kv_dtype, kv_dtype)
+    return config_kv_row_bytes(head_dim, name) if name in KV_CACHE_DTYPES else head_dim * DTYPE_BYTES[kv_dtype]
 
 
 def conv_state_bytes(f: PlanFields, kv_dtype: str, block_size: int) -> tuple[int, int]:
@@ -225,7 +233,7 @@ def make_plan(
     if weight_bytes is None:
         weight_bytes = estimate_num_params(f) * DTYPE_BYTES[weight_dtype or kv_dtype]
     # (short-convolution layers hold no K/V per token: their state is a fixed amount per request)
-    bytes_per_token = 2 * (f.num_layers - f.num_conv_layers) * f.num_kv_heads * f.head_dim * DTYPE_BYTES[kv_dtype]
+    bytes_per_token = 2 * (f.num_layers - f.num_conv_layers) * f.num_kv_heads * kv_row_bytes(f.head_dim, kv_dtype)
     bytes_per_block = bytes_per_token * block_size
     if kv_memory is None:
         kv_memory = int(device_memory * memory_fraction) - weight_bytes
@@ -288,7 +296,7 @@ def window_aware_bytes(f: PlanFields, num_tokens: int, block_size: int, kv_dtype
     """KV bytes one sequence of `num_tokens` holds when its window layers keep only the blocks their
     window can still read (window / block_size + 1 at most: the window rarely starts on a block
     edge) and its global layers keep every block."""
-    per_layer_block = 2 * f.num_kv_heads * f.head_dim * DTYPE_BYTES[kv_dtype] * block_size
+    per_layer_block = 2 * f.num_kv_heads * kv_row_bytes(f.head_dim, kv_dtype) * block_size
     windows = (None,) * (f.num_layers - f.num_window_layers) + (f.sliding_window,) * f.num_window_layers
     # the engine's formula (config.blocks_to_hold), per layer here: a decoding sequence's blocks
     return blocks_to_hold(windows, num_tokens, block_size, max_chunk=1) * per_layer_block

@@ -320,7 +320,7 @@ def stage_decode_and_throughput(c: Check, device: str, smoke: bool, args: argpar
     bandwidth = copy_bandwidth(device)
     c.row("decode", "measured copy bandwidth", f"{bandwidth / 1e9:.0f} GB/s", "")
     weights = weight_bytes(engine.runner.model)
-    kv_per_token = engine.config.model_config.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size())
+    kv_per_token = engine.config.model_config.kv_bytes_per_token(engine.config.cache.cache_dtype)
     context = 512 if not smoke else 32
     for batch in ((1, 16, 64, 256) if not smoke else (1, 4)):
         step = decode_step_time(engine, batch, context, 20 if not smoke else 3, vocab)

@@ -97,7 +97,7 @@ def hf_smol():
 def make_llm(smol, smol_dir, request):
     """Build an LLM over the shared weights with any EngineArgs fields; weights="dense" for the
     dequantized copy, "int8" for the blocks behind int8-activation kernels. Every other engine runs
-    the exact float32 path, pinned here (whatever the default becomes)."""
+    the exact float32 path (activations and KV cache), pinned here (whatever the default becomes)."""
     from octavo.engine import LLMEngine
     from octavo.engine_args import EngineArgs
     from octavo.llm import LLM
@@ -111,6 +111,7 @@ def make_llm(smol, smol_dir, request):
         kwargs["activation_dtype"] = "int8" if weights == "int8" else "float32"
         kwargs.setdefault("kv_cache_memory", 256 << 20)
         kwargs.setdefault("dtype", "float32")
+        kwargs.setdefault("kv_cache_dtype", "float32")
         config = EngineArgs(**kwargs).to_config(model_config)
         return LLM.from_engine(LLMEngine(config, model, tokenizer, weight_bytes))
 

@@ -15,6 +15,9 @@
 #      PERPLEXITY=1 (after the loads: `octavo eval` of int8 against float32 and llama-perplexity on the
 #      same text, windows of 512, the servers stopped first; then llama.cpp's KL divergence from
 #      Octavo's exact log-probabilities, `octavo eval --kl-base`). LOADS=none runs only that.
+#      KV_DTYPE (both sides' KV cache at one format: float32, float16, bfloat16 or int8, as Octavo's
+#      --kv-cache-dtype and llama.cpp's -ctk/-ctv f32, f16, bf16, q8_0, with -fa on; default: each
+#      server's own default, llama.cpp's f16 and Octavo's auto),
 #      OCTAVO_ADAPTIVE_THREADS (default 0 here: Octavo keeps its 2 threads, as llama-server keeps its -t;
 #      the adaptive policy would drop to 1 while the other server spins up, and time that instead).
 set -euo pipefail
@@ -41,16 +44,27 @@ THREADS=$(nproc)
 # 16 slots of SLOT_CTX tokens (default 1,024: the longest request of random_n64 is 744, prompt + output;
 # SLOT_CTX=4096 for ONE_USER_LEN=2048).
 SLOT_CTX=${SLOT_CTX:-1024}
-"$LLAMA" -m "$GGUF" -t "$THREADS" -tb "$THREADS" -np 16 -c $((16 * SLOT_CTX)) --host 127.0.0.1 --port 8091 >"$OUT/llama-server.log" 2>&1 &
+KV_DTYPE=${KV_DTYPE:-}
+LLAMA_KV=() OCTAVO_KV=()
+if [[ -n "$KV_DTYPE" ]]; then
+  case "$KV_DTYPE" in
+    float32) ggml=f32 ;; float16) ggml=f16 ;; bfloat16) ggml=bf16 ;; int8) ggml=q8_0 ;;
+    *) echo "KV_DTYPE must be float32, float16, bfloat16 or int8, not $KV_DTYPE" >&2; exit 2 ;;
+  esac
+  LLAMA_KV=(-ctk "$ggml" -ctv "$ggml" -fa on) OCTAVO_KV=(--kv-cache-dtype "$KV_DTYPE")
+fi
+"$LLAMA" -m "$GGUF" -t "$THREADS" -tb "$THREADS" -np 16 -c $((16 * SLOT_CTX)) "${LLAMA_KV[@]}" --host 127.0.0.1 --port 8091 \
+  >"$OUT/llama-server.log" 2>&1 &
 LLAMA_PID=$!
-OCTAVO_ADAPTIVE_THREADS=${OCTAVO_ADAPTIVE_THREADS:-0} OMP_NUM_THREADS=$THREADS .venv/bin/octavo serve ${MODEL:+"$GGUF"} --port 8090 ${OCTAVO_FLAGS:-} >"$OUT/octavo-serve.log" 2>&1 &
+OCTAVO_ADAPTIVE_THREADS=${OCTAVO_ADAPTIVE_THREADS:-0} OMP_NUM_THREADS=$THREADS .venv/bin/octavo serve ${MODEL:+"$GGUF"} --port 8090 \
+  "${OCTAVO_KV[@]}" ${OCTAVO_FLAGS:-} >"$OUT/octavo-serve.log" 2>&1 &
 OCTAVO_PID=$!
 trap 'kill $LLAMA_PID $OCTAVO_PID 2>/dev/null || true; wait 2>/dev/null || true' EXIT
 for url in http://127.0.0.1:8090/health http://127.0.0.1:8091/health; do
   for _ in $(seq 1 300); do curl -fs "$url" >/dev/null 2>&1 && break; sleep 1; done
   curl -fs "$url" >/dev/null || { echo "server at $url did not come up (logs in $OUT)" >&2; exit 1; }
 done
-grep -h "weights:" "$OUT/octavo-serve.log" || true
+grep -h "weights:\|KV cache: " "$OUT/octavo-serve.log" || true
 
 BENCH=(.venv/bin/octavo bench serve --base-url http://127.0.0.1:8090 --compare http://127.0.0.1:8091
        --labels octavo,llama.cpp --repeats "$ROUNDS")

@@ -48,7 +48,7 @@ def main() -> None:
     args = parser.parse_args()
     llm = LLM(kv_cache_memory=512 << 20)
     cfg = llm.engine.config
-    block_bytes = cfg.model_config.kv_bytes_per_block(cfg.cache.block_size, 4 if cfg.dtype == "float32" else 2)
+    block_bytes = cfg.model_config.kv_bytes_per_block(cfg.cache.block_size, cfg.cache.cache_dtype)
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as folder:
         for n in args.tokens:

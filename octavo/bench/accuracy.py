@@ -1,5 +1,6 @@
 """`octavo eval`: what a computation mode costs in accuracy against the exact float32 path on the
-same weights (int8 activations, --activation-dtype int8): over a fixed text, per token the KL
+same weights (int8 activations, --activation-dtype int8; a KV cache in fewer bytes,
+--kv-cache-dtype; or both): over a fixed text, per token the KL
 divergence of the mode's next-token distribution from the exact one and whether both put the same
 token first, and each mode's perplexity.
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from octavo.config import CacheConfig, ModelConfig
+from octavo.config import ACTIVATION_DTYPES, KV_CACHE_DTYPES, CacheConfig, ModelConfig
 from octavo.model_runner import ModelRunner
 from octavo.models.layers import CausalLM
 from octavo.outputs import ScheduledRequest
@@ -44,6 +45,21 @@ class EvalResult:
     scores: list[ModeScore]
 
 
+def parse_mode(mode: str) -> tuple[str, str]:
+    """An `octavo eval` mode -> (activation dtype, KV dtype): "int8" (int8 activations), "kv-int8"
+    (float32 activations, an int8 KV cache), "int8+kv-bfloat16" (both); "float32" is the exact path."""
+    activation, kv = "float32", "float32"
+    for part in mode.split("+"):
+        if part.startswith("kv-") and part[3:] in KV_CACHE_DTYPES:
+            kv = part[3:]
+        elif part in ACTIVATION_DTYPES:
+            activation = part
+        else:
+            raise ValueError(f"unknown mode {mode!r}: an activation dtype ({', '.join(ACTIVATION_DTYPES)}), a KV dtype "
+                             f"({', '.join('kv-' + k for k in KV_CACHE_DTYPES)}), or both joined by '+'")
+    return activation, kv
+
+
 def windows(token_ids: list[int], ctx: int, max_windows: int | None = None, bos: int | None = None) -> list[list[int]]:
     """Consecutive windows of `ctx` tokens (the last partial one dropped), at most `max_windows`;
     with `bos`, each window's first token replaced by it."""
@@ -60,12 +76,14 @@ def windows(token_ids: list[int], ctx: int, max_windows: int | None = None, bos:
 class Scorer:
     """One model behind a runner of its own, one window at a time, for its hidden states."""
 
-    def __init__(self, model: CausalLM, model_config: ModelConfig, ctx: int, attention_backend: str = "auto") -> None:
+    def __init__(self, model: CausalLM, model_config: ModelConfig, ctx: int, attention_backend: str = "auto",
+                 kv_dtype: torch.dtype = torch.float32) -> None:
         self.model, self.block_size = model, 16
         self.num_groups = len(model_config.kv_groups())
         self.num_blocks = -(-ctx // self.block_size)
         self.runner = ModelRunner(model, model_config, CacheConfig(block_size=self.block_size), (),
-                                  attention_backend=attention_backend, max_num_seqs=1, max_model_len=ctx)
+                                  kv_dtype=kv_dtype, attention_backend=attention_backend, max_num_seqs=1,
+                                  max_model_len=ctx, dtype=torch.float32)
         self.runner.init_kv_cache(self.num_blocks)
 
     @torch.inference_mode()

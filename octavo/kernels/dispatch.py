@@ -77,7 +77,7 @@ def rotary_write_kv(
 ) -> None:
     """(Per-head q/k RMSNorm with `qk_norm`,) RoPE on qkv's q and k heads in place, then k and v
     into the cache (reference.rotary_write_kv)."""
-    if _cpu_f32(qkv) and qkv.is_contiguous() and k_cache.dtype == torch.float32 and backend != "triton":
+    if _cpu_f32(qkv) and qkv.is_contiguous() and k_cache.dtype in CPU_KV_DTYPES and backend != "triton":
         return cpu.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, qk_norm)
     if backend == "triton":
         from octavo.kernels.triton import kv_write
@@ -241,9 +241,15 @@ def quant_kernel_name(dtype: torch.dtype, device: torch.device, activations: str
     return "reference (rebuild + matmul)"
 
 
-def select_attention_backend(requested: str, device: torch.device, kv_dtype: torch.dtype) -> str:
-    """The step's kernel family. "auto": Triton on CUDA (the torch reference if triton is missing),
-    on the CPU the C++ kernel where it applies and builds (float32), else the reference. "cpu",
+# KV-cache dtypes the C++ kernels read and write (kernels/cpu/kv_store.h)
+CPU_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
+
+
+def select_attention_backend(requested: str, device: torch.device, kv_dtype: torch.dtype,
+                             dtype: torch.dtype = torch.float32) -> str:
+    """The step's kernel family for activations in `dtype` and a KV cache in `kv_dtype`. "auto":
+    Triton on CUDA (the torch reference if triton is missing), on the CPU the C++ kernel where it
+    applies and builds (float32 activations; any KV dtype of CPU_KV_DTYPES), else the reference. "cpu",
     "triton" and "reference" force one (ValueError where it can't run here; "triton" runs on the CPU
     only in Triton's interpreter, TRITON_INTERPRET=1, for tests). The first call on a CPU machine
     may compile the CPU kernel (~1 min, cached)."""
@@ -260,10 +266,10 @@ def select_attention_backend(requested: str, device: torch.device, kv_dtype: tor
             f"the triton backend cannot run on {device.type} here: it needs triton installed and a CUDA "
             "device (or TRITON_INTERPRET=1 set before start, on the CPU: slow, for tests)"
         )
-    applies = device.type == "cpu" and kv_dtype == torch.float32
+    applies = device.type == "cpu" and dtype == torch.float32 and kv_dtype in CPU_KV_DTYPES
     if requested == "cpu":
         if not applies:
-            raise ValueError(f"the cpu attention backend needs float32 on the CPU, not {kv_dtype} on {device}")
+            raise ValueError(f"the cpu attention backend needs float32 activations on the CPU, not {dtype} on {device}")
         if cpu.load() is None:
             raise ValueError("the cpu attention backend could not be built here (see the log); use 'reference'")
         return "cpu"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from octavo.kernels import kv_format
 from octavo.kernels.metadata import AttentionMetadata, gather_contexts
 from octavo.quantization import QuantFormat, dequantize
 
@@ -45,7 +46,7 @@ def rotary_write_kv(
     k weight, eps) each q and k head RMSNorm-ed first (Qwen3, Gemma 3); RoPE on the q and k heads
     (on their first cos.shape[-1] values: all of them, or the rotary part of a partial-rotary
     model), then this step's k and v written to the cache at `slot_mapping`."""
-    n, head_dim, rot = qkv.shape[0], k_cache.shape[-1], cos.shape[-1]
+    n, head_dim, rot = qkv.shape[0], kv_format.head_dim_of(k_cache), cos.shape[-1]
     heads = qkv.view(n, num_heads + 2 * num_kv_heads, head_dim)
     rotated = num_heads + num_kv_heads
     if qk_norm is not None:
@@ -115,11 +116,18 @@ def short_conv(
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store this step's keys and values. Caches: [num_blocks, block_size, num_kv_heads, head_dim];
-    k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens]."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    """Store this step's keys and values, in the caches' dtype (kv_format: int8 rows quantized with
+    their scales). Caches: [num_blocks, block_size, num_kv_heads, row]; k, v: [num_tokens,
+    num_kv_heads, head_dim]; slot_mapping: [num_tokens]."""
+    num_kv_heads, row = k_cache.shape[-2:]
+    kv_dtype = kv_format.kv_dtype_of(k_cache)
+    k_cache.view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, kv_format.quantize_rows(k, kv_dtype))
+    v_cache.view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, kv_format.quantize_rows(v, kv_dtype))
+
+
+def _values(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache rows [..., row] -> their values [..., head_dim] in the queries' dtype."""
+    return rows if rows.dtype == dtype else kv_format.dequantize_rows(rows).to(dtype)
 
 
 def paged_attention(
@@ -144,11 +152,12 @@ def paged_attention(
     `meta.gathered` slots when the runner built them, else expands the block tables here.
     """
     gathered = meta.gathered if meta.gathered is not None else gather_contexts(meta, k_cache.shape[1])
-    num_kv_heads, head_dim = k_cache.shape[-2:]
+    num_kv_heads, row = k_cache.shape[-2:]
+    head_dim = kv_format.head_dim_of(k_cache)
     num_heads = q.shape[1]
     group = num_heads // num_kv_heads
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    k_flat = k_cache.view(-1, num_kv_heads, row)  # rows in the cache's dtype: _values reads them
+    v_flat = v_cache.view(-1, num_kv_heads, row)
     out = torch.empty_like(q)
 
     nd = meta.num_decode_tokens
@@ -164,15 +173,16 @@ def paged_attention(
             decode_slots = torch.where(visible, decode_slots, last)
         slots = decode_slots.reshape(-1)
         workspace = gathered.decode_workspace
-        if workspace is not None and workspace[0].numel() >= slots.numel() * num_kv_heads * head_dim:
+        if (workspace is not None and workspace[0].numel() >= slots.numel() * num_kv_heads * head_dim
+                and k_cache.dtype == q.dtype):
             size = slots.numel() * num_kv_heads * head_dim
             k_buf = workspace[0][:size].view(-1, num_kv_heads, head_dim)
             v_buf = workspace[1][:size].view(-1, num_kv_heads, head_dim)
             keys = torch.index_select(k_flat, 0, slots, out=k_buf).view(nd, max_len, num_kv_heads, head_dim)
             values = torch.index_select(v_flat, 0, slots, out=v_buf).view(nd, max_len, num_kv_heads, head_dim)
         else:
-            keys = k_flat[decode_slots]  # [nd, L, kvh, d]
-            values = v_flat[decode_slots]  # [nd, L, kvh, d]
+            keys = _values(k_flat[decode_slots], q.dtype)  # [nd, L, kvh, d]
+            values = _values(v_flat[decode_slots], q.dtype)  # [nd, L, kvh, d]
         qd = q[:nd].view(nd, num_kv_heads, group, head_dim)  # [nd, kvh, g, d]
         hidden_mask = ~visible[:, None, :]  # [nd, 1, L]
         for h in range(num_kv_heads):
@@ -210,8 +220,10 @@ def _span_attention_explicit(q, k_flat, v_flat, span, scale: float, window: int 
     lo = 0 if window is None else max(0, past + 1 - window)
     num_heads, kv_heads = q.shape[1], k_flat.shape[1]
     qs = q[span.q_start : span.q_start + span.q_len].transpose(0, 1)  # [H, n, d]
-    keys = k_flat[span.context_slots[lo:]].transpose(0, 1).repeat_interleave(num_heads // kv_heads, 0)  # [H, c, d]
-    values = v_flat[span.context_slots[lo:]].transpose(0, 1).repeat_interleave(num_heads // kv_heads, 0)
+    keys = _values(k_flat[span.context_slots[lo:]], q.dtype).transpose(0, 1).repeat_interleave(
+        num_heads // kv_heads, 0)  # [H, c, d]
+    values = _values(v_flat[span.context_slots[lo:]], q.dtype).transpose(0, 1).repeat_interleave(
+        num_heads // kv_heads, 0)
     scores = torch.matmul(qs, keys.transpose(1, 2)) * scale  # [H, n, c]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
@@ -230,8 +242,8 @@ def _span_attention(q, k_flat, v_flat, span, scale: float, window: int | None) -
     past = span.context_len - span.q_len
     lo = 0 if window is None else max(0, past + 1 - window)
     qs = q[span.q_start : span.q_start + span.q_len].transpose(0, 1)  # [H, n, d]
-    keys = k_flat[span.context_slots[lo:]].transpose(0, 1)  # [kvh, ctx - lo, d]
-    values = v_flat[span.context_slots[lo:]].transpose(0, 1)  # [kvh, ctx - lo, d]
+    keys = _values(k_flat[span.context_slots[lo:]], q.dtype).transpose(0, 1)  # [kvh, ctx - lo, d]
+    values = _values(v_flat[span.context_slots[lo:]], q.dtype).transpose(0, 1)  # [kvh, ctx - lo, d]
     if span.q_len == span.context_len and window is None:
         mask, causal = None, True
     else:

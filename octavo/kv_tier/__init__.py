@@ -22,12 +22,14 @@ TierStore = DiskTier | HostTier  # what the runner moves blocks through (the sam
 
 
 def tier_fingerprint(model_path: str | Path, model_config: ModelConfig, dtype: str, block_size: int,
-                     quantization: str, attention_backend: str, hash_algo: str = "sha256") -> dict:
+                     quantization: str, attention_backend: str, hash_algo: str = "sha256", kv_dtype: str = "float32",
+                     activation_dtype: str = "float32") -> dict:
     """What must match for a tier's blocks to be read again: the weights (their files' names,
     sizes and times: a re-converted model counts as another), the model's shape, the KV dtype and
     block size, the quantization and the kernels that computed the KV; and how blocks are hashed
     (another algorithm's keys would never be looked up; sha256 adds no key, so existing tiers
-    keep their folder)."""
+    keep their folder). The KV cache's dtype and the activations' (int8 activations compute other
+    K and V) are keys where they are not float32, for the same reason."""
     path = Path(model_path)
     # gguf_source.txt records where a converted GGUF came from (rewritten when the same content is
     # started from another path): not weights; the directory's name carries the content's key
@@ -44,7 +46,9 @@ def tier_fingerprint(model_path: str | Path, model_config: ModelConfig, dtype: s
         "block_size": block_size,
         "quantization": quantization,
         "attention_backend": attention_backend,
-    } | ({} if hash_algo == "sha256" else {"hash_algo": hash_algo})
+    } | ({} if hash_algo == "sha256" else {"hash_algo": hash_algo}) | (
+        {} if kv_dtype == "float32" else {"kv_dtype": kv_dtype}) | (
+        {} if activation_dtype == "float32" else {"activation_dtype": activation_dtype})
 
 
 def open_disk_tier(path: str | Path, num_bytes: int, slot_bytes: int, fingerprint: dict) -> tuple[DiskTier, TierIndex]:

@@ -44,7 +44,7 @@ def open_tier(config: EngineConfig, slot_bytes: int, host_buffer: Callable[[int]
         else:
             fingerprint = tier_fingerprint(config.model_path or str(config.model), config.model_config, config.dtype,
                                            cache.block_size, config.quantization, attention_backend,
-                                           cache.prefix_caching_hash_algo)
+                                           cache.prefix_caching_hash_algo, cache.cache_dtype, config.activation_dtype)
             store, index = open_disk_tier(tier_path(config, fingerprint), cache.kv_offload_bytes, slot_bytes, fingerprint)
         swap = _swap_is_cheaper(config, store, prefill_seconds)  # its probe writes and reads: a full disk fails it
     except TierUnavailable as exc:

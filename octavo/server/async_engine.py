@@ -358,7 +358,7 @@ class AsyncEngine:
                 self.engine = self._factory()
                 engine = self.engine
                 tier = engine.get_stats().scheduler.tier
-                self.metrics.observe_kv_sizing(engine.kv_sizing, engine.config.cache, engine.config.dtype,
+                self.metrics.observe_kv_sizing(engine.kv_sizing, engine.config.cache, engine.config.cache.cache_dtype,
                                                0 if tier is None else tier.num_blocks)
                 sizing = engine.kv_sizing
                 self.metrics.observe_read_bytes(engine.decode_weight_bytes, sizing.num_bytes / max(sizing.num_tokens, 1))

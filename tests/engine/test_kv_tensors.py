@@ -21,7 +21,7 @@ def _rss_bytes() -> int:
 
 
 def test_a_2_gib_pool_costs_no_resident_memory_until_written():
-    num_blocks = 2 * 2**30 // (16 * CFG.kv_bytes_per_token(4))
+    num_blocks = 2 * 2**30 // (16 * CFG.kv_bytes_per_token("float32"))
     before = _rss_bytes()
     caches = allocate_kv_caches(CFG, num_blocks, 16, torch.float32, torch.device("cpu"))
     assert _rss_bytes() - before < 64 << 20

@@ -78,7 +78,7 @@ def test_triton_backend_refused_where_it_cannot_run(monkeypatch):
         with pytest.raises(ValueError, match="triton backend cannot run on cpu"):
             dispatch.select_attention_backend("triton", torch.device("cpu"), torch.float32)
     # auto never picks triton on the CPU
-    assert dispatch.select_attention_backend("auto", torch.device("cpu"), torch.bfloat16) == "reference"
+    assert dispatch.select_attention_backend("auto", torch.device("cpu"), torch.bfloat16, torch.bfloat16) == "reference"
 
 
 def test_padded_decode_buffers_equal_the_plain_forward():

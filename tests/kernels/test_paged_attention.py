@@ -138,8 +138,8 @@ def test_cpu_kernel_rejects_what_it_cannot_do():
 def test_backend_selection():
     assert dispatch.select_attention_backend("reference", torch.device("cpu"), torch.float32) == "reference"
     with pytest.raises(ValueError, match="float32"):
-        dispatch.select_attention_backend("cpu", torch.device("cpu"), torch.bfloat16)
-    assert dispatch.select_attention_backend("auto", torch.device("cpu"), torch.bfloat16) == "reference"
+        dispatch.select_attention_backend("cpu", torch.device("cpu"), torch.bfloat16, torch.bfloat16)
+    assert dispatch.select_attention_backend("auto", torch.device("cpu"), torch.bfloat16, torch.bfloat16) == "reference"
     with pytest.raises(ValueError, match="attention backend must be"):
         dispatch.select_attention_backend("flash", torch.device("cpu"), torch.float32)
     if cpu.load() is not None:

@@ -79,7 +79,7 @@ def test_one_8k_gemma3_sequence_holds_under_a_quarter_of_a_window_blind_cache():
                       sliding_window=512, layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(18)))
     groups = cfg.kv_groups()
     assert groups[0] == KVGroup(None, (5, 11, 17)) and len(groups) == 6
-    assert {g.window for g in groups[1:]} == {512} and cfg.kv_bytes_per_block(16, 4) == 3 * 2 * 16 * 256 * 4
+    assert {g.window for g in groups[1:]} == {512} and cfg.kv_bytes_per_block(16, "float32") == 3 * 2 * 16 * 256 * 4
     windows = tuple(g.window for g in groups)
     kv = KVCacheManager(num_blocks=4000, block_size=16, group_windows=windows)
     req = make_request("long", 8192 - 64, max_tokens=64)

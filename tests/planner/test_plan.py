@@ -203,6 +203,6 @@ def test_plan_sizes_from_what_serve_gives_on_this_machine(smol_dir):
     assert out.returncode == 0, out.stderr[-2000:]
     data = json.loads(out.stdout)
     config = EngineArgs(dtype="float32").to_config(load_model_config(smol_dir))
-    served = size_kv_cache(config.cache, config.scheduler, config.model_config, data["weight_bytes"], 4, "cpu")
+    served = size_kv_cache(config.cache, config.scheduler, config.model_config, data["weight_bytes"], "float32", "cpu")
     assert data["num_blocks"] == served.num_blocks
     assert "what serve gives it on this CPU" in data["memory_source"]

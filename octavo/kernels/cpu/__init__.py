@@ -267,7 +267,8 @@ def _no_weight():
 
 def rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads: int, num_kv_heads: int,
                     qk_norm=None):
-    """Same contract as `octavo.kernels.reference.rotary_write_kv`; float32, contiguous qkv."""
+    """Same contract as `octavo.kernels.reference.rotary_write_kv`; float32, contiguous qkv; a cache
+    in any of kernels/kv_format.py's dtypes (int8 rows quantized as kv_format.quantize_rows does)."""
     q_w, k_w, eps = qk_norm if qk_norm is not None else (_no_weight(), _no_weight(), 0.0)
     _module().rotary_write_kv(qkv, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slot_mapping, num_heads,
                               num_kv_heads, q_w, k_w, eps)
@@ -305,7 +306,8 @@ def q_tile(num_tokens: int, num_threads: int) -> int:
 
 def paged_attention(q, k_cache, v_cache, meta, scale: float, window: int | None = None, softcap: float | None = None,
                     sinks=None, split_kv_heads: bool | None = None):
-    """Same contract as `octavo.kernels.reference.paged_attention`; float32 CPU tensors only.
+    """Same contract as `octavo.kernels.reference.paged_attention`; float32 queries, a cache in any
+    of kernels/kv_format.py's dtypes (read in place).
     `split_kv_heads`: a work item per (query tile, KV head) rather than per query tile; None: where
     the step has fewer tiles than twice the threads (one user's decode then keeps every thread
     busy). The output's bits do not depend on it."""

@@ -35,7 +35,7 @@ SOURCES = tuple(_HERE / name for name in (
 # Only bindings.cpp includes torch's Python bindings (<torch/python.h>); the kernels include ATen's
 # tensor and parallel headers alone: <torch/extension.h> cost ~20 s of compile per file, and the
 # first start compiled in 56 s rather than 23 s here (two cores).
-HEADERS = tuple(_HERE / name for name in ("vec_math.h", "quant_isa.h", "packing.h", "quant_linear_kq.h", "moe.h"))  # compiled through the sources; part of the key
+HEADERS = tuple(_HERE / name for name in ("vec_math.h", "kv_store.h", "quant_isa.h", "packing.h", "quant_linear_kq.h", "moe.h"))  # compiled through the sources; part of the key
 # -march=native: the build is cached per machine (the key includes the CPU flags), so it may use
 # whatever vector units this CPU has (AVX-512, AVX2 or neither: the kernels pick at compile time).
 # -fopenmp: at::parallel_for is an OpenMP region in the header; the library resolves to the

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kv_store.h"
 #include "vec_math.h"
 
 namespace {
@@ -91,7 +92,8 @@ void add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double e
 // (Qwen3's and Gemma 3's per-head q/k RMSNorm; empty tensors: none) each q and k head first
 // becomes w * (x / sqrt(mean(x^2) + eps)); then rotate-half RoPE on the q and k heads with cos,
 // sin [n, head_dim]; then k and v of token t go to slot slots[t] of the caches
-// [num_blocks, block_size, num_kv_heads, head_dim]. One op where the model ran seven torch ops
+// [num_blocks, block_size, num_kv_heads, row], in the caches' format (kv_store.h: float32, bfloat16,
+// float16, or int8 rows quantized with a float16 scale per 32 values). One op where the model ran seven torch ops
 // per layer (two norms, two RoPEs, the split and the two cache writes).
 void rotary_write_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k_cache,
                      at::Tensor v_cache, at::Tensor slots, int64_t num_heads, int64_t num_kv_heads,
@@ -100,15 +102,23 @@ void rotary_write_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor 
   check_rows(cos, "cos");
   check_rows(sin, "sin");
   // RoPE on the first `rot` values of each q and k head (all of them, or a partial-rotary model's part)
-  TORCH_CHECK(k_cache.dim() == 4, "caches: [blocks, block_size, num_kv_heads, head_dim]");
-  const int64_t n = qkv.size(0), head_dim = k_cache.size(3), rot = cos.size(1), half = rot / 2;
+  TORCH_CHECK(k_cache.dim() == 4, "caches: [blocks, block_size, num_kv_heads, row]");
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  // an int8 row: head_dim values, then a float16 scale per 32 of them
+  const int64_t n = qkv.size(0), row_elems = k_cache.size(3), num_heads_total = num_heads + 2 * num_kv_heads;
+  TORCH_CHECK(qkv.size(1) % num_heads_total == 0, "qkv width does not match the heads");
+  const int64_t head_dim = qkv.size(1) / num_heads_total;
+  TORCH_CHECK(row_elems == head_dim + (int8 ? 2 * ((head_dim + octavo::kKvGroup - 1) / octavo::kKvGroup) : 0),
+              "caches' rows do not match qkv's head_dim");
+  const int64_t rot = cos.size(1), half = rot / 2;
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "qkv width does not match the heads");
   TORCH_CHECK(cos.size(0) == n && sin.sizes() == cos.sizes() && rot % 2 == 0 && rot <= head_dim,
               "cos, sin: [n, an even rotary width <= head_dim]");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous() && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.size(2) == num_kv_heads && k_cache.size(3) == head_dim,
-              "caches: contiguous float32 [blocks, block_size, num_kv_heads, head_dim]");
+  const auto kv_type = k_cache.scalar_type();
+  TORCH_CHECK((kv_type == at::kFloat || kv_type == at::kBFloat16 || kv_type == at::kHalf || int8) &&
+                  v_cache.scalar_type() == kv_type && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == num_kv_heads,
+              "caches: contiguous float32, bfloat16, float16 or int8 [blocks, block_size, num_kv_heads, row]");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == n && slots.is_contiguous(),
               "slots: int64 [n]");
   const bool norm = q_weight.numel() > 0;
@@ -123,8 +133,19 @@ void rotary_write_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor 
   const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
   const float* qw = norm ? q_weight.data_ptr<float>() : nullptr;
   const float* kw = norm ? k_weight.data_ptr<float>() : nullptr;
-  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  char *kc = static_cast<char*>(k_cache.data_ptr()), *vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t row_bytes = row_elems * k_cache.element_size();
   const int64_t width = qkv.size(1);
+  // k, v head h of token t: float32 values at `x` -> its row of slot `slot` in the cache at `base`
+  const auto store = [&](const float* x, char* base, int64_t slot, int64_t h) {
+    char* dst = base + (slot * num_kv_heads + h) * row_bytes;
+    switch (kv_type) {
+      case at::kFloat: return octavo::kv_store_row(x, reinterpret_cast<float*>(dst), head_dim);
+      case at::kBFloat16: return octavo::kv_store_row(x, reinterpret_cast<c10::BFloat16*>(dst), head_dim);
+      case at::kHalf: return octavo::kv_store_row(x, reinterpret_cast<c10::Half*>(dst), head_dim);
+      default: return octavo::kv_store_row(x, reinterpret_cast<int8_t*>(dst), head_dim);
+    }
+  };
   at::parallel_for(0, n, 16, [&](int64_t t0, int64_t t1) {
     std::vector<float> normed(norm ? head_dim : 0);
     for (int64_t t = t0; t < t1; ++t) {
@@ -145,8 +166,10 @@ void rotary_write_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor 
           x[i + half] = b * c[i + half] + a * s[i + half];
         }
       }
-      std::copy(row + num_heads * head_dim, row + num_heads * head_dim + kv_width, kc + sp[t] * kv_width);
-      std::copy(row + num_heads * head_dim + kv_width, row + width, vc + sp[t] * kv_width);
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        store(row + (num_heads + h) * head_dim, kc, sp[t], h);
+        store(row + num_heads * head_dim + kv_width + h * head_dim, vc, sp[t], h);
+      }
     }
   });
 }

@@ -18,6 +18,10 @@
 // with enough tiles to go round, splitting was 4-10% slower (each item walks every block for an
 // eighth of it; docs/BENCHMARKS.md). Each score, softmax and sum is computed by the same
 // instructions in the same order whichever item a row falls in, so a split changes no bit.
+// The cache is read in its own format (kv_store.h: float32, bfloat16, float16, or int8 rows with
+// a float16 scale per 32 values), converted to float32 in registers as each key and value is used:
+// no float32 copy of a block is made. An int8 key's values are scaled as they load; an int8
+// value's scale folds into its probability.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/zeros.h>
 
@@ -30,6 +34,7 @@
 #include <limits>
 #include <vector>
 
+#include "kv_store.h"
 #include "vec_math.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -46,15 +51,30 @@ struct Item {
   int32_t kv_lo, kv_hi;  // the KV heads whose query heads are the item's rows
 };
 
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+template <typename E>
+inline float dot(const float* __restrict q, const E* __restrict k, int64_t n) {
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-  for (int64_t d = 0; d < n; ++d) acc += a[d] * b[d];
+  for (int64_t d = 0; d < n; ++d) acc += q[d] * octavo::kv_value(k, d);
   return acc;
 }
 
-// scores[j] = (q . k_j) * scale for j in [0, n), keys `stride` floats apart.
-inline void dot_keys(const float* __restrict q, const float* __restrict k, int64_t stride, int64_t n,
+// An int8 row's dot product: per group of 32 values, the group's sum times its scale.
+inline float dot(const float* __restrict q, const int8_t* __restrict k, int64_t n) {
+  float acc = 0.f;
+  for (int64_t g = 0; g * octavo::kKvGroup < n; ++g) {
+    const int64_t lo = g * octavo::kKvGroup, hi = std::min(n, lo + octavo::kKvGroup);
+    float part = 0.f;
+    for (int64_t d = lo; d < hi; ++d) part += q[d] * static_cast<float>(k[d]);
+    acc += part * octavo::kv_group_scale(k, n, g);
+  }
+  return acc;
+}
+
+// scores[j] = (q . k_j) * scale for j in [0, n), keys `stride` elements apart (an int8 key's
+// values times their group's scale as they are loaded).
+template <typename E>
+inline void dot_keys(const float* __restrict q, const E* __restrict k, int64_t stride, int64_t n,
                      int64_t head_dim, float scale, float* __restrict scores) {
   int64_t j = 0;
 #ifdef OCTAVO_AVX2
@@ -62,19 +82,30 @@ inline void dot_keys(const float* __restrict q, const float* __restrict k, int64
     // Eight keys at a time: eight independent FMA chains, then one transposing reduction that
     // yields their eight sums in one register.
     const __m256 vscale = _mm256_set1_ps(scale);
+    float ks[8][16];  // int8: the eight keys' group scales, as float32 (head_dim <= 512)
     for (; j + 8 <= n; j += 8) {
-      const float* kj = k + j * stride;
+      const E* kj = k + j * stride;
+      // key i's 8 values from d on, as float32 (scaled, for int8)
+      auto key8 = [&](int i, int64_t d) {
+        if constexpr (octavo::kv_scaled<E>())
+          return _mm256_mul_ps(octavo::kv_load8(kj + i * stride + d), _mm256_broadcast_ss(&ks[i][d / octavo::kKvGroup]));
+        else
+          return octavo::kv_load8(kj + i * stride + d);
+      };
+      if constexpr (octavo::kv_scaled<E>())
+        for (int i = 0; i < 8; ++i)
+          for (int64_t g = 0; g * octavo::kKvGroup < head_dim; ++g) ks[i][g] = octavo::kv_group_scale(kj + i * stride, head_dim, g);
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
       for (int64_t d = 0; d < head_dim; d += 8) {
         const __m256 qd = _mm256_loadu_ps(q + d);
-        a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + d), a0);
-        a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + stride + d), a1);
-        a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + 2 * stride + d), a2);
-        a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + 3 * stride + d), a3);
-        a4 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + 4 * stride + d), a4);
-        a5 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + 5 * stride + d), a5);
-        a6 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + 6 * stride + d), a6);
-        a7 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj + 7 * stride + d), a7);
+        a0 = _mm256_fmadd_ps(qd, key8(0, d), a0);
+        a1 = _mm256_fmadd_ps(qd, key8(1, d), a1);
+        a2 = _mm256_fmadd_ps(qd, key8(2, d), a2);
+        a3 = _mm256_fmadd_ps(qd, key8(3, d), a3);
+        a4 = _mm256_fmadd_ps(qd, key8(4, d), a4);
+        a5 = _mm256_fmadd_ps(qd, key8(5, d), a5);
+        a6 = _mm256_fmadd_ps(qd, key8(6, d), a6);
+        a7 = _mm256_fmadd_ps(qd, key8(7, d), a7);
       }
       const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
       const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
@@ -88,26 +119,39 @@ inline void dot_keys(const float* __restrict q, const float* __restrict k, int64
 
 #ifdef OCTAVO_AVX2
 // The accumulator row lives in CHUNKS registers for the whole loop (a compile-time count, so the
-// compiler keeps it out of memory).
-template <int CHUNKS>
-inline void accumulate_values_avx2(const float* __restrict p, const float* __restrict v, int64_t stride, int64_t n,
+// compiler keeps it out of memory). An int8 value's group scale folds into its probability.
+template <int CHUNKS, typename E>
+inline void accumulate_values_avx2(const float* __restrict p, const E* __restrict v, int64_t stride, int64_t n,
                                    float* __restrict acc) {
+  constexpr int kGroupChunks = octavo::kKvGroup / 8;  // 8-value chunks a scale group holds
   __m256 a[CHUNKS];
 #pragma GCC unroll 16
   for (int c = 0; c < CHUNKS; ++c) a[c] = _mm256_loadu_ps(acc + 8 * c);
   for (int64_t j = 0; j < n; ++j) {
-    const __m256 pj = _mm256_set1_ps(p[j]);
-    const float* vj = v + j * stride;
+    const E* vj = v + j * stride;
+    if constexpr (octavo::kv_scaled<E>()) {
+#pragma GCC unroll 4
+      for (int g = 0; g * kGroupChunks < CHUNKS; ++g) {
+        const __m256 pg = _mm256_set1_ps(p[j] * octavo::kv_group_scale(vj, 8 * CHUNKS, g));
+#pragma GCC unroll 4
+        for (int c = g * kGroupChunks; c < std::min(CHUNKS, (g + 1) * kGroupChunks); ++c)
+          a[c] = _mm256_fmadd_ps(pg, octavo::kv_load8(vj + 8 * c), a[c]);
+      }
+    } else {
+      const __m256 pj = _mm256_set1_ps(p[j]);
 #pragma GCC unroll 16
-    for (int c = 0; c < CHUNKS; ++c) a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), a[c]);
+      for (int c = 0; c < CHUNKS; ++c) a[c] = _mm256_fmadd_ps(pj, octavo::kv_load8(vj + 8 * c), a[c]);
+    }
   }
 #pragma GCC unroll 16
   for (int c = 0; c < CHUNKS; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
 }
 #endif
 
-// acc += sum_j p[j] * v_j for j in [0, n), values `stride` floats apart.
-inline void accumulate_values(const float* __restrict p, const float* __restrict v, int64_t stride, int64_t n,
+// acc += sum_j p[j] * v_j for j in [0, n), values `stride` elements apart (an int8 value's group
+// scale folded into its probability).
+template <typename E>
+inline void accumulate_values(const float* __restrict p, const E* __restrict v, int64_t stride, int64_t n,
                               int64_t head_dim, float* __restrict acc) {
 #ifdef OCTAVO_AVX2
   switch (head_dim) {
@@ -118,10 +162,18 @@ inline void accumulate_values(const float* __restrict p, const float* __restrict
   }
 #endif
   for (int64_t j = 0; j < n; ++j) {
-    const float pj = p[j];
-    const float* __restrict vj = v + j * stride;
+    const E* __restrict vj = v + j * stride;
+    if constexpr (octavo::kv_scaled<E>()) {
+      for (int64_t g = 0; g * octavo::kKvGroup < head_dim; ++g) {
+        const int64_t lo = g * octavo::kKvGroup, hi = std::min(head_dim, lo + octavo::kKvGroup);
+        const float pg = p[j] * octavo::kv_group_scale(vj, head_dim, g);
+        for (int64_t d = lo; d < hi; ++d) acc[d] += pg * static_cast<float>(vj[d]);
+      }
+    } else {
+      const float pj = p[j];
 #pragma omp simd
-    for (int64_t d = 0; d < head_dim; ++d) acc[d] += pj * vj[d];
+      for (int64_t d = 0; d < head_dim; ++d) acc[d] += pj * octavo::kv_value(vj, d);
+    }
   }
 }
 
@@ -149,17 +201,20 @@ inline float exp_shifted_sum(float* __restrict x, int64_t n, float m) {
 }
 
 // Ask for the next block while this one is used: blocks sit at random places in the pool, which
-// the hardware prefetcher cannot guess. Each of its `tokens` keys: `num_floats` from `offset` on.
-inline void prefetch_block(const float* block, int64_t tokens, int64_t token_stride, int64_t offset,
-                           int64_t num_floats) {
+// the hardware prefetcher cannot guess. Each of its `tokens` keys: `num_elems` from `offset` on.
+template <typename E>
+inline void prefetch_block(const E* block, int64_t tokens, int64_t token_stride, int64_t offset,
+                           int64_t num_elems) {
+  constexpr int64_t line = 64 / sizeof(E);  // elements a cache line holds
   for (int64_t t = 0; t < tokens; ++t)
-    for (int64_t f = 0; f < num_floats; f += 16) __builtin_prefetch(block + t * token_stride + offset + f, 0, 3);
+    for (int64_t f = 0; f < num_elems; f += line) __builtin_prefetch(block + t * token_stride + offset + f, 0, 3);
 }
 
 }  // namespace
 
 // out, q: [num_tokens, num_heads, head_dim] float32, contiguous.
-// k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] float32, contiguous.
+// k_cache, v_cache: [num_blocks, block_size, num_kv_heads, row], contiguous, in one of kv_store.h's
+// formats (row = head_dim; int8: head_dim + 4, the row's float32 scale last).
 // block_tables: [num_seqs, max_blocks] int32; q_starts, q_lens, context_lens: [num_seqs] int32.
 // Request s owns query rows [q_starts[s], q_starts[s] + q_lens[s]) at absolute positions
 // [context_lens[s] - q_lens[s], context_lens[s]); its keys 0 .. context_lens[s]-1 live in the
@@ -168,27 +223,27 @@ inline void prefetch_block(const float* block, int64_t tokens, int64_t token_str
 // softcap > 0 (Gemma 2): each score s becomes softcap * tanh(s / softcap) before the softmax.
 // sinks: [num_heads] float32 (gpt-oss), or empty: a logit per head that joins the softmax's
 // denominator and has no value.
-void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                     at::Tensor block_tables, at::Tensor q_starts, at::Tensor q_lens,
-                     at::Tensor context_lens, double scale, int64_t q_tile, int64_t window, double softcap,
-                     at::Tensor sinks, int64_t split_kv_heads) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "the CPU paged-attention kernel takes float32 tensors");
+template <typename E>
+static void paged_attention_impl(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                 at::Tensor block_tables, at::Tensor q_starts, at::Tensor q_lens,
+                                 at::Tensor context_lens, double scale, int64_t q_tile, int64_t window,
+                                 double softcap, at::Tensor sinks, int64_t split_kv_heads) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "the CPU paged-attention kernel takes contiguous tensors");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && q_starts.scalar_type() == at::kInt &&
                   q_lens.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "block tables and lengths must be int32");
   TORCH_CHECK(q_tile >= 1, "q_tile must be positive");
+  TORCH_CHECK(!octavo::kv_scaled<E>() || q.size(2) <= 16 * octavo::kKvGroup, "int8 caches: head_dim <= 512");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none)");
   TORCH_CHECK(sinks.numel() == 0 || (sinks.scalar_type() == at::kFloat && sinks.is_contiguous() &&
                                      sinks.numel() == q.size(1)),
               "sinks: one float32 per query head, or empty");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && out.sizes() == q.sizes() &&
-                  q.size(2) == k_cache.size(3),
-              "shapes: q, out [tokens, heads, head_dim]; caches [blocks, block_size, kv_heads, head_dim]");
+                  (octavo::kv_scaled<E>() ? q.size(2) + 2 * ((q.size(2) + octavo::kKvGroup - 1) / octavo::kKvGroup)
+                                          : q.size(2)) == k_cache.size(3),
+              "shapes: q, out [tokens, heads, head_dim]; caches [blocks, block_size, kv_heads, row]");
 
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -198,8 +253,9 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
 
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const E* kp = static_cast<const E*>(k_cache.data_ptr());
+  const E* vp = static_cast<const E*>(v_cache.data_ptr());
+  const int64_t row = k_cache.size(3);  // elements of one token's K (or V) of one head
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* starts = q_starts.data_ptr<int32_t>();
   const int32_t* lens = q_lens.data_ptr<int32_t>();
@@ -235,7 +291,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   };
   std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return cost(a) > cost(b); });
 
-  const int64_t token_stride = num_kv_heads * head_dim;  // floats between consecutive keys in a block
+  const int64_t token_stride = num_kv_heads * row;  // elements between consecutive keys in a block
   const int64_t block_stride = block_size * token_stride;
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
@@ -264,14 +320,14 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
       const int64_t block_lo = key_lo / block_size * block_size;
       scores.resize(rows * span);
       acc.assign(rows * head_dim, 0.f);
-      auto kv_offset = [&](int64_t r) { return ((head_lo + r % heads) / group) * head_dim; };
+      auto kv_offset = [&](int64_t r) { return ((head_lo + r % heads) / group) * row; };
       auto q_row = [&](int64_t r) { return (r / heads) * num_heads * head_dim + (head_lo + r % heads) * head_dim; };
       // What the next block's prefetch asks for: the item's KV heads of each of its keys.
-      const int64_t kv_floats = (it.kv_hi - it.kv_lo) * head_dim, kv_first = it.kv_lo * head_dim;
+      const int64_t kv_floats = (it.kv_hi - it.kv_lo) * row, kv_first = it.kv_lo * row;
 
       // Pass 1: scores. A block's keys for every head are contiguous, so it streams in whole.
       for (int64_t j0 = block_lo; j0 < num_keys; j0 += block_size) {
-        const float* kb = kp + static_cast<int64_t>(table[j0 / block_size]) * block_stride;
+        const E* kb = kp + static_cast<int64_t>(table[j0 / block_size]) * block_stride;
         if (j0 + block_size < num_keys)
           prefetch_block(kp + static_cast<int64_t>(table[j0 / block_size + 1]) * block_stride, block_size, token_stride,
                          kv_first, kv_floats);
@@ -299,7 +355,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
       }
       // Pass 3: probabilities x values.
       for (int64_t j0 = block_lo; j0 < num_keys; j0 += block_size) {
-        const float* vb = vp + static_cast<int64_t>(table[j0 / block_size]) * block_stride;
+        const E* vb = vp + static_cast<int64_t>(table[j0 / block_size]) * block_stride;
         if (j0 + block_size < num_keys)
           prefetch_block(vp + static_cast<int64_t>(table[j0 / block_size + 1]) * block_stride, block_size, token_stride,
                          kv_first, kv_floats);
@@ -315,4 +371,24 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
         std::copy(acc.begin() + r * head_dim, acc.begin() + (r + heads) * head_dim, out_tile + q_row(r));
     }
   });
+}
+
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                     at::Tensor block_tables, at::Tensor q_starts, at::Tensor q_lens,
+                     at::Tensor context_lens, double scale, int64_t q_tile, int64_t window, double softcap,
+                     at::Tensor sinks, int64_t split_kv_heads) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && k_cache.scalar_type() == v_cache.scalar_type(),
+              "the CPU paged-attention kernel takes float32 queries and K, V caches of one dtype");
+  const auto run = [&](auto tag) {
+    paged_attention_impl<decltype(tag)>(out, q, k_cache, v_cache, block_tables, q_starts, q_lens, context_lens, scale,
+                                        q_tile, window, softcap, sinks, split_kv_heads);
+  };
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: return run(float{});
+    case at::kBFloat16: return run(c10::BFloat16{});
+    case at::kHalf: return run(c10::Half{});
+    case at::kChar: return run(int8_t{});
+    default: TORCH_CHECK(false, "the CPU paged-attention kernel reads float32, bfloat16, float16 or int8 caches, not ",
+                         k_cache.scalar_type());
+  }
 }
