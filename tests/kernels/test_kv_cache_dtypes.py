@@ -128,3 +128,23 @@ def test_attention_backend_for_each_kv_dtype():
         dispatch.select_attention_backend("cpu", torch.device("cpu"), torch.int8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="kv cache dtype must be one of"):
         kv_format.storage_dtype("int4")
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv_dtype", ["float32", *QUANTIZED])
+@pytest.mark.parametrize("group, d", [(2, 64), (3, 64), (4, 64), (5, 32), (7, 64), (8, 128), (16, 64), (4, 256), (3, 80)])
+def test_a_kv_heads_query_heads_read_it_together_as_each_would_alone(kv_dtype, group, d):
+    """The kernel reads each key and value once for all the query heads that share its KV head (up
+    to eight at a time). The same step with every KV head repeated per query head (one query head a
+    KV head: each row read alone) must give the same output: the same bits where the one-row path
+    has the vector code (head_dim 32, 64, 128), within float rounding elsewhere."""
+    kv_heads = 2
+    lengths = [(100, 1), (7, 1), (3, 40), (33, 35)]
+    q, k_cache, v_cache, meta, _ = quantized_step(kv_dtype, 16, group * kv_heads, kv_heads, d, lengths)
+    grouped = cpu.paged_attention(q, k_cache, v_cache, meta, d**-0.5)
+    k_alone, v_alone = (c.repeat_interleave(group, dim=2).contiguous() for c in (k_cache, v_cache))
+    alone = cpu.paged_attention(q, k_alone, v_alone, meta, d**-0.5)
+    if d in (32, 64, 128):
+        assert torch.equal(grouped, alone)
+    else:
+        torch.testing.assert_close(grouped, alone, atol=1e-6, rtol=1e-6)
