@@ -80,7 +80,7 @@ def load(args: EngineArgs) -> LoadedModel:
     config = dataclasses.replace(args, dtype=dtype, device=device, activation_dtype=activation_dtype).to_config(model_config)
     config = dataclasses.replace(config, model_path=str(model_dir), quantization=quantization)
     if args.kv_cache_dtype == "auto":
-        logger.info("KV cache dtype %s (%s; --kv-cache-dtype int8 holds a quarter of float32's bytes)",
+        logger.info("KV cache dtype %s (%s; --kv-cache-dtype int8 holds half of float16's bytes, float32 is exact)",
                     config.cache.cache_dtype, auto_kv_cache_dtype(dtype, device)[1])
     logger.info(describe_weights(model))
     try:

@@ -55,11 +55,14 @@ def start_server(log: Path, flags: list[str], entry: list[str] | None = None, th
                  exact: bool = True) -> LiveServer:
     """`octavo serve` (or `entry`, a script taking the same flags) on a free port; healthy on return.
     `threads`: its torch threads (one each when several servers share the two cores). `exact`: the
-    exact path pinned (--activation-dtype float32) unless the flags name one: the default, auto, picks
-    int8 activations on some CPUs, and server tests compare greedy text with offline engines of the
-    exact path; a test of what a user gets by default passes exact=False."""
+    exact path pinned (--activation-dtype float32, --kv-cache-dtype float32) unless the flags name
+    them: the defaults, auto, pick int8 activations on some CPUs and a float16 cache, and server tests
+    compare greedy text with offline engines of the exact path; a test of what a user gets by
+    default passes exact=False."""
     if exact and "--activation-dtype" not in flags:
         flags = ["--activation-dtype", "float32", *flags]
+    if exact and "--kv-cache-dtype" not in flags:
+        flags = ["--kv-cache-dtype", "float32", *flags]
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     cmd = (entry or [sys.executable, "-m", "octavo.cli", "serve"]) + ["--port", str(port), *flags]

@@ -35,6 +35,7 @@ def tiny_dir(tmp_path_factory):
 def run(model: str | None, tp: int, prompts, **kwargs):
     kwargs.setdefault("quantization", "none")
     kwargs.setdefault("activation_dtype", "float32")  # the exact path (auto picks int8 on some CPUs)
+    kwargs.setdefault("kv_cache_dtype", "float32")  # and its cache (auto picks float16)
     engine = LLMEngine.from_args(EngineArgs(model=model, tensor_parallel_size=tp, dtype="float32", **kwargs))
     try:
         outs = LLM.from_engine(engine).generate(prompts, PARAMS, use_tqdm=False)
@@ -85,7 +86,7 @@ def test_tp3_with_quantized_gguf_shards_equals_tp1_quantized(smol_tokenizer):
     """The embedded model's Q4_1 / Q8_0 blocks sharded by whole blocks (no dense copy on any rank)."""
     prompts = ["The capital of France is", "def fib(n):", "Once upon a time"]
     expected, _ = run(None, 1, prompts, kv_cache_memory=64 << 20, quantization="auto")
-    engine = LLMEngine.from_args(EngineArgs(tensor_parallel_size=3, dtype="float32", quantization="auto", activation_dtype="float32",
+    engine = LLMEngine.from_args(EngineArgs(tensor_parallel_size=3, dtype="float32", quantization="auto", activation_dtype="float32", kv_cache_dtype="float32",
                                             kv_cache_memory=64 << 20, max_num_batched_tokens=8))
     try:
         from octavo.models.layers import QuantLinear

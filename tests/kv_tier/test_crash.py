@@ -13,7 +13,8 @@ from octavo.kv_tier.disk import DATA_FILE, HEADER_BYTES
 from octavo.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-ENGINE = dict(num_kv_blocks=24, max_num_batched_tokens=64, dtype="float32", activation_dtype="float32")  # the exact path, as make_llm
+ENGINE = dict(num_kv_blocks=24, max_num_batched_tokens=64, dtype="float32", activation_dtype="float32",
+              kv_cache_dtype="float32")  # the exact path, as make_llm
 
 WRITER = r"""
 import random, sys

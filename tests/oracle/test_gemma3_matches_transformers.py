@@ -56,6 +56,7 @@ def make_gemma(gemma):
 
     def build(**kwargs):
         kwargs["activation_dtype"] = "float32"
+        kwargs.setdefault("kv_cache_dtype", "float32")
         kwargs.setdefault("kv_cache_memory", 256 << 20)
         kwargs.setdefault("max_model_len", 4096)
         kwargs.setdefault("dtype", "float32")

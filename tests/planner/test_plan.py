@@ -156,8 +156,8 @@ def test_plan_of_a_gguf_reads_its_tensor_bytes_as_held_and_the_serving_kv_dtype(
     assert out.returncode == 0, out.stderr[-2000:]
     data = json.loads(out.stdout)
     assert data["weight_bytes"] == held and not data["weight_bytes_estimated"]
-    assert data["kv_dtype"] == ("bfloat16" if torch.cuda.is_available() else "float32")
-    assert data["bytes_per_token"] == 2 * 30 * 3 * 64 * (2 if torch.cuda.is_available() else 4)
+    assert data["kv_dtype"] == ("bfloat16" if torch.cuda.is_available() else "float16")  # kv_dtype_rule's auto
+    assert data["bytes_per_token"] == 2 * 30 * 3 * 64 * 2
 
 
 QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
@@ -203,6 +203,7 @@ def test_plan_sizes_from_what_serve_gives_on_this_machine(smol_dir):
     assert out.returncode == 0, out.stderr[-2000:]
     data = json.loads(out.stdout)
     config = EngineArgs(dtype="float32").to_config(load_model_config(smol_dir))
-    served = size_kv_cache(config.cache, config.scheduler, config.model_config, data["weight_bytes"], "float32", "cpu")
-    assert data["num_blocks"] == served.num_blocks
+    served = size_kv_cache(config.cache, config.scheduler, config.model_config, data["weight_bytes"],
+                           config.cache.cache_dtype, "cpu")
+    assert data["kv_dtype"] == config.cache.cache_dtype and data["num_blocks"] == served.num_blocks
     assert "what serve gives it on this CPU" in data["memory_source"]

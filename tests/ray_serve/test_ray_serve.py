@@ -67,7 +67,8 @@ def deploy(**args) -> None:
     from octavo.ray_serve.app import build_app
 
     # the exact path pinned: the answers are compared with local engines of it (make_llm)
-    args = {"kv_cache_memory": str(64 << 20), "max_model_len": "512", "activation_dtype": "float32", **args}
+    args = {"kv_cache_memory": str(64 << 20), "max_model_len": "512", "activation_dtype": "float32",
+            "kv_cache_dtype": "float32", **args}
     serve.run(build_app(args), name=APP, route_prefix="/", blocking=False)
     wait_for(lambda: replicas("RUNNING") >= int(args.get("num_replicas", args.get("min_replicas", 1))), 300,
              "the replicas to run")

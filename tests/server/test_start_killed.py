@@ -36,7 +36,7 @@ class Start:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "octavo.cli", "serve", "--port", str(self.port), "--api-key", API_KEY,
                  "--kv-cache-memory", str(64 << 20), "--max-model-len", "512",
-                 "--activation-dtype", "float32"],  # the answer is compared with the exact path's
+                 "--activation-dtype", "float32", "--kv-cache-dtype", "float32"],  # compared with the exact path's
                 stdout=fh, stderr=subprocess.STDOUT, env=env)
         self.url = f"http://127.0.0.1:{self.port}"
 
